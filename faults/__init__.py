@@ -1,0 +1,25 @@
+"""reflrl.faults: reproducible fault injection for tool environments.
+
+- ``FaultPlan`` / ``FaultSpecError``: the ``kind=prob[:param],...`` grammar (spec.py).
+- ``decide``: the pure per-attempt decision (decide.py).
+- ``KINDS`` / ``format_kinds_table``: the ten kinds and what a client sees (kinds.py).
+- ``Ledger``: injected vs observed, ``reconcile()`` and totals (ledger.py).
+- ``FaultInjector``: the ASGI middleware the tool server puts in front of its routes (inject.py).
+
+Nothing here imports torch or the trainer.
+"""
+from .decide import FaultDecision, decide, draw
+from .inject import FaultInjector, FaultSite, is_corrupt
+from .kinds import KIND_NAMES, KINDS, FaultKind, format_kinds_table, is_file_tool, kinds_rows
+from .ledger import (CallRecord, FaultEvent, KindCounts, Ledger, LedgerError, LedgerTotals,
+                     Mismatch, ReconcileReport)
+from .spec import FaultEntry, FaultPlan, FaultSpecError, format_duration, parse_duration
+
+__all__ = [
+    "FaultDecision", "decide", "draw",
+    "FaultInjector", "FaultSite", "is_corrupt",
+    "KIND_NAMES", "KINDS", "FaultKind", "format_kinds_table", "is_file_tool", "kinds_rows",
+    "CallRecord", "FaultEvent", "KindCounts", "Ledger", "LedgerError", "LedgerTotals", "Mismatch",
+    "ReconcileReport",
+    "FaultEntry", "FaultPlan", "FaultSpecError", "format_duration", "parse_duration",
+]

@@ -1,0 +1,800 @@
+"""Gymnasium environments for tool calling through misbehaving tools.
+
+Two environments, registered by ``import reflrl.envs``:
+
+* ``reflrl/ToolCall-v0`` (:class:`ToolCallEnv`): single turn. The action is one assistant message
+  with one or more tool calls; the calls run against the tool server (concurrently when
+  parallel), the reward compares them with the gold calls, and the episode terminates.
+* ``reflrl/ToolCallMultiTurn-v0`` (:class:`ToolCallMultiTurnEnv`): assistant messages alternate
+  with tool observations; a user turn ends when the assistant answers without calls, then the
+  next user message of the task (BFCL multi-turn style) follows. The episode terminates after
+  the last user turn, or is truncated at ``max_steps`` assistant messages.
+
+Observations and actions are text (:class:`ChatText`). ``info["messages"]`` holds the chat
+messages (role/content) to feed a tokenizer's chat template; the observation string is the same
+conversation rendered as plain text.
+
+Faults (``faults="rate_limit=0.1,..."``) are injected by the tool server and observed by the
+client exactly as a real HTTP client sees them; the client's retry policy retries them. Env faults
+are never turned into negative rewards (Tool-ReRL, ``003_febfc96bcceb98f2.txt`` sec. 1 and 3.2:
+environment-caused failures are not the policy's errors): the reward depends only on the policy's
+parsed calls against the gold calls; a fault that retries did not recover sets
+``info["masked"] = True`` so the trainer drops the rollout from the loss.
+
+Reproducibility: the episode's data seed, fault seed and episode id derive from (env seed,
+episode counter); ``reset(seed=s)`` restarts the counter, so the same seed and fault plan replay
+the same tasks, the same fault events and the same observations.
+
+Sync and async: ``areset``/``astep`` are coroutines (a trainer runs many envs concurrently in one
+event loop); ``reset``/``step`` run them on a private event loop in a daemon thread, so they also
+work when called from inside a running loop (Jupyter, async tests). One env's tool client is
+bound to the loop that first used it: drive an env either through the sync API or from one loop.
+
+Nothing here imports torch (envs never import the trainer).
+"""
+from __future__ import annotations
+
+import asyncio
+import copy
+import dataclasses
+import json
+import string
+import threading
+from pathlib import Path
+from typing import Any, Sequence
+
+import gymnasium as gym
+import numpy as np
+from gymnasium import spaces
+
+from .types import ParseResult, Task, ToolCall
+
+SINGLE_TURN_ID = "reflrl/ToolCall-v0"
+MULTI_TURN_ID = "reflrl/ToolCallMultiTurn-v0"
+
+# Characters ``ChatText.sample`` draws from: printable ASCII, whitespace and a few non-ASCII
+# letters, symbols and emoji (``contains`` accepts any string; this only shapes random samples).
+SAMPLE_CHARSET = "".join(dict.fromkeys(
+    string.printable + "äöüßéèçñøåÆ€£¥°µ±×÷–—“”‘’…•→←✓✗中文日本語한국어Ωπλ😀🙂🚀"))
+
+
+class ChatText(spaces.Text):
+    """A text space for chat: any Python string of length in [min_length, max_length].
+
+    ``gymnasium.spaces.Text`` membership requires every character to be in a finite charset, but
+    a language model can emit any Unicode character and tool results carry any text. So
+    ``contains`` accepts every string within the length bounds, and the charset only defines what
+    ``sample()`` draws (``SAMPLE_CHARSET``: printable ASCII, whitespace, some non-ASCII letters,
+    CJK and emoji).
+    """
+
+    def __init__(self, max_length: int, *, min_length: int = 0, seed: Any = None):
+        super().__init__(max_length, min_length=min_length, charset=SAMPLE_CHARSET, seed=seed)
+
+    def contains(self, x: Any) -> bool:
+        return isinstance(x, str) and self.min_length <= len(x) <= self.max_length
+
+    def __repr__(self) -> str:
+        return f"ChatText({self.min_length}, {self.max_length})"
+
+
+class _LoopThread:
+    """A private asyncio loop running in a daemon thread; the sync API submits coroutines to it.
+
+    Using a thread (rather than ``loop.run_until_complete`` in the caller's thread) makes
+    ``env.step`` work even when the caller already runs an event loop.
+    """
+
+    def __init__(self, name: str):
+        self._name = name
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()
+
+    @property
+    def loop(self) -> asyncio.AbstractEventLoop | None:
+        return self._loop
+
+    def run(self, coro):
+        """Run ``coro`` on the private loop and return its result (blocking the caller)."""
+        with self._lock:
+            if self._loop is None:
+                loop = asyncio.new_event_loop()
+                ready = threading.Event()
+
+                def _main():
+                    asyncio.set_event_loop(loop)
+                    loop.call_soon(ready.set)
+                    loop.run_forever()
+
+                t = threading.Thread(target=_main, name=self._name, daemon=True)
+                t.start()
+                ready.wait()
+                self._loop, self._thread = loop, t
+        if threading.current_thread() is self._thread:
+            coro.close()
+            raise RuntimeError("reflrl env: the sync API was called from the env's own event loop; "
+                               "use 'await env.unwrapped.areset()/astep()' there")
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
+
+    def stop(self) -> None:
+        """Stop the loop and join the thread (idempotent)."""
+        with self._lock:
+            loop, t = self._loop, self._thread
+            self._loop = self._thread = None
+        if loop is None:
+            return
+        loop.call_soon_threadsafe(loop.stop)
+        if t is not None:
+            t.join(timeout=10)
+        if not loop.is_running():
+            loop.close()
+
+
+@dataclasses.dataclass
+class _Episode:
+    """The mutable state of the current episode."""
+
+    task: Task
+    episode_id: str
+    data_seed: int
+    fault_seed: int
+    messages: list[dict[str, Any]]
+    n_user_turns: int
+    turn: int = 0                 # index of the current user turn
+    step: int = 0                 # assistant messages so far (X-Reflrl-Step of the next one)
+    turn_calls: list[ToolCall] = dataclasses.field(default_factory=list)
+    turn_format_ok: bool = True
+    masked: bool = False          # an env fault was not recovered (sticky for the episode)
+    billed_calls: int = 0
+    turn_rewards: list[float] = dataclasses.field(default_factory=list)
+    turn_correct: list[bool] = dataclasses.field(default_factory=list)
+    done: bool = False
+
+
+def derive_seed(*parts: int) -> int:
+    """A 63-bit seed from integer parts (numpy SeedSequence; stable across platforms)."""
+    return int(np.random.SeedSequence([int(p) & (2**63 - 1) for p in parts])
+               .generate_state(1, np.uint64)[0] >> np.uint64(1))
+
+
+class ToolCallEnv(gym.Env[str, str]):
+    """Single-turn tool calling: one assistant message with one or more calls, then the reward.
+
+    Args:
+        dataset: a list of Task, ``"synthetic"`` (the seeded faker generator of
+            ``reflrl.envs.datasets``), ``"bfcl"`` (bfcl-eval's multi-turn tasks, when available) or a
+            path to a ToolACE / xLAM / Hammer style JSON(L) file.
+        split: ``"train"`` | ``"val"`` | ``"test"`` (for ``"synthetic"``).
+        kinds: task kinds kept (default single-turn env: ``("single", "parallel")``; multi-turn:
+            all kinds).
+        faults: a fault spec (``"rate_limit=0.1,timeout=0.05,latency=0.2:300ms"``) or a FaultPlan.
+        fault_seed: seed of the fault stream; None = derived from the env seed. Fix it to keep the
+            same faults while the tasks vary (or the reverse).
+        seed: the env seed used by the first ``reset()`` without a seed (None = fresh entropy).
+        reward: reward name in ``reflrl.envs.rewards`` (``"binary"``: exact match with format
+            check, paper 000 appendix E eq. 8; ``"fine"``: DSCL eqs. 1-6, range [-3, 4]).
+        parser: ``"hermes"`` | ``"pythonic"`` | ``"react"`` | ``"auto"``.
+        prompt_style: how tools are listed in the system prompt (``reflrl.envs.prompts``): ``"json"``
+            (full schemas, Hermes/Qwen layout) or ``"compact"`` (one signature line per tool).
+        think: ask for a ``<think>`` block before the calls (for the ``binary_think`` reward).
+        max_tool_chars: tool observations are cut to this many characters (0 = no limit).
+        max_steps: assistant messages per episode before truncation (multi-turn; None = 8 per user
+            turn).
+        max_calls_per_step: calls executed from one message; extra calls are not run and are
+            reported in ``info["skipped_calls"]``.
+        concurrent_calls: run the calls of one message concurrently (default: yes for single-turn,
+            no for multi-turn, where stateful backends need BFCL's in-order execution).
+        server_url: None = an in-process ASGI tool server (fast); a URL = a real server started
+            with ``reflrl tools serve``.
+        retry: a ``RetryPolicy`` or a dict of its fields (attempt budget, backoff, cap, jitter).
+        timeout: the client's read timeout in seconds.
+        clock: the clock of client waits and server stalls: ``"virtual"`` (a VirtualClock: latency,
+            Retry-After and backoff waits cost no wall time, elapsed times stay exact and
+            replayable), ``"system"`` (wall time) or a clock object; None = virtual in-process,
+            system with ``server_url`` (a real server needs real time).
+        client: a shared ``ToolClient`` (the env then neither creates nor closes one).
+        app: a shared in-process ASGI app (ignored when ``server_url`` or ``client`` is given).
+        server_seed: seed of the in-process server's catalogue.
+        dataset_seed: seed of the synthetic dataset generator (fixed so splits stay stable).
+        max_action_chars / max_obs_chars: length bounds of the text spaces.
+        render_mode: ``"ansi"`` (render returns the conversation) or ``"human"`` (prints it).
+    """
+
+    metadata = {"render_modes": ["ansi", "human"], "render_fps": 1}
+    multi_turn = False
+    default_kinds: tuple[str, ...] | None = ("single", "parallel")
+
+    def __init__(
+        self,
+        dataset: str | Path | Sequence[Task] = "synthetic",
+        split: str = "train",
+        *,
+        kinds: Sequence[str] | None = None,
+        faults: Any = None,
+        fault_seed: int | None = None,
+        seed: int | None = None,
+        reward: str = "binary",
+        parser: str = "hermes",
+        prompt_style: str = "json",
+        think: bool = False,
+        max_tool_chars: int = 2000,
+        max_steps: int | None = None,
+        max_steps_per_turn: int = 8,
+        max_calls_per_step: int = 16,
+        concurrent_calls: bool | None = None,
+        server_url: str | None = None,
+        retry: Any = None,
+        timeout: float | None = None,
+        clock: Any = None,
+        client: Any = None,
+        app: Any = None,
+        server_seed: int = 0,
+        dataset_seed: int = 0,
+        episode_prefix: str = "ep",
+        max_action_chars: int = 16_384,
+        max_obs_chars: int = 1 << 24,
+        render_mode: str | None = None,
+    ):
+        from reflrl.faults.spec import FaultPlan
+
+        super().__init__()
+        if render_mode is not None and render_mode not in self.metadata["render_modes"]:
+            raise ValueError(f"render_mode {render_mode!r} not in {self.metadata['render_modes']}")
+        self.render_mode = render_mode
+        self.fault_plan = FaultPlan.coerce(faults)  # FaultSpecError names a bad entry
+        self.tasks: list[Task] = _resolve_dataset(
+            dataset, split, kinds if kinds is not None else self.default_kinds, dataset_seed)
+        if not self.tasks:
+            raise ValueError(f"dataset {dataset!r} (split {split!r}) has no task of kinds "
+                             f"{kinds if kinds is not None else self.default_kinds}")
+        self.split = split
+        self.reward_name = reward
+        self.parser_name = parser
+        self.prompt_style = prompt_style
+        self.think = bool(think)
+        self.max_tool_chars = int(max_tool_chars)
+        self._reward_fn = _get_reward(reward)
+        self._parse = _get_parser(parser)
+        self.fault_seed = fault_seed
+        self.max_steps = max_steps
+        self.max_steps_per_turn = int(max_steps_per_turn)
+        self.max_calls_per_step = int(max_calls_per_step)
+        self.concurrent_calls = (not self.multi_turn) if concurrent_calls is None else bool(concurrent_calls)
+        self.server_url = server_url
+        self.server_seed = server_seed
+        self.episode_prefix = episode_prefix
+        self._retry = retry
+        self._timeout = timeout
+        self._clock = clock
+        self._app = app
+        self._owns_app = False
+        self._opened_ids: set[str] = set()
+        self._client = client
+        self._owns_client = client is None
+        self._client_loop: asyncio.AbstractEventLoop | None = None
+        self._runner = _LoopThread(f"reflrl-env-{id(self):x}")
+        self.ledger = _new_ledger() if client is None else getattr(client, "ledger", None)
+
+        self.observation_space = ChatText(max_obs_chars)
+        self.action_space = ChatText(max_action_chars)
+
+        # seeding: base seed and episode counter (reset(seed=s) sets base=s, counter=0)
+        self._init_seed = seed
+        self._base_seed: int | None = None
+        self._counter = -1
+        self._episode: _Episode | None = None
+        self._last_episode_id: str | None = None
+        self._last_task: Task | None = None
+        self._closed = False
+
+    # ------------------------------------------------------------------ properties
+    @property
+    def episode(self) -> _Episode | None:
+        """The current episode's state (None before the first reset)."""
+        return self._episode
+
+    @property
+    def episode_id(self) -> str | None:
+        """The server-side id of the current (or last) episode."""
+        return self._last_episode_id
+
+    @property
+    def episode_task(self) -> Task | None:
+        """The task of the current (or last) episode."""
+        return self._last_task
+
+    # ------------------------------------------------------------------ client
+    async def _ensure_client(self):
+        """The ToolClient, created on first use in the running loop (and bound to it)."""
+        loop = asyncio.get_running_loop()
+        if self._closed:
+            raise RuntimeError("reflrl env is closed")
+        if self._client is None:
+            self._client = _make_client(self)
+            self._client_loop = loop
+        elif self._owns_client and self._client_loop is not loop:
+            raise RuntimeError(
+                "reflrl env: this env's tool client is bound to another event loop. Drive one env "
+                "either through reset()/step() or through areset()/astep() from a single loop.")
+        return self._client
+
+    # ------------------------------------------------------------------ async API
+    async def areset(self, *, seed: int | None = None, options: dict[str, Any] | None = None):
+        """Start an episode; returns (observation text, info).
+
+        options: {"task": Task} or {"task_index": i}; otherwise the task is drawn from np_random.
+        info: "messages" (chat messages), "task", "tools" (schemas offered), "episode_seed",
+        "fault_seed", "turn", "n_user_turns".
+        """
+        if seed is None and self._base_seed is None:
+            # first reset without a seed: the constructor's seed, else fresh entropy
+            seed = (int(self._init_seed) if self._init_seed is not None
+                    else int(np.random.SeedSequence().entropy) & (2**63 - 1))
+        super().reset(seed=seed)
+        if seed is not None:
+            self._base_seed, self._counter = int(seed), 0
+        else:
+            self._counter += 1
+        options = options or {}
+        if "task" in options and options["task"] is not None:
+            task = options["task"]
+            if not isinstance(task, Task):
+                raise TypeError(f"options['task'] must be a Task, got {type(task).__name__}")
+        elif "task_index" in options and options["task_index"] is not None:
+            i = int(options["task_index"])
+            if not 0 <= i < len(self.tasks):
+                raise IndexError(f"task_index {i} out of range [0, {len(self.tasks)})")
+            task = self.tasks[i]
+        else:
+            task = self.tasks[int(self.np_random.integers(len(self.tasks)))]
+
+        client = await self._ensure_client()
+        await self._close_episode()
+        data_seed = derive_seed(self._base_seed, self._counter, 0)
+        fault_seed = (derive_seed(self.fault_seed, self._counter, 1) if self.fault_seed is not None
+                      else derive_seed(self._base_seed, self._counter, 1))
+        episode_id = f"{self.episode_prefix}-{fault_seed:x}-{self._counter}"
+        if episode_id in self._opened_ids and self.ledger is not None:
+            # a replay of an earlier episode (same seed): it supersedes the earlier records
+            self.ledger.forget_episode(episode_id)
+        self._opened_ids.add(episode_id)
+        await client.open_episode(
+            episode_id, seed=data_seed, faults=self.fault_plan, fault_seed=fault_seed,
+            tools=[t["name"] for t in task.tools] or None, initial_config=task.initial_config)
+        messages = _build_messages(task, self.prompt_style, self.parser_name, self.think)
+        self._last_episode_id, self._last_task = episode_id, task
+        self._episode = _Episode(task=task, episode_id=episode_id, data_seed=data_seed,
+                                 fault_seed=fault_seed, messages=messages,
+                                 n_user_turns=1 + (len(task.turns) if self.multi_turn else 0))
+        info = {
+            "messages": copy.deepcopy(messages),
+            "task": task,
+            "tools": copy.deepcopy(task.tools),
+            "episode_seed": data_seed,
+            "fault_seed": fault_seed,
+            "turn": 0,
+            "n_user_turns": self._episode.n_user_turns,
+        }
+        return self._observation(), info
+
+    async def astep(self, action: str):
+        """One assistant message -> (observation, reward, terminated, truncated, info).
+
+        info: "calls" (parsed, as dicts), "parse_ok", "parse_error", "tool_results" (per call: ok,
+        result or error, triage, attempts), "fault_events" (per injected fault observed: call
+        index, tool, kind, attempt, recovered), "triage" (per call: ok / env_fault /
+        policy_error), "env_fault_treatment" ("none" / "retried-recovered" / "masked"),
+        "masked", "reward_parts", "correct", "billed_calls" (this step), "episode_billed_calls",
+        "skipped_calls", "messages", "turn", "turn_ended".
+        """
+        ep = self._episode
+        if ep is None:
+            raise RuntimeError("call reset() before step()")
+        if ep.done:
+            raise RuntimeError("the episode is over: call reset() before step()")
+        if not isinstance(action, str):
+            raise TypeError(f"action must be a str (the assistant message), got {type(action).__name__}")
+        client = await self._ensure_client()
+
+        parse = _safe_parse(self._parse, action)
+        step_index = ep.step
+        ep.step += 1
+        ep.messages.append(_assistant_message(action))
+        calls = list(parse.calls) if parse.ok else []
+        run, skipped = calls[: self.max_calls_per_step], calls[self.max_calls_per_step:]
+
+        async def one(i: int, c: ToolCall):
+            return await client.call(ep.episode_id, step=step_index, call_index=i,
+                                     name=c.name, arguments=dict(c.arguments))
+
+        if self.concurrent_calls:
+            outcomes = list(await asyncio.gather(*(one(i, c) for i, c in enumerate(run))))
+        else:
+            outcomes = [await one(i, c) for i, c in enumerate(run)]
+        for c, o in zip(run, outcomes):
+            ep.messages.append(_tool_message(c, o, self.max_tool_chars))
+        for c in skipped:
+            ep.messages.append(_tool_message(c, None, self.max_tool_chars, note=(
+                f"not executed: more than {self.max_calls_per_step} calls in one message")))
+
+        triage = [str(o.triage) for o in outcomes]
+        fault_events = [ev for i, (c, o) in enumerate(zip(run, outcomes))
+                        for ev in _fault_event_dicts(i, c.name, o)]
+        billed = sum(int(getattr(o, "attempts", 1)) for o in outcomes)
+        ep.billed_calls += billed
+        gave_up = any(t == "env_fault" for t in triage)
+        if gave_up:
+            treatment = "masked"
+        elif fault_events:
+            treatment = "retried-recovered"
+        else:
+            treatment = "none"
+        ep.masked = ep.masked or gave_up
+
+        turn_index = ep.turn
+        terminated = truncated = False
+        turn_ended = False
+        reward = 0.0
+        parts: dict[str, Any] = {}
+        correct = None
+        if not self.multi_turn:
+            reward, parts, correct = self._score(parse.ok, calls, ep.task, 0)
+            terminated = True
+            turn_ended = True
+        else:
+            ep.turn_calls.extend(calls)
+            ep.turn_format_ok = ep.turn_format_ok and parse.ok
+            continues = parse.ok and bool(calls)
+            limit = (self.max_steps if self.max_steps is not None
+                     else self.max_steps_per_turn * ep.n_user_turns)
+            if not continues or ep.step >= limit:
+                # the turn ends: the assistant answered without calls, or the step budget ran out
+                turn_score, parts, turn_correct = self._score(
+                    ep.turn_format_ok, ep.turn_calls, ep.task, ep.turn)
+                ep.turn_rewards.append(turn_score)
+                ep.turn_correct.append(turn_correct)
+                turn_ended = True
+                ep.turn += 1
+                ep.turn_calls, ep.turn_format_ok = [], True
+                if ep.turn >= ep.n_user_turns:
+                    terminated = True
+                elif ep.step >= limit:
+                    truncated = True
+                else:
+                    ep.messages.append({"role": "user", "content": ep.task.turns[ep.turn - 1]})
+            if terminated or truncated:
+                # sparse terminal reward: the mean turn score; turns never reached score the
+                # reward's minimum (a truncated episode is not better than a wrong answer)
+                lo = _reward_min(self.reward_name)
+                scores = ep.turn_rewards + [lo] * (ep.n_user_turns - len(ep.turn_rewards))
+                reward = sum(scores) / ep.n_user_turns
+                correct = terminated and all(ep.turn_correct)
+            else:
+                correct = False
+        ep.done = terminated or truncated
+
+        info = {
+            "calls": [c.to_dict() for c in calls],
+            "parse_ok": bool(parse.ok),
+            "parse_error": parse.error,
+            "tool_results": [_outcome_dict(i, c, o) for i, (c, o) in enumerate(zip(run, outcomes))],
+            "fault_events": fault_events,
+            "triage": triage,
+            "env_fault_treatment": treatment,
+            "masked": ep.masked,
+            "reward_parts": parts,
+            "correct": correct,
+            "billed_calls": billed,
+            "episode_billed_calls": ep.billed_calls,
+            "skipped_calls": [c.to_dict() for c in skipped],
+            "messages": copy.deepcopy(ep.messages),
+            "turn": turn_index,
+            "turn_ended": turn_ended,
+            "turn_rewards": list(ep.turn_rewards),
+        }
+        if self.render_mode == "human":
+            print(self._observation())
+        return self._observation(), float(reward), terminated, truncated, info
+
+    def _score(self, format_ok: bool, calls: list[ToolCall], task: Task, turn: int):
+        """(reward, parts, correct) of the calls of one turn against the turn's gold calls."""
+        gold = task.gold[turn] if turn < len(task.gold) else []
+        parse = ParseResult(ok=format_ok, calls=list(calls))
+        res = self._reward_fn(parse, gold)
+        return float(res.total), dict(res.parts), bool(res.correct)
+
+    async def aclose(self) -> None:
+        """Close the episode on the server and the client (if the env owns it). Idempotent."""
+        try:
+            await self._close_episode()
+        finally:
+            if self._owns_client and self._client is not None:
+                client, self._client = self._client, None
+                await client.aclose()
+            self._shutdown_app()
+            self._closed = True
+
+    def _shutdown_app(self) -> None:
+        """Delete the sandboxes of an in-process server this env created."""
+        if self._owns_app and self._app is not None:
+            server = getattr(self._app, "server", None)
+            if server is not None:
+                server.shutdown()
+            self._app, self._owns_app = None, False
+
+    async def _close_episode(self) -> None:
+        ep, self._episode = self._episode, None
+        if ep is not None and self._client is not None:
+            try:
+                await self._client.close_episode(ep.episode_id)
+            except Exception:  # noqa: BLE001  the server may be gone already; nothing to free then
+                pass
+
+    # ------------------------------------------------------------------ sync API
+    def reset(self, *, seed: int | None = None, options: dict[str, Any] | None = None):
+        """Sync ``areset`` (runs on the env's private event loop)."""
+        return self._runner.run(self.areset(seed=seed, options=options))
+
+    def step(self, action: str):
+        """Sync ``astep`` (runs on the env's private event loop)."""
+        return self._runner.run(self.astep(action))
+
+    def close(self) -> None:
+        """Close episode, client and private loop. Idempotent; after async use prefer ``aclose``."""
+        if self._closed and self._client is None:
+            self._runner.stop()
+            return
+        loop = self._client_loop
+        try:
+            if self._client is None or loop is None or loop is self._runner.loop:
+                if self._runner.loop is not None:
+                    self._runner.run(self.aclose())
+                else:
+                    self._closed = True
+            elif loop.is_closed() or not loop.is_running():
+                # async use whose loop is gone: an in-process client holds nothing to free
+                self._client = None
+                self._episode = None
+                self._shutdown_app()
+                self._closed = True
+            else:
+                asyncio.run_coroutine_threadsafe(self.aclose(), loop).result(timeout=30)
+        finally:
+            self._runner.stop()
+        super().close()
+
+    def render(self):
+        """``ansi``: the conversation as text; ``human``: print it."""
+        text = self._observation()
+        if self.render_mode == "human":
+            print(text)
+            return None
+        return text
+
+    def _observation(self) -> str:
+        if self._episode is None:
+            return ""
+        text = _render_text(self._episode.messages)
+        limit = self.observation_space.max_length
+        if len(text) > limit:  # keep the newest part of an over-long conversation
+            text = text[-limit:]
+        return text
+
+
+class ToolCallMultiTurnEnv(ToolCallEnv):
+    """Multi-turn tool calling (BFCL multi-turn style); see the module docstring.
+
+    Each step is one assistant message. With calls, they run (in order by default) and their
+    results are appended as tool messages; the user turn continues. Without calls (a final
+    answer, or a message that does not parse), the user turn ends and is scored against its gold
+    calls (all calls of the turn, with the format check over all its messages); the reward of a
+    turn is its score divided by the number of user turns, so the episode return is the mean
+    turn score (same scale as the single-turn env). Then the next user message follows, if any.
+    """
+
+    multi_turn = True
+    default_kinds = None
+
+
+def gold_actions(task: Task, fmt: str = "hermes", *, multi_turn: bool = False,
+                 final_answer: str = "Done.") -> list[str]:
+    """Scripted assistant messages that play the task's gold calls (tests, demo's gold replay).
+
+    Single-turn: one message with the gold calls of turn 1. Multi-turn: per user turn, one message
+    with that turn's gold calls (executed in order, BFCL style; omitted when the turn has none),
+    then ``final_answer`` to end the turn.
+    """
+    from .parsing import format_calls
+
+    if fmt == "auto":
+        fmt = "hermes"
+    if not multi_turn:
+        return [format_calls(list(task.gold[0]) if task.gold else [], fmt)]
+    out: list[str] = []
+    for t in range(1 + len(task.turns)):
+        calls = list(task.gold[t]) if t < len(task.gold) else []
+        if calls:
+            out.append(format_calls(calls, fmt))
+        out.append(final_answer)
+    return out
+
+
+# ---------------------------------------------------------------------- adapters to sibling modules
+def _resolve_dataset(dataset, split: str, kinds, dataset_seed: int) -> list[Task]:
+    """A list of Task from a list, a named source ("synthetic", "bfcl") or a file path."""
+    if isinstance(dataset, (list, tuple)):
+        tasks = list(dataset)
+        bad = [type(t).__name__ for t in tasks if not isinstance(t, Task)]
+        if bad:
+            raise TypeError(f"dataset list must hold Task objects, found {bad[0]}")
+    elif isinstance(dataset, (str, Path)) and str(dataset) == "synthetic":
+        from . import datasets as ds
+
+        splits = ds.synthetic_splits(seed=dataset_seed)
+        if split not in splits:
+            raise ValueError(f"unknown split {split!r}; choose from {sorted(splits)}")
+        tasks = list(splits[split])
+    elif isinstance(dataset, (str, Path)) and str(dataset).lower() in ("bfcl", "bfcl-multi-turn"):
+        from . import datasets as ds
+
+        tasks = list(ds.load_bfcl_multi_turn())
+    elif isinstance(dataset, (str, Path)):
+        path = Path(dataset)
+        if not path.exists():
+            raise FileNotFoundError(f"dataset {str(dataset)!r} is neither 'synthetic', 'bfcl' nor "
+                                    "an existing file")
+        from . import datasets as ds
+
+        tasks = list(ds.load_tasks(path))
+    else:
+        raise TypeError(f"dataset must be a list of Task, 'synthetic', 'bfcl' or a path; got "
+                        f"{type(dataset).__name__}")
+    if kinds is not None:
+        tasks = [t for t in tasks if t.kind in kinds]
+    return tasks
+
+
+def _get_reward(name: str):
+    """fn(ParseResult, gold calls) -> RewardResult(total, parts, correct) (``reflrl.envs.rewards``)."""
+    from . import rewards
+
+    return rewards.get_reward(name)
+
+
+def _reward_min(name: str) -> float:
+    from . import rewards
+
+    return float(rewards.REWARD_RANGES.get(name, (0.0, 1.0))[0])
+
+
+def _get_parser(name: str):
+    """fn(text) -> ParseResult for format ``name`` (``reflrl.envs.parsing.parse``; never raises)."""
+    from . import parsing
+
+    parsing.check_format(name)  # ValueError listing the formats for a bad name
+
+    def parse(text: str) -> ParseResult:
+        return parsing.parse(text, name)
+
+    return parse
+
+
+def _safe_parse(parse, text: str) -> ParseResult:
+    """Parsers must not raise on model output; if one does anyway, it is a parse failure."""
+    try:
+        return parse(text)
+    except Exception as e:  # noqa: BLE001  model output is data: never crash the rollout on it
+        return ParseResult(ok=False, calls=[], content=text, error=f"parser raised {type(e).__name__}: {e}")
+
+
+def _build_messages(task: Task, style: str, fmt: str, think: bool) -> list[dict[str, Any]]:
+    """System prompt (tool list + how to write calls in ``fmt``) and the user query."""
+    from . import prompts
+
+    return [dict(m) for m in prompts.build_messages(task, style=style, fmt=fmt, think=think)]
+
+
+def _render_text(messages: list[dict[str, Any]]) -> str:
+    """The conversation as plain text (one block per message: '<|role|>\\ncontent')."""
+    out = []
+    for m in messages:
+        role = m.get("role", "?")
+        name = f" {m['name']}" if m.get("name") else ""
+        out.append(f"<|{role}{name}|>\n{m.get('content', '')}")
+    return "\n".join(out)
+
+
+def _assistant_message(text: str) -> dict[str, Any]:
+    return {"role": "assistant", "content": text}
+
+
+def _tool_message(call: ToolCall, outcome: Any, max_chars: int, note: str | None = None) -> dict[str, Any]:
+    """The tool observation (role "tool") the model sees for one call."""
+    from . import prompts
+
+    if outcome is None:
+        content = prompts.render_tool_error(call.name, note or "not executed", "not_executed", max_chars)
+    elif outcome.ok:
+        content = prompts.render_tool_result(call.name, outcome.result, max_chars)
+    else:
+        kind = outcome.fault_kind if outcome.triage == "env_fault" else outcome.triage
+        content = prompts.render_tool_error(call.name, str(outcome.error or "failed"), kind, max_chars)
+    return {"role": "tool", "name": call.name, "content": content}
+
+
+def _fault_event_dicts(call_index: int, tool: str, outcome: Any) -> list[dict[str, Any]]:
+    """The faults the client observed on one call's attempts, as plain dicts.
+
+    Keys: call_index, tool, attempt (0-based), kind, status, detail, triage (of that attempt),
+    retried (another attempt followed), recovered (the call finally succeeded).
+    """
+    events = list(getattr(outcome, "events", None) or [])
+    out = []
+    for ev in events:
+        d = dataclasses.asdict(ev) if dataclasses.is_dataclass(ev) else dict(ev)
+        attempt = int(d.get("attempt", 0))
+        out.append({
+            "call_index": call_index, "tool": tool, "attempt": attempt, "kind": d.get("kind"),
+            "status": d.get("status"), "detail": d.get("detail", ""), "triage": d.get("triage"),
+            "retried": attempt + 1 < int(getattr(outcome, "attempts", 1)),
+            "recovered": bool(getattr(outcome, "ok", False)),
+        })
+    return out
+
+
+def _outcome_dict(i: int, call: ToolCall, o: Any) -> dict[str, Any]:
+    return {"call_index": i, "name": call.name, "ok": bool(o.ok),
+            "result": copy.deepcopy(o.result) if o.ok else None,
+            "error": o.error, "triage": o.triage, "fault_kind": o.fault_kind,
+            "attempts": int(o.attempts)}
+
+
+def _new_ledger():
+    from reflrl.faults.ledger import Ledger
+
+    return Ledger()
+
+
+def _make_client(env: ToolCallEnv):
+    """A ToolClient for the env: over loopback to ``server_url`` or in-process on an ASGI app.
+
+    In-process, the env creates its own server app (unless one was passed) sharing the env's
+    ledger (injected and observed records side by side, so ``env.ledger.reconcile()`` works) and
+    clock (a VirtualClock makes latency faults and Retry-After waits cost no wall time).
+    """
+    from .client import ToolClient
+
+    from .clock import SystemClock, VirtualClock
+
+    clock = env._clock
+    if clock is None or clock == "auto":
+        clock = SystemClock() if env.server_url else VirtualClock()
+    elif clock == "virtual":
+        clock = VirtualClock()
+    elif clock == "system":
+        clock = SystemClock()
+    env._clock = clock
+    kwargs: dict[str, Any] = {"ledger": env.ledger, "clock": clock}
+    if env._retry is not None:
+        kwargs["retry"] = _coerce_retry(env._retry)
+    if env._timeout is not None:
+        kwargs["timeout"] = env._timeout
+    if env.server_url:
+        return ToolClient.connect(env.server_url, **kwargs)
+    if env._app is None:
+        from .server import create_app
+
+        env._app = create_app(clock=env._clock, ledger=env.ledger, default_seed=env.server_seed)
+        env._owns_app = True
+    return ToolClient.in_process(env._app, **kwargs)
+
+
+def _coerce_retry(retry: Any):
+    from .client import RetryPolicy
+
+    if isinstance(retry, RetryPolicy):
+        return retry
+    if isinstance(retry, dict):
+        return RetryPolicy(**retry)
+    raise TypeError(f"retry must be a RetryPolicy or a dict of its fields, got {type(retry).__name__}")

@@ -1,0 +1,307 @@
+"""Server-side fault injection: an ASGI middleware in front of the tool server.
+
+For every ``POST /v1/call/{tool}`` it reads the attempt coordinates from the headers
+(X-Reflrl-Episode/-Step/-Call/-Attempt/-Client), asks ``decide`` (a pure function of the episode's
+fault seed and those coordinates) for a fault, records what it injects in the server's Ledger,
+and makes the client see it exactly as a real HTTP client would:
+
+- pre-dispatch (the tool does not run): rate_limit (429 + Retry-After), server_error (500/502/503),
+  ip_ban (403, then every later attempt of that client identity in the episode gets 403 too,
+  recorded with cause "ban"), timeout (stall until the client's read timeout fires), connection
+  (TCP reset).
+- post-dispatch (the tool ran, its side effects happened): truncated (Content-Length N, fewer bytes,
+  close), malformed (200 with an invalid JSON body), latency (delay, then the correct answer),
+  schema_drift (one field of a 200 result renamed or dropped), invalid_file (file tools only: corrupt
+  content, or 404 file_missing). schema_drift and invalid_file only apply to 200 answers; when they
+  cannot apply (error answer, no dict in the result, not a file tool) nothing is injected and nothing
+  is recorded, so the ledger stays exact.
+
+Connection-level effects go through a *net control* found in ``scope["extensions"]["reflrl.net"]``:
+the uvicorn protocol in ``reflrl.envs.serve`` provides one that really resets / closes the socket;
+the in-process transport in ``reflrl.envs.client`` provides one that makes httpx raise the same
+exception types without sleeping. Without a net control (another ASGI server) connection faults
+raise ``ConnectionResetError`` in the app and truncation closes the body early.
+"""
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from typing import Any, Awaitable, Callable, Protocol
+
+from .decide import FaultDecision, decide
+from .ledger import FaultEvent, Ledger
+from .spec import FaultPlan
+
+NET_EXTENSION = "reflrl.net"
+CALL_PREFIX = "/v1/call/"
+
+H_EPISODE = b"x-reflrl-episode"
+H_STEP = b"x-reflrl-step"
+H_CALL = b"x-reflrl-call"
+H_ATTEMPT = b"x-reflrl-attempt"
+H_CLIENT = b"x-reflrl-client"
+
+SERVER_ERROR_CODES = (500, 502, 503)
+MALFORMED_BODIES = (
+    b'{"result": {"status": "ok", "data": [1, 2',             # cut JSON
+    b"<html><body><h1>Service Temporarily Unavailable</h1></body></html>",  # proxy page
+    b'{"result": NaN, "error": undefined}',                    # JS-isms
+    b"\xff\xfe{\x00\"\x00r\x00",                               # wrong encoding
+)
+CORRUPT_MARK = "\x00\ufffd"
+
+
+class NetControl(Protocol):
+    """Connection-level actions the middleware can take (see module docstring)."""
+
+    async def reset(self, receive) -> None: ...
+    async def stall(self, seconds: float, receive) -> bool: ...
+    async def close(self, receive, sent: int, expected: int) -> None: ...
+
+
+@dataclass
+class FaultSite:
+    """What the middleware needs to know about an episode for one call."""
+
+    plan: FaultPlan
+    fault_seed: int
+    banned: set[str] = field(default_factory=set)
+    file_tool: bool = False
+
+
+Lookup = Callable[[str, str], "FaultSite | None"]
+
+
+class FaultInjector:
+    """ASGI middleware; ``lookup(episode_id, tool) -> FaultSite | None`` (None: no such episode,
+    let the app answer), ``ledger`` receives the injected events, ``clock.sleep`` is used when
+    there is no net control."""
+
+    def __init__(self, app, *, lookup: Lookup, ledger: Ledger, clock) -> None:
+        self.app = app
+        self.lookup = lookup
+        self.ledger = ledger
+        self.clock = clock
+
+    async def __call__(self, scope, receive, send) -> None:
+        if (scope["type"] != "http" or scope["method"] != "POST"
+                or not scope["path"].startswith(CALL_PREFIX)):
+            return await self.app(scope, receive, send)
+        coords = _coords(scope)
+        if coords is None:
+            return await self.app(scope, receive, send)
+        episode, step, call, attempt, ident = coords
+        tool = scope["path"][len(CALL_PREFIX):]
+        site = self.lookup(episode, tool)
+        if site is None:
+            return await self.app(scope, receive, send)
+        net = (scope.get("extensions") or {}).get(NET_EXTENSION)
+
+        def record(kind: str, status: int | None, detail: str, cause: str = "draw") -> None:
+            self.ledger.record_injected(FaultEvent(
+                episode, step, call, attempt, "injected", "env_fault", kind, tool, status,
+                detail, cause))
+
+        if ident in site.banned:
+            record("ip_ban", 403, f"standing ban of client {ident}", cause="ban")
+            return await _send_json(send, 403, _err("ip_banned", f"client {ident} is banned"))
+
+        d = decide(site.plan, site.fault_seed, episode, step, call, attempt)
+        if d is None or (d.kind == "invalid_file" and not site.file_tool):
+            return await self.app(scope, receive, send)
+        k = d.kind
+
+        # ---- pre-dispatch faults: the tool never runs --------------------------------------
+        if k == "rate_limit":
+            ra = max(0, math.ceil(d.param - 1e-9))
+            record(k, 429, f"retry_after={ra}")
+            return await _send_json(send, 429, _err("rate_limited", "too many requests"),
+                                    extra=[(b"retry-after", str(ra).encode())])
+        if k == "server_error":
+            code = d.choose(SERVER_ERROR_CODES, 1)
+            record(k, code, str(code))
+            return await _send_json(send, code, _err("server_error", f"upstream error {code}"))
+        if k == "ip_ban":
+            site.banned.add(ident)
+            record(k, 403, f"client {ident} banned")
+            return await _send_json(send, 403, _err("ip_banned", f"client {ident} is banned"))
+        if k == "connection":
+            record(k, None, "reset")
+            if net is None:
+                raise ConnectionResetError("reflrl: injected connection reset")
+            return await net.reset(receive)
+        if k == "timeout":
+            record(k, None, f"stall={d.param:g}s")
+            if await self._stall(net, d.param, receive):
+                return None
+            return await _send_json(send, 504, _err("gateway_timeout", "upstream timed out"))
+
+        # ---- post-dispatch faults: run the tool, then alter the answer ---------------------
+        status, headers, body = await _capture(self.app, scope, receive)
+        if k == "latency":
+            record(k, status, f"delay={d.param:g}s")
+            if await self._stall(net, d.param, receive):
+                return None
+            return await _send_raw(send, status, headers, body)
+        if k == "truncated":
+            n = d.sub % max(1, len(body))
+            record(k, status, f"sent {n} of {len(body)} bytes")
+            await send({"type": "http.response.start", "status": status,
+                        "headers": _with_length(headers, len(body))})
+            await send({"type": "http.response.body", "body": body[:n], "more_body": True})
+            if net is None:
+                return await send({"type": "http.response.body", "body": b"", "more_body": False})
+            return await net.close(receive, n, len(body))
+        if k == "malformed":
+            bad = d.choose(MALFORMED_BODIES, 2)
+            record(k, 200, f"variant {MALFORMED_BODIES.index(bad)}")
+            hdrs = [(a, b) for a, b in headers if a.lower() != b"content-type"]
+            hdrs.append((b"content-type", b"application/json"))
+            return await _send_raw(send, 200, hdrs, bad)
+        if status != 200:
+            return await _send_raw(send, status, headers, body)
+        try:
+            payload = json.loads(body)
+            result = payload["result"]
+        except (ValueError, KeyError, TypeError):
+            return await _send_raw(send, status, headers, body)
+        if k == "schema_drift":
+            drifted = drift(result, d)
+            if drifted is None:
+                return await _send_raw(send, status, headers, body)
+            new_result, detail = drifted
+            record(k, 200, detail)
+            return await _send_json(send, 200, {"result": new_result})
+        if k == "invalid_file":
+            if d.choose(("corrupt", "missing"), 3) == "missing":
+                record(k, 404, "file_missing")
+                return await _send_json(send, 404, _err(
+                    "file_missing", "the file's storage object is missing (try again later)"))
+            record(k, 200, "corrupt")
+            return await _send_json(send, 200, {"result": corrupt(result)})
+        return await _send_raw(send, status, headers, body)  # pragma: no cover
+
+    async def _stall(self, net, seconds: float, receive) -> bool:
+        if net is None:
+            await self.clock.sleep(seconds)
+            return False
+        return await net.stall(seconds, receive)
+
+
+# ---- payload transformations (pure) -------------------------------------------------------
+def drift(result: Any, d: FaultDecision) -> tuple[Any, str] | None:
+    """Rename or drop one field of the first dict in ``result`` (the dict itself, or the first
+    element of a list); None when there is no non-empty dict to alter."""
+    target_path: list[Any] = []
+    target = result
+    if isinstance(target, list) and target and isinstance(target[0], dict):
+        target_path, target = [0], target[0]
+    if not isinstance(target, dict) or not target:
+        return None
+    key = d.choose(sorted(target, key=str), 4)
+    op = d.choose(("rename", "drop"), 5)
+    new = {}
+    for k2, v in target.items():
+        if k2 != key:
+            new[k2] = v
+        elif op == "rename":
+            new[_renamed(str(k2), target)] = v
+    if target_path:
+        out = list(result)
+        out[0] = new
+    else:
+        out = new
+    detail = f"renamed {key}->{_renamed(str(key), target)}" if op == "rename" else f"dropped {key}"
+    return out, detail
+
+
+def _renamed(key: str, taken: dict) -> str:
+    if "_" in key:
+        head, *rest = key.split("_")
+        cand = head + "".join(p[:1].upper() + p[1:] for p in rest)
+    else:
+        cand = key + "_v2"
+    while cand in taken or cand == key:
+        cand += "_"
+    return cand
+
+
+def corrupt(result: Any) -> Any:
+    """Corrupt every string leaf the way a damaged file decodes: half the text, NUL, U+FFFD."""
+    def walk(x):
+        if isinstance(x, str):
+            return x[: len(x) // 2] + CORRUPT_MARK + "\ufffd" * 3
+        if isinstance(x, list):
+            return [walk(v) for v in x]
+        if isinstance(x, dict):
+            return {k: walk(v) for k, v in x.items()}
+        return x
+    out = walk(result)
+    if out == result:  # no string leaf: the whole content is garbage
+        return CORRUPT_MARK + "\ufffd" * 3
+    return out
+
+
+def is_corrupt(result: Any) -> bool:
+    """Whether a result carries the corruption ``corrupt`` produces (NUL or U+FFFD in a string)."""
+    if isinstance(result, str):
+        return "\x00" in result or "\ufffd" in result
+    if isinstance(result, list):
+        return any(is_corrupt(v) for v in result)
+    if isinstance(result, dict):
+        return any(is_corrupt(v) for v in result.values())
+    return False
+
+
+# ---- ASGI helpers -------------------------------------------------------------------------
+def _coords(scope) -> tuple[str, int, int, int, str] | None:
+    h = {}
+    for name, value in scope["headers"]:
+        if name.startswith(b"x-reflrl-"):
+            h[name] = value
+    try:
+        return (h[H_EPISODE].decode(), int(h[H_STEP]), int(h[H_CALL]), int(h[H_ATTEMPT]),
+                h.get(H_CLIENT, b"anonymous").decode())
+    except (KeyError, ValueError, UnicodeDecodeError):
+        return None
+
+
+def _err(kind: str, message: str) -> dict:
+    return {"error": {"type": kind, "message": message}}
+
+
+async def _send_json(send, status: int, payload: dict, extra=()) -> None:
+    body = json.dumps(payload).encode()
+    headers = [(b"content-type", b"application/json"), *extra]
+    await _send_raw(send, status, headers, body)
+
+
+async def _send_raw(send, status: int, headers, body: bytes) -> None:
+    await send({"type": "http.response.start", "status": status,
+                "headers": _with_length(headers, len(body))})
+    await send({"type": "http.response.body", "body": body, "more_body": False})
+
+
+def _with_length(headers, n: int) -> list[tuple[bytes, bytes]]:
+    out = [(a, b) for a, b in headers if a.lower() != b"content-length"]
+    out.append((b"content-length", str(n).encode()))
+    return out
+
+
+async def _capture(app, scope, receive) -> tuple[int, list, bytes]:
+    """Run the inner app and buffer its whole response."""
+    status = 500
+    headers: list = []
+    parts: list[bytes] = []
+
+    async def send(message) -> None:
+        nonlocal status, headers
+        if message["type"] == "http.response.start":
+            status = message["status"]
+            headers = list(message.get("headers", []))
+        elif message["type"] == "http.response.body":
+            parts.append(message.get("body", b""))
+
+    await app(scope, receive, send)
+    return status, headers, b"".join(parts)

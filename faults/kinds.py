@@ -1,0 +1,151 @@
+"""The fault kinds: what each one is, its parameter, and what a real HTTP client sees.
+
+The catalogue follows the failure modes that waste tool-use RL rollouts in practice (Tool-ReRL,
+``003_febfc96bcceb98f2.txt`` sec. 1 and 3.2, Fig. 1: rate limits, timeouts, network resets, bad files,
+banned IPs), extended with the other faults a client of a real HTTP API meets (5xx, truncated or
+malformed bodies, slow answers, schema drift).
+
+This module is pure data: ``KINDS`` (name -> FaultKind), ``kinds_rows()`` and ``format_kinds_table()``
+(what ``reflrl faults list`` prints). It imports nothing outside the standard library.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+# Where in the request a fault acts.
+PRE_DISPATCH = "pre"     # the request never reaches the tool (no side effects)
+POST_DISPATCH = "post"   # the tool ran (side effects happened); the response is altered or delayed
+
+
+@dataclass(frozen=True)
+class FaultKind:
+    """One fault kind.
+
+    name:          the name used in a fault spec (``rate_limit=0.1``).
+    param:         name of the optional ``:param`` (None = the kind takes no parameter).
+    param_unit:    "duration" (``300ms``, ``2s``, ``1.5m``) when param is set.
+    param_default: default parameter value in seconds (None when no param).
+    client_sees:   what a real HTTP client observes.
+    retryable:     whether the client's retry policy retries it by default.
+    stage:         PRE_DISPATCH or POST_DISPATCH (whether the tool ran).
+    applies_to:    "any" or "files" (only file tools: domain "files" or a bfcl file system).
+    observed_as:   client-side classifications that count as a faithful observation of this kind
+                   in ``Ledger.reconcile`` ("ok" = undetectable by transport, counted as undetected).
+    """
+
+    name: str
+    param: str | None
+    param_unit: str | None
+    param_default: float | None
+    client_sees: str
+    retryable: bool
+    stage: str
+    applies_to: str = "any"
+    observed_as: tuple[str, ...] = ()
+
+    @property
+    def takes_param(self) -> bool:
+        return self.param is not None
+
+
+_K = FaultKind
+KINDS: dict[str, FaultKind] = {k.name: k for k in [
+    _K("rate_limit", "retry_after", "duration", 1.0,
+       "HTTP 429 with a Retry-After header (whole seconds, rounded up from the parameter)",
+       True, PRE_DISPATCH, observed_as=("rate_limit",)),
+    _K("server_error", None, None, None,
+       "HTTP 500, 502 or 503 (chosen deterministically per attempt) with a JSON error body",
+       True, PRE_DISPATCH, observed_as=("server_error",)),
+    _K("timeout", "stall", "duration", 30.0,
+       "no answer: the server stalls for the parameter, so the client's read timeout fires "
+       "(httpx.ReadTimeout); a client with a longer timeout gets 504",
+       True, PRE_DISPATCH, observed_as=("timeout",)),
+    _K("connection", None, None, None,
+       "the TCP connection is reset (RST) after the request is sent: httpx.ReadError "
+       "(ConnectError is classified the same way)",
+       True, PRE_DISPATCH, observed_as=("connection",)),
+    _K("truncated", None, None, None,
+       "headers announce Content-Length N, fewer bytes arrive, then the connection closes: "
+       "httpx.RemoteProtocolError; the tool DID run",
+       True, POST_DISPATCH, observed_as=("truncated",)),
+    _K("malformed", None, None, None,
+       "HTTP 200, Content-Type application/json, body that is not valid JSON; the tool DID run",
+       True, POST_DISPATCH, observed_as=("malformed",)),
+    _K("ip_ban", None, None, None,
+       "HTTP 403 (error type ip_banned) that persists for the rest of the episode for this client "
+       "identity (X-Reflrl-Client), as when an abuse detector trips after a burst; an identity "
+       "change ('IP change') lifts it",
+       True, PRE_DISPATCH, observed_as=("ip_ban",)),
+    _K("invalid_file", None, None, None,
+       "file tools only: HTTP 200 whose file content is corrupt (NUL bytes / U+FFFD) or HTTP 404 "
+       "error type file_missing for a file that exists; other tools are unaffected",
+       True, POST_DISPATCH, applies_to="files", observed_as=("invalid_file",)),
+    _K("latency", "delay", "duration", 0.5,
+       "a correct answer that arrives after the parameter's delay (a read timeout fires "
+       "if the delay exceeds it)",
+       False, POST_DISPATCH, observed_as=("latency", "ok", "timeout")),
+    _K("schema_drift", None, None, None,
+       "HTTP 200 whose result has one field renamed or missing; detectable only against the "
+       "tool's 'returns' schema, otherwise it looks like valid data",
+       True, POST_DISPATCH, observed_as=("schema_drift", "ok")),
+]}
+
+KIND_NAMES: tuple[str, ...] = tuple(KINDS)
+
+
+def is_file_tool(domain: str | None) -> bool:
+    """Whether ``invalid_file`` applies to a tool of this domain ("files" or a bfcl file system)."""
+    if not domain:
+        return False
+    d = domain.lower()
+    return d == "files" or (d.startswith("bfcl:") and "file" in d)
+
+
+def kinds_rows() -> list[dict[str, str]]:
+    """One row per kind: kind, param (name=default unit), retried, client sees."""
+    rows = []
+    for k in KINDS.values():
+        if k.param is None:
+            param = "-"
+        else:
+            param = f"{k.param} (duration, default {_fmt_seconds(k.param_default)})"
+        rows.append({
+            "kind": k.name,
+            "param": param,
+            "retried": "yes" if k.retryable else "no",
+            "applies to": k.applies_to,
+            "client sees": k.client_sees,
+        })
+    return rows
+
+
+def format_kinds_table(width: int = 110) -> str:
+    """A plain-text table of ``kinds_rows()`` (the 'client sees' column wraps to ``width``)."""
+    import textwrap
+
+    rows = kinds_rows()
+    cols = ["kind", "param", "retried", "applies to"]
+    widths = {c: max(len(c), *(len(r[c]) for r in rows)) for c in cols}
+    lead = sum(widths.values()) + 2 * len(cols)
+    text_w = max(30, width - lead)
+    head = "  ".join(c.ljust(widths[c]) for c in cols) + "  client sees"
+    lines = [head, "-" * min(width, lead + text_w)]
+    for r in rows:
+        wrapped = textwrap.wrap(r["client sees"], text_w) or [""]
+        lines.append("  ".join(r[c].ljust(widths[c]) for c in cols) + "  " + wrapped[0])
+        for more in wrapped[1:]:
+            lines.append(" " * lead + more)
+    lines.append("")
+    lines.append("Spec grammar: kind=prob[:param][,kind=prob[:param]...]  e.g. "
+                 "rate_limit=0.1,timeout=0.05,latency=0.2:300ms")
+    lines.append("Kinds are exclusive per attempt (one uniform draw picks at most one), so the "
+                 "probabilities must sum to <= 1.")
+    return "\n".join(lines)
+
+
+def _fmt_seconds(s: float | None) -> str:
+    if s is None:
+        return "-"
+    if s < 1 and round(s * 1000) == s * 1000:
+        return f"{int(round(s * 1000))}ms"
+    return f"{s:g}s"

@@ -1,0 +1,565 @@
+"""Typed run configuration: dataclasses, YAML files and dotted command-line overrides.
+
+Every hyperparameter is declared once, below, with its default and a one-line help text
+(``_f(default, "help")``); :func:`config_help` lists them all and :func:`save_config` writes
+them as comments into a run folder's ``config.yaml``. Defaults are the code's defaults; the
+default recipe lives in ``configs/default.yaml``.
+
+    cfg = load_config("configs/default.yaml", ["algo.clip_high=0.3", "env.faults=rate_limit=0.1"])
+    save_config(cfg, run_dir / "config.yaml")      # reloads to an equal Config
+
+Overrides are ``section.key=value`` (nested: ``env.retry.max_attempts=5``). Only the FIRST
+``=`` separates key and value, so fault specs keep theirs. Values are parsed as YAML
+(``3`` int, ``0.3`` float, ``true`` bool, ``null``, ``[a, b]`` list), except for string
+fields, which take the text as it is (``model.name=1e-5`` is the string "1e-5"; ``null`` or
+``~`` still mean None where None is allowed). A list-of-strings field also accepts
+``a,b,c``.
+
+Unknown keys, wrong types and out-of-range values raise :class:`ConfigError` naming the
+key path, what was expected and what was given (with a did-you-mean for typos).
+
+This module must not import torch (the CLI and envs import it cheaply).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import re
+import sys
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Union
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """A bad config file, override or value; the message names the key path."""
+
+
+def _f(default: Any, help: str) -> Any:  # noqa: A002 - "help" reads best at the declarations
+    """A dataclass field with its help text (mutable defaults are copied per instance)."""
+    if isinstance(default, (list, dict)):
+        return field(default_factory=lambda d=default: type(d)(d), metadata={"help": help})
+    if dataclasses.is_dataclass(default) and isinstance(default, type):
+        return field(default_factory=default, metadata={"help": help})
+    return field(default=default, metadata={"help": help})
+
+
+# ---------------------------------------------------------------------------------- sections
+@dataclass
+class ModelConfig:
+    """The policy model (see reflrl.models)."""
+
+    name: str = _f("smollm2-135m-instruct", "registry name ('smollm2-135m-instruct', 'tiny-random'), HF id or local path")
+    dtype: str = _f("bfloat16", "weights/compute dtype on the CPU: 'float32' | 'bfloat16'")
+    trainable: str = _f("top_layers:6", "what trains: 'all' | 'none' | 'lora' | 'top_layers:K' (the top K decoder layers + head)")
+    trainable_dtype: str | None = _f("float32", "dtype of the trainable parameters (float32 master weights); null = same as dtype")
+    lora_r: int = _f(16, "LoRA rank (trainable='lora')")
+    lora_alpha: int | None = _f(None, "LoRA alpha; null = 2 * lora_r")
+    lora_dropout: float = _f(0.0, "LoRA dropout")
+
+
+@dataclass
+class DataConfig:
+    """Tasks to train and evaluate on (see reflrl.envs.datasets)."""
+
+    source: str = _f("synthetic", "'synthetic' (generated tasks) or a loader name ('toolace', 'xlam', 'hammer', 'file')")
+    path: str | None = _f(None, "local file for file-based sources (null for synthetic)")
+    fmt: str | None = _f(None, "format of `path` ('jsonl', 'json', ...); null = guess from the file")
+    n_train: int = _f(256, "number of training tasks")
+    n_val: int = _f(32, "number of validation tasks (periodic evaluation; 0 = none)")
+    n_test: int = _f(100, "number of held-out test tasks (accuracy before/after)")
+    kinds: list[str] = _f(["single", "parallel"], "task kinds kept: single, parallel, multiple, multi_turn, ...")
+    seed: int = _f(0, "seed of the dataset generator / shuffling (fixed so splits stay stable)")
+    prompt_style: str = _f("compact", "how tools are listed in the system prompt: 'compact' (one line per tool) | 'json' (full schemas)")
+
+
+@dataclass
+class RetryConfig:
+    """Client retry policy for tool calls hit by env faults (see reflrl.envs.client)."""
+
+    max_attempts: int = _f(4, "attempts per tool call (1 = no retry); each attempt is billed as a call")
+    budget_s: float = _f(30.0, "give up retrying a call after this many seconds in total")
+
+
+@dataclass
+class EnvConfig:
+    """The tool environment the policy acts in (see reflrl.envs.tool_env)."""
+
+    id: str = _f("reflrl/ToolCall-v0", "gymnasium id: 'reflrl/ToolCall-v0' (single-turn) | 'reflrl/ToolCallMultiTurn-v0'")
+    faults: str = _f("", "fault spec, e.g. 'rate_limit=0.1,timeout=0.05' ('' = no faults; --faults sets it)")
+    fault_seed: int | None = _f(None, "seed of the fault stream; null = derived from the env seed")
+    reward: str = _f("binary", "reward name in reflrl.envs.rewards: 'binary' (exact match, paper 000 eq. 8) | 'fine' (DSCL) | ...")
+    parser: str = _f("hermes", "tool-call parser: 'hermes' | 'pythonic' | 'react' | 'auto'")
+    max_steps: int | None = _f(None, "assistant messages per episode before truncation; null = env default")
+    retry: RetryConfig = _f(RetryConfig, "retry policy of the tool client")
+    concurrency: int = _f(8, "episodes stepped concurrently (1 = one at a time)")
+
+
+@dataclass
+class RolloutConfig:
+    """Sampling of rollouts (see reflrl.rollout)."""
+
+    n: int = _f(8, "rollouts per prompt (the GRPO group size)")
+    batch_prompts: int = _f(8, "prompts per training step")
+    temperature: float = _f(1.0, "sampling temperature")
+    top_p: float = _f(1.0, "nucleus sampling threshold (1.0 = off)")
+    max_new_tokens: int = _f(64, "new tokens per assistant turn")
+    max_turns: int = _f(1, "assistant turns per episode (multi-turn envs)")
+    max_total_tokens: int = _f(1024, "prompt + response token cap for multi-turn episodes")
+
+
+@dataclass
+class AlgoConfig:
+    """The RL algorithm (see reflrl.algos)."""
+
+    advantage: str = _f("grpo", "advantage estimator: 'grpo' (paper 000 eq. 2) | 'dr_grpo' | 'rloo' | 'gae' (PPO, needs a value head)")
+    adv_eps: float = _f(1e-6, "epsilon added to the group std in GRPO")
+    gamma: float = _f(1.0, "discount (GAE)")
+    lam: float = _f(1.0, "GAE lambda")
+    policy_loss: str = _f("clip_higher", "policy loss: 'clip_higher' | 'ppo_clip' (same function; set clip_high = clip_low for symmetric)")
+    clip_low: float = _f(0.2, "epsilon_low of the ratio clip (paper 000 appendix F: 0.2)")
+    clip_high: float = _f(0.28, "epsilon_high of the ratio clip, clip-higher (paper 000 appendix F: 0.28)")
+    dual_clip_c: float | None = _f(None, "dual-clip constant c > 1 for negative advantages; null = off")
+    loss_agg: str = _f("token-mean", "loss aggregation: 'token-mean' | 'seq-mean-token-mean' | 'seq-mean-token-sum' | 'seq-mean-token-sum-norm'")
+    kl_coef: float = _f(0.0, "weight of the KL-to-reference loss (0 = no reference model, as paper 000)")
+    kl_estimator: str = _f("low_var_kl", "KL estimator: 'k1' | 'k2' | 'k3'/'low_var_kl' | 'abs' | 'mse'")
+    entropy_coef: float = _f(0.0, "entropy bonus weight (0 = off, as paper 000)")
+    value_coef: float = _f(0.5, "critic loss weight (advantage='gae')")
+    value_clip: float | None = _f(0.2, "critic value clip range (advantage='gae'); null = off")
+    lr: float = _f(1e-5, "policy learning rate (AdamW)")
+    weight_decay: float = _f(0.0, "AdamW weight decay")
+    grad_clip: float = _f(1.0, "max global grad norm (0 = no clipping)")
+    epochs_per_batch: int = _f(1, "optimisation passes over each rollout batch (1 = on-policy)")
+    micro_batch_size: int = _f(8, "sequences per forward/backward (gradient accumulation over the batch)")
+    downsample_m: int = _f(0, "max-variance down-sampling (paper 000 sec. 4.2): train on m of n rollouts; 0 = off")
+    prefilter_k: int = _f(0, "online pre-rollout filter (paper 000 sec. 4.1): skip prompts all-correct for k epochs; 0 = off")
+    dynamic_sampling: bool = _f(False, "DAPO dynamic sampling: drop zero-variance groups and refill the batch")
+    max_refill_rounds: int = _f(3, "dynamic sampling: extra sampling rounds per step at most")
+
+
+@dataclass
+class WarmupConfig:
+    """Supervised warm-up on the training split's gold calls (reflrl.sft)."""
+
+    enabled: Union[str, bool] = _f("auto", "'auto' (run when the format rate < threshold) | true | false")
+    format_rate_threshold: float = _f(0.5, "auto: warm up when fewer than this share of probe samples parse")
+    probe_n: int = _f(16, "tasks sampled to measure the format rate")
+    steps: int = _f(60, "SFT optimiser steps")
+    lr: float = _f(5e-5, "SFT learning rate")
+    batch_size: int = _f(8, "SFT examples per step")
+    time_budget_min: float | None = _f(None, "stop warm-up after this many minutes; null = no limit")
+
+
+@dataclass
+class TrainConfig:
+    """The run: length, evaluation, checkpoints, logging."""
+
+    steps: int = _f(40, "RL training steps")
+    time_budget_min: float | None = _f(15.0, "stop training cleanly after this many minutes (whole run); null = no limit")
+    eval_every: int = _f(0, "evaluate on the validation split every N steps (0 = only before/after)")
+    save_every: int = _f(10, "checkpoint every N steps (0 = only at the end)")
+    keep_checkpoints: int = _f(2, "checkpoints kept in the run folder (older ones are pruned)")
+    log_every: int = _f(1, "write metrics every N steps")
+    seed: int = _f(0, "seed of sampling, data order and model init")
+    out_dir: str = _f("runs", "parent folder of run folders")
+    run_name: str | None = _f(None, "run folder name; null = generated from time and seed")
+    threads: int | None = _f(None, "torch CPU threads; null = torch's default")
+
+
+@dataclass
+class Config:
+    """A whole run's configuration."""
+
+    model: ModelConfig = _f(ModelConfig, "policy model")
+    data: DataConfig = _f(DataConfig, "tasks")
+    env: EnvConfig = _f(EnvConfig, "tool environment")
+    rollout: RolloutConfig = _f(RolloutConfig, "rollout sampling")
+    algo: AlgoConfig = _f(AlgoConfig, "RL algorithm")
+    warmup: WarmupConfig = _f(WarmupConfig, "supervised warm-up")
+    train: TrainConfig = _f(TrainConfig, "run control")
+
+
+# ---------------------------------------------------------------------------------- choices
+DTYPES = ("float32", "bfloat16")
+PARSERS = ("hermes", "pythonic", "react", "auto")
+PROMPT_STYLES = ("compact", "json")
+LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+KL_ESTIMATORS = ("k1", "kl", "abs", "k2", "mse", "k3", "low_var_kl")
+# Built-in names of reflrl.algos' registries (tests keep them in sync); names registered at
+# run time are accepted too when reflrl.algos is already imported.
+ADVANTAGES = ("grpo", "dr_grpo", "rloo", "gae")
+POLICY_LOSSES = ("clip_higher", "ppo_clip")
+
+
+# ---------------------------------------------------------------------------------- type checks
+_NUMBER_RE = re.compile(r"^[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?$")
+
+def _hints(cls: type) -> dict[str, Any]:
+    return typing.get_type_hints(cls)
+
+
+def _is_optional(tp: Any) -> bool:
+    return type(None) in _union_args(tp)
+
+
+def _union_args(tp: Any) -> tuple:
+    origin = typing.get_origin(tp)
+    if origin is Union or origin is types.UnionType:
+        return typing.get_args(tp)
+    return (tp,)
+
+
+def _type_name(tp: Any) -> str:
+    args = _union_args(tp)
+    if len(args) > 1:
+        return " or ".join(_type_name(a) for a in args)
+    if tp is type(None):
+        return "null"
+    if typing.get_origin(tp) is list:
+        return f"list of {_type_name(typing.get_args(tp)[0])}"
+    return getattr(tp, "__name__", str(tp))
+
+
+def _show(value: Any) -> str:
+    return f"{type(value).__name__} {value!r}" if value is not None else "null"
+
+
+def _coerce(value: Any, tp: Any, where: str) -> Any:
+    """Check ``value`` against type ``tp`` (int -> float is allowed); return the value to store."""
+    for arg in _union_args(tp):
+        if arg is type(None):
+            if value is None:
+                return None
+            continue
+        if arg is bool:
+            if isinstance(value, bool):
+                return value
+        elif arg is int:
+            if isinstance(value, int) and not isinstance(value, bool):
+                return value
+        elif arg is float:
+            if isinstance(value, (int, float)) and not isinstance(value, bool):
+                return float(value)
+            if isinstance(value, str) and _NUMBER_RE.match(value.strip()):
+                return float(value)  # PyYAML reads 1e-5 (no dot) as a string
+        elif arg is str:
+            if isinstance(value, str):
+                return value
+        elif typing.get_origin(arg) is list:
+            (item_tp,) = typing.get_args(arg)
+            if isinstance(value, str) and item_tp is str:
+                return [s.strip() for s in value.split(",") if s.strip()]
+            if isinstance(value, (list, tuple)):
+                return [_coerce(v, item_tp, f"{where}[{i}]") for i, v in enumerate(value)]
+        elif dataclasses.is_dataclass(arg):
+            return _build(arg, value, where)
+    raise ConfigError(f"{where}: expected {_type_name(tp)}, got {_show(value)}")
+
+
+def _unknown_key(key: str, where: str, allowed: list[str]) -> ConfigError:
+    path = f"{where}.{key}" if where else key
+    close = difflib.get_close_matches(key, allowed, n=1, cutoff=0.6)
+    hint = f" (did you mean {close[0]!r}?)" if close else ""
+    scope = f"in {where!r}" if where else "at the top level"
+    return ConfigError(f"unknown key {path!r}{hint}; allowed keys {scope}: {', '.join(allowed)}")
+
+
+def _build(cls: type, data: Any, where: str) -> Any:
+    """Dataclass ``cls`` from a (partial) mapping; missing keys keep their defaults."""
+    if isinstance(data, cls):
+        return data
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{where or 'config'}: expected a mapping of keys, got {_show(data)}")
+    hints = _hints(cls)
+    names = [f.name for f in dataclasses.fields(cls)]
+    kwargs = {}
+    for key, value in data.items():
+        if not isinstance(key, str) or key not in names:
+            raise _unknown_key(str(key), where, names)
+        path = f"{where}.{key}" if where else key
+        kwargs[key] = _coerce(value, hints[key], path)
+    return cls(**kwargs)
+
+
+# ---------------------------------------------------------------------------------- validation
+def _choice(errors: list[str], path: str, value: Any, choices: tuple | list) -> None:
+    if value not in choices:
+        close = difflib.get_close_matches(str(value), [str(c) for c in choices], n=1)
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        errors.append(f"{path}: {value!r} is not one of {', '.join(map(str, choices))}{hint}")
+
+
+def _registered(kind: str, builtin: tuple) -> tuple:
+    reg = sys.modules.get("reflrl.algos.registry")
+    if reg is None:
+        return builtin
+    extra = reg.list_advantages() if kind == "advantage" else reg.list_policy_losses()
+    return tuple(sorted(set(builtin) | set(extra)))
+
+
+def validate(cfg: Config) -> Config:
+    """Check value ranges and choices across the config; raise one ConfigError listing all problems."""
+    e: list[str] = []
+
+    def need(cond: bool, msg: str) -> None:
+        if not cond:
+            e.append(msg)
+
+    m = cfg.model
+    _choice(e, "model.dtype", m.dtype, DTYPES)
+    if m.trainable_dtype is not None:
+        _choice(e, "model.trainable_dtype", m.trainable_dtype, DTYPES)
+    t = m.trainable
+    if t not in ("all", "none", "lora"):
+        k = t.split(":", 1)[1] if t.startswith("top_layers:") else ""
+        need(k.isdigit() and int(k) >= 1,
+             f"model.trainable: {t!r} is not 'all', 'none', 'lora' or 'top_layers:K' with K >= 1")
+    need(m.lora_r >= 1, f"model.lora_r: must be >= 1, got {m.lora_r}")
+    need(0.0 <= m.lora_dropout < 1.0, f"model.lora_dropout: must be in [0, 1), got {m.lora_dropout}")
+
+    d = cfg.data
+    for name in ("n_train", "n_val", "n_test"):
+        need(getattr(d, name) >= 0, f"data.{name}: must be >= 0, got {getattr(d, name)}")
+    need(d.n_train >= 1, f"data.n_train: must be >= 1, got {d.n_train}")
+    need(bool(d.kinds), "data.kinds: must list at least one task kind")
+    _choice(e, "data.prompt_style", d.prompt_style, PROMPT_STYLES)
+
+    v = cfg.env
+    _choice(e, "env.parser", v.parser, PARSERS)
+    need(v.max_steps is None or v.max_steps >= 1, f"env.max_steps: must be >= 1 or null, got {v.max_steps}")
+    need(v.retry.max_attempts >= 1, f"env.retry.max_attempts: must be >= 1, got {v.retry.max_attempts}")
+    need(v.retry.budget_s > 0, f"env.retry.budget_s: must be > 0, got {v.retry.budget_s}")
+    need(v.concurrency >= 1, f"env.concurrency: must be >= 1, got {v.concurrency}")
+
+    r = cfg.rollout
+    need(r.n >= 1, f"rollout.n: must be >= 1, got {r.n}")
+    need(r.batch_prompts >= 1, f"rollout.batch_prompts: must be >= 1, got {r.batch_prompts}")
+    need(r.temperature > 0, f"rollout.temperature: must be > 0, got {r.temperature}")
+    need(0 < r.top_p <= 1, f"rollout.top_p: must be in (0, 1], got {r.top_p}")
+    need(r.max_new_tokens >= 1, f"rollout.max_new_tokens: must be >= 1, got {r.max_new_tokens}")
+    need(r.max_turns >= 1, f"rollout.max_turns: must be >= 1, got {r.max_turns}")
+    need(r.max_total_tokens >= r.max_new_tokens,
+         f"rollout.max_total_tokens: must be >= rollout.max_new_tokens ({r.max_new_tokens}), got {r.max_total_tokens}")
+
+    a = cfg.algo
+    _choice(e, "algo.advantage", a.advantage, _registered("advantage", ADVANTAGES))
+    _choice(e, "algo.policy_loss", a.policy_loss, _registered("policy_loss", POLICY_LOSSES))
+    _choice(e, "algo.loss_agg", a.loss_agg, LOSS_AGG_MODES)
+    _choice(e, "algo.kl_estimator", a.kl_estimator, KL_ESTIMATORS)
+    need(0 <= a.clip_low < 1, f"algo.clip_low: must be in [0, 1), got {a.clip_low}")
+    need(a.clip_high >= 0, f"algo.clip_high: must be >= 0, got {a.clip_high}")
+    need(a.dual_clip_c is None or a.dual_clip_c > 1, f"algo.dual_clip_c: must be > 1 or null, got {a.dual_clip_c}")
+    need(0 <= a.gamma <= 1, f"algo.gamma: must be in [0, 1], got {a.gamma}")
+    need(0 <= a.lam <= 1, f"algo.lam: must be in [0, 1], got {a.lam}")
+    for name in ("kl_coef", "entropy_coef", "value_coef", "weight_decay", "grad_clip", "adv_eps"):
+        need(getattr(a, name) >= 0, f"algo.{name}: must be >= 0, got {getattr(a, name)}")
+    need(a.lr > 0, f"algo.lr: must be > 0, got {a.lr}")
+    need(a.epochs_per_batch >= 1, f"algo.epochs_per_batch: must be >= 1, got {a.epochs_per_batch}")
+    need(a.micro_batch_size >= 1, f"algo.micro_batch_size: must be >= 1, got {a.micro_batch_size}")
+    need(a.downsample_m == 0 or 2 <= a.downsample_m < r.n,
+         f"algo.downsample_m: must be 0 (off) or in 2..rollout.n-1 = {r.n - 1}, got {a.downsample_m}")
+    need(a.prefilter_k >= 0, f"algo.prefilter_k: must be >= 0 (0 = off), got {a.prefilter_k}")
+    need(a.max_refill_rounds >= 0, f"algo.max_refill_rounds: must be >= 0, got {a.max_refill_rounds}")
+    need(a.value_clip is None or a.value_clip > 0, f"algo.value_clip: must be > 0 or null, got {a.value_clip}")
+
+    w = cfg.warmup
+    need(w.enabled in ("auto", True, False), f"warmup.enabled: expected 'auto', true or false, got {_show(w.enabled)}")
+    need(0 <= w.format_rate_threshold <= 1,
+         f"warmup.format_rate_threshold: must be in [0, 1], got {w.format_rate_threshold}")
+    for name in ("steps", "probe_n"):
+        need(getattr(w, name) >= 0, f"warmup.{name}: must be >= 0, got {getattr(w, name)}")
+    need(w.batch_size >= 1, f"warmup.batch_size: must be >= 1, got {w.batch_size}")
+    need(w.lr > 0, f"warmup.lr: must be > 0, got {w.lr}")
+
+    tr = cfg.train
+    for name in ("steps", "eval_every", "save_every"):
+        need(getattr(tr, name) >= 0, f"train.{name}: must be >= 0, got {getattr(tr, name)}")
+    need(tr.log_every >= 1, f"train.log_every: must be >= 1, got {tr.log_every}")
+    need(tr.keep_checkpoints >= 1, f"train.keep_checkpoints: must be >= 1, got {tr.keep_checkpoints}")
+    need(tr.time_budget_min is None or tr.time_budget_min > 0,
+         f"train.time_budget_min: must be > 0 or null, got {tr.time_budget_min}")
+    need(tr.threads is None or tr.threads >= 1, f"train.threads: must be >= 1 or null, got {tr.threads}")
+    if tr.run_name is not None:
+        need(tr.run_name not in ("", ".", "..") and "/" not in tr.run_name and "\\" not in tr.run_name,
+             f"train.run_name: must be a plain folder name, got {tr.run_name!r}")
+
+    if e:
+        raise ConfigError("invalid config:\n  " + "\n  ".join(e))
+    return cfg
+
+
+# ---------------------------------------------------------------------------------- overrides
+def _field_type(path: list[str]) -> Any:
+    """Type of the field at dotted ``path`` (raises ConfigError for unknown keys)."""
+    cls: Any = Config
+    for i, key in enumerate(path):
+        names = [f.name for f in dataclasses.fields(cls)]
+        if key not in names:
+            raise _unknown_key(key, ".".join(path[:i]), names)
+        tp = _hints(cls)[key]
+        if i == len(path) - 1:
+            return tp
+        if not (isinstance(tp, type) and dataclasses.is_dataclass(tp)):
+            raise ConfigError(f"{'.'.join(path[: i + 1])} is a value, not a section: cannot set {'.'.join(path)!r}")
+        cls = tp
+    return cls
+
+
+def parse_override(text: str) -> tuple[list[str], Any]:
+    """``"algo.clip_high=0.3"`` -> (["algo", "clip_high"], 0.3). Splits on the FIRST '='."""
+    if "=" not in text:
+        raise ConfigError(f"override {text!r}: expected key=value, e.g. algo.clip_high=0.3")
+    key, raw = text.split("=", 1)
+    key = key.strip()
+    path = key.split(".")
+    if not key or any(not p for p in path):
+        raise ConfigError(f"override {text!r}: bad key {key!r}")
+    tp = _field_type(path)
+    if isinstance(tp, type) and dataclasses.is_dataclass(tp):
+        value = _yaml_value(raw, text)
+        return path, value
+    args = _union_args(tp)
+    if str in args:  # string fields take the text verbatim (fault specs, names, paths)
+        if _is_optional(tp) and raw.strip() in ("null", "~", "Null", "NULL"):
+            return path, None
+        if args == (str,) or raw.strip() not in ("true", "false", "True", "False"):
+            return path, raw
+    return path, _yaml_value(raw, text)
+
+
+def _yaml_value(raw: str, text: str) -> Any:
+    try:
+        return yaml.safe_load(raw) if raw.strip() else ""
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"override {text!r}: cannot parse value {raw!r}: {exc}") from None
+
+
+def _set_path(tree: dict, path: list[str], value: Any) -> None:
+    node = tree
+    for key in path[:-1]:
+        child = node.get(key)
+        if not isinstance(child, dict):
+            child = {}
+            node[key] = child
+        node = child
+    node[path[-1]] = value
+
+
+def _merge(base: dict, extra: dict) -> dict:
+    out = dict(base)
+    for k, v in extra.items():
+        out[k] = _merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
+# ---------------------------------------------------------------------------------- public API
+def config_from_dict(data: dict | None) -> Config:
+    """Config from a nested mapping (missing keys take defaults), type-checked and validated."""
+    return validate(_build(Config, data or {}, ""))
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
+    """Load a YAML config (None = defaults), apply dotted overrides, check types and values.
+
+    Raises ConfigError for a missing/invalid file, unknown keys, wrong types or bad values.
+    """
+    data: dict = {}
+    if path is not None:
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError(f"config file {str(p)!r} does not exist")
+        try:
+            loaded = yaml.safe_load(p.read_text(encoding="utf-8"))
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"config file {str(p)!r} is not valid YAML: {exc}") from None
+        if loaded is not None and not isinstance(loaded, dict):
+            raise ConfigError(f"config file {str(p)!r}: expected a mapping of sections, got {_show(loaded)}")
+        data = loaded or {}
+    # Check the file alone first so its errors are not blamed on an override.
+    _build(Config, data, "")
+    ov: dict = {}
+    for text in overrides:
+        key_path, value = parse_override(text)
+        _set_path(ov, key_path, value)
+    return config_from_dict(_merge(data, ov))
+
+
+def config_to_dict(cfg: Config) -> dict:
+    """Plain nested dict of ``cfg`` (YAML/JSON-safe)."""
+    return dataclasses.asdict(cfg)
+
+
+def config_diff(cfg: Config, base: Config | None = None) -> dict[str, tuple[Any, Any]]:
+    """Dotted keys whose values differ from ``base`` (default: the code defaults) -> (base, cfg)."""
+    out: dict[str, tuple[Any, Any]] = {}
+
+    def walk(a: Any, b: Any, prefix: str) -> None:
+        if isinstance(a, dict):
+            for k in a:
+                walk(a[k], b[k], f"{prefix}.{k}" if prefix else k)
+        elif a != b:
+            out[prefix] = (a, b)
+
+    walk(config_to_dict(base or Config()), config_to_dict(cfg), "")
+    return out
+
+
+def _yaml_scalar(value: Any) -> str:
+    text = yaml.safe_dump(value, default_flow_style=True, width=10_000).strip()
+    return text[:-4].rstrip() if text.endswith("\n...") else text.removesuffix("...").strip()
+
+
+def dump_config(cfg: Config, header: str | None = None) -> str:
+    """YAML text of ``cfg`` with each key's help text as a comment; loads back to ``cfg``."""
+    lines = [f"# {h}" for h in header.splitlines()] if header else []
+
+    def section(obj: Any, indent: int) -> None:
+        pad = "  " * indent
+        for f in dataclasses.fields(obj):
+            value = getattr(obj, f.name)
+            help_text = f.metadata.get("help", "")
+            if dataclasses.is_dataclass(value):
+                if indent == 0 and lines:
+                    lines.append("")
+                lines.append(f"{pad}{f.name}:  # {help_text}" if help_text else f"{pad}{f.name}:")
+                section(value, indent + 1)
+            else:
+                lines.append(f"{pad}{f.name}: {_yaml_scalar(value)}" + (f"  # {help_text}" if help_text else ""))
+
+    section(cfg, 0)
+    return "\n".join(lines) + "\n"
+
+
+def save_config(cfg: Config, path: str | Path, header: str | None = None) -> Path:
+    """Write ``cfg`` as commented YAML to ``path`` (e.g. a run folder's config.yaml)."""
+    p = Path(path)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    p.write_text(dump_config(cfg, header), encoding="utf-8")
+    return p
+
+
+def config_help() -> str:
+    """Every key with its type, default and help text, one per line (for ``--help-config``)."""
+    out: list[str] = []
+
+    def walk(cls: type, prefix: str) -> None:
+        hints = _hints(cls)
+        default = cls()
+        for f in dataclasses.fields(cls):
+            tp = hints[f.name]
+            key = f"{prefix}{f.name}"
+            if isinstance(tp, type) and dataclasses.is_dataclass(tp):
+                walk(tp, key + ".")
+            else:
+                out.append(f"{key} ({_type_name(tp)}, default {_yaml_scalar(getattr(default, f.name))}): "
+                           f"{f.metadata.get('help', '')}")
+
+    walk(Config, "")
+    return "\n".join(out)

@@ -1,0 +1,270 @@
+"""Rollout engines: sample completions with per-token log-probs (the RolloutEngine protocol).
+
+:class:`TransformersEngine` runs on the CPU with its own batched sampling loop over a
+transformers KV cache (no ``model.generate``), because that loop can (a) prefill each prompt once
+and copy its cache to the ``n`` samples (GRPO groups share the prompt), (b) compute only the
+chosen token's log-prob per step instead of keeping full-vocabulary scores for all steps, and
+(c) drop finished rows from the batch. Other engines (vLLM, an OpenAI-compatible server) will
+implement the same protocol later; they hold their own copy of the weights, hence
+``update_weights``.
+
+Log-prob convention (all engines): ``Sample.logprobs[i]`` is
+``log softmax(logits / temperature)[token_ids[i]]`` -- the temperature-scaled distribution, before
+top-p truncation -- which is exactly what :func:`reflrl.logprobs.sequence_logprobs` with the same
+temperature computes, so the rollout/train importance ratio is 1 up to numerics. With
+``temperature == 0`` (greedy), log-probs are taken at temperature 1.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any, Literal, Protocol, runtime_checkable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .logprobs import head_of
+
+FinishReason = Literal["stop", "length"]
+
+
+@dataclass
+class Sample:
+    """One sampled completion.
+
+    prompt_index: index of its prompt in the ``prompts`` list given to ``generate``.
+    prompt_ids: the prompt's token ids (unpadded).
+    token_ids: sampled token ids, no padding; ends with the stop token when ``finish_reason`` is
+        "stop" (the stop token is included: it was sampled and is trained on).
+    logprobs: one float per token in ``token_ids`` (float32 values), see the module doc.
+    finish_reason: "stop" (a stop id was sampled) or "length" (``max_new_tokens`` reached).
+    """
+
+    prompt_index: int
+    prompt_ids: list[int]
+    token_ids: list[int]
+    logprobs: list[float]
+    finish_reason: FinishReason
+
+
+@runtime_checkable
+class RolloutEngine(Protocol):
+    """What the rollout loop needs from a generator backend."""
+
+    def generate(
+        self,
+        prompts: list[list[int]],
+        n: int = 1,
+        max_new_tokens: int = 256,
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+        stop_ids: list[int] | None = None,
+        seed: int = 0,
+    ) -> list[Sample]:
+        """Sample ``n`` completions per prompt; returns ``len(prompts) * n`` samples ordered
+        prompt-major (samples ``i*n .. i*n+n-1`` belong to prompt ``i``). Deterministic given
+        ``seed`` and the same inputs."""
+        ...
+
+    def update_weights(self, model: nn.Module) -> None:
+        """Make the engine sample from ``model``'s current weights."""
+        ...
+
+
+@dataclass
+class GenerateStats:
+    """Counters of the last ``generate`` call (for run logs)."""
+
+    prompts: int = 0
+    samples: int = 0
+    prompt_tokens: int = 0
+    new_tokens: int = 0
+    forward_calls: int = 0
+    seconds: float = 0.0
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def sample_next(
+    logits: torch.Tensor,
+    temperature: float,
+    top_p: float,
+    generator: torch.Generator | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Draw one token per row: logits [B,V] float32 -> (tokens [B] long, logprobs [B] float32).
+
+    temperature <= 0: argmax, log-prob at temperature 1. Otherwise sample from
+    softmax(logits / T) restricted to the smallest top-p nucleus (Holtzman et al. 2020); the
+    returned log-prob is under the untruncated temperature-scaled distribution (module doc).
+    """
+    if temperature <= 0:
+        logp = torch.log_softmax(logits, dim=-1)
+        tok = logp.argmax(dim=-1)
+        return tok, logp.gather(-1, tok[:, None]).squeeze(-1)
+    logp = torch.log_softmax(logits / temperature, dim=-1)
+    if top_p < 1.0:
+        sorted_lp, order = logp.sort(dim=-1, descending=True)
+        sorted_p = sorted_lp.exp()
+        drop_sorted = (sorted_p.cumsum(-1) - sorted_p) >= top_p  # the top token is always kept
+        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+        probs = logp.masked_fill(drop, float("-inf")).softmax(dim=-1)
+    else:
+        probs = logp.exp()
+    tok = torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+    return tok, logp.gather(-1, tok[:, None]).squeeze(-1)
+
+
+class TransformersEngine:
+    """RolloutEngine over a transformers causal LM on the CPU (shares the training model).
+
+    Args:
+        model: causal LM (plain or peft); sampled in eval mode under ``torch.inference_mode``.
+        tokenizer: gives the default stop id (eos) and pad id.
+        max_batch_size: at most this many rows (prompts x n) decode together; prompts are
+            processed in consecutive groups of ``max(1, max_batch_size // n)``.
+    """
+
+    def __init__(self, model: nn.Module, tokenizer: Any, max_batch_size: int = 64):
+        self.model = model
+        self.tokenizer = tokenizer
+        self.max_batch_size = max(1, int(max_batch_size))
+        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+        self.eos_id = tokenizer.eos_token_id
+        self.last_stats = GenerateStats()
+
+    def update_weights(self, model: nn.Module) -> None:
+        """Sample from ``model`` from now on (the same object is shared, so usually a no-op)."""
+        self.model = model
+
+    def greedy(
+        self, prompts: list[list[int]], max_new_tokens: int = 256, stop_ids: list[int] | None = None
+    ) -> list[Sample]:
+        """Greedy decoding (temperature 0), one completion per prompt, for evaluation."""
+        return self.generate(prompts, 1, max_new_tokens, temperature=0.0, stop_ids=stop_ids)
+
+    def generate(
+        self,
+        prompts: list[list[int]],
+        n: int = 1,
+        max_new_tokens: int = 256,
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+        stop_ids: list[int] | None = None,
+        seed: int = 0,
+    ) -> list[Sample]:
+        """See :meth:`RolloutEngine.generate`. Prompts must be non-empty lists of token ids."""
+        if n < 1:
+            raise ValueError(f"n={n}: must be >= 1")
+        if max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens={max_new_tokens}: must be >= 1")
+        if not 0.0 < top_p <= 1.0:
+            raise ValueError(f"top_p={top_p}: must be in (0, 1]")
+        for i, p in enumerate(prompts):
+            if len(p) == 0:
+                raise ValueError(f"prompt {i} is empty")
+        if stop_ids is None:
+            stop_ids = [] if self.eos_id is None else [self.eos_id]
+        t0 = time.perf_counter()
+        self.last_stats = GenerateStats(prompts=len(prompts), samples=len(prompts) * n)
+        gen = torch.Generator().manual_seed(int(seed))
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            with torch.inference_mode():
+                _, weight, bias = head_of(self.model)
+                w32 = weight.float()
+                b32 = None if bias is None else bias.float()
+                per_group = max(1, self.max_batch_size // n)
+                out: list[Sample] = []
+                for s in range(0, len(prompts), per_group):
+                    out.extend(
+                        self._generate_group(
+                            prompts[s : s + per_group], s, n, max_new_tokens, temperature,
+                            top_p, stop_ids, gen, w32, b32,
+                        )
+                    )
+        finally:
+            self.model.train(was_training)
+        self.last_stats.seconds = time.perf_counter() - t0
+        return out
+
+    def _generate_group(
+        self,
+        prompts: list[list[int]],
+        offset: int,
+        n: int,
+        max_new: int,
+        temperature: float,
+        top_p: float,
+        stop_ids: list[int],
+        gen: torch.Generator,
+        w32: torch.Tensor,
+        b32: torch.Tensor | None,
+    ) -> list[Sample]:
+        from transformers import DynamicCache
+
+        decoder = self.model.get_decoder()
+        st = self.last_stats
+        num, width = len(prompts), max(len(p) for p in prompts)
+        ids = torch.full((num, width), self.pad_id, dtype=torch.long)
+        mask = torch.zeros((num, width), dtype=torch.long)
+        for i, p in enumerate(prompts):  # left padding
+            ids[i, width - len(p) :] = torch.tensor(p, dtype=torch.long)
+            mask[i, width - len(p) :] = 1
+        st.prompt_tokens += int(mask.sum())
+        pos = (mask.cumsum(-1) - 1).clamp(min=0)
+        cache = DynamicCache(config=self.model.config)
+        h = decoder(
+            input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=cache, use_cache=True
+        ).last_hidden_state[:, -1]
+        st.forward_calls += 1
+        if n > 1:  # one prefill per prompt, copied to its n samples
+            cache.batch_repeat_interleave(n)
+            mask = mask.repeat_interleave(n, dim=0)
+            h = h.repeat_interleave(n, dim=0)
+        rows = num * n
+        next_pos = mask.sum(-1)  # [R] position of the next token
+        active = torch.arange(rows)  # original row of each live batch row
+        stop = torch.tensor(sorted(set(stop_ids)), dtype=torch.long)
+        toks: list[list[int]] = [[] for _ in range(rows)]
+        lps: list[list[float]] = [[] for _ in range(rows)]
+        finish: list[FinishReason] = ["length"] * rows
+        for step in range(max_new):
+            logits = F.linear(h.float(), w32, b32)
+            tok, lp = sample_next(logits, temperature, top_p, gen)
+            for r, t, l in zip(active.tolist(), tok.tolist(), lp.tolist()):
+                toks[r].append(t)
+                lps[r].append(l)
+            done = torch.isin(tok, stop) if stop.numel() else torch.zeros_like(tok, dtype=torch.bool)
+            for r in active[done].tolist():
+                finish[r] = "stop"
+            if step == max_new - 1:
+                break
+            if bool(done.any()):
+                keep = (~done).nonzero().squeeze(-1)
+                if keep.numel() == 0:
+                    break
+                cache.batch_select_indices(keep)
+                mask, next_pos, active, tok = mask[keep], next_pos[keep], active[keep], tok[keep]
+            mask = torch.cat([mask, torch.ones((mask.shape[0], 1), dtype=mask.dtype)], dim=1)
+            h = decoder(
+                input_ids=tok[:, None],
+                attention_mask=mask,
+                position_ids=next_pos[:, None],
+                past_key_values=cache,
+                use_cache=True,
+            ).last_hidden_state[:, -1]
+            st.forward_calls += 1
+            next_pos = next_pos + 1
+        st.new_tokens += sum(len(t) for t in toks)
+        return [
+            Sample(
+                prompt_index=offset + r // n,
+                prompt_ids=list(prompts[r // n]),
+                token_ids=toks[r],
+                logprobs=lps[r],
+                finish_reason=finish[r],
+            )
+            for r in range(rows)
+        ]

@@ -1,0 +1,106 @@
+"""Held-out evaluation: exact-match tool-call accuracy with greedy decoding, and the format rate.
+
+* accuracy: the share of tasks whose greedy answer parses (``pred.ok``) and calls exactly the gold
+  calls of the first turn (multiset of name + normalised arguments, ``envs.rewards.calls_match``;
+  the binary reward's ``correct``, papers/000 appendix E eq. 8). No tool is executed, so env faults
+  cannot touch the metric.
+* format rate: the share of SAMPLED answers (temperature 1, like RL rollouts) that parse as at least
+  one tool call in the expected format — what decides whether GRPO gets any signal (the warm-up
+  rule of the default recipe).
+
+Both run batched through the rollout engine on prompts rendered exactly like rollouts.
+"""
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+from reflrl.envs.parsing import parse
+from reflrl.envs.rewards import calls_match
+from reflrl.envs.types import Task
+
+from .rollout import render_prompt
+
+
+@dataclass
+class EvalResult:
+    """accuracy and format_rate in [0, 1] over n tasks (or n samples for format_rate);
+    stderr: binomial standard error of accuracy; seconds: wall time."""
+
+    accuracy: float
+    format_rate: float
+    n: int
+    stderr: float = 0.0
+    seconds: float = 0.0
+    per_task: list[dict[str, Any]] = field(default_factory=list)
+
+    def to_dict(self, with_tasks: bool = False) -> dict[str, Any]:
+        d = {"accuracy": self.accuracy, "format_rate": self.format_rate, "n": self.n,
+             "stderr": self.stderr, "seconds": round(self.seconds, 2)}
+        if with_tasks:
+            d["per_task"] = self.per_task
+        return d
+
+
+def _generate_texts(engine: Any, tokenizer: Any, prompts: list[list[int]], *, batch_size: int,
+                    max_new_tokens: int, temperature: float, seed: int = 0) -> list[str]:
+    out: list[str] = []
+    for i in range(0, len(prompts), batch_size):
+        chunk = prompts[i: i + batch_size]
+        samples = engine.generate(chunk, n=1, max_new_tokens=max_new_tokens, temperature=temperature,
+                                  seed=seed + i)
+        out.extend(tokenizer.decode(list(s.token_ids), skip_special_tokens=True) for s in samples)
+    return out
+
+
+def _format_ok(text: str, fmt: str) -> bool:
+    p = parse(text, fmt)
+    return bool(p.ok and p.calls)
+
+
+def evaluate(engine: Any, tokenizer: Any, tasks: Sequence[Task], messages_fn: Callable[[Task], list[dict]],
+             *, fmt: str = "hermes", batch_size: int = 16, max_new_tokens: int = 64,
+             keep_texts: bool = False) -> EvalResult:
+    """Greedy exact-match accuracy on ``tasks`` (first-turn gold calls); batched generation.
+
+    ``messages_fn(task)`` gives the chat messages of a task (the same rendering as rollouts).
+    The returned format_rate here is the share of GREEDY answers that parse as a call."""
+    t0 = time.perf_counter()
+    tasks = list(tasks)
+    if not tasks:
+        raise ValueError("evaluate: no tasks")
+    prompts = [render_prompt(tokenizer, messages_fn(t)) for t in tasks]
+    texts = _generate_texts(engine, tokenizer, prompts, batch_size=batch_size,
+                            max_new_tokens=max_new_tokens, temperature=0.0)
+    per = []
+    correct = fmt_ok = 0
+    for t, text in zip(tasks, texts):
+        p = parse(text, fmt)
+        ok = bool(p.ok and p.calls)
+        hit = bool(p.ok and t.gold and calls_match(list(p.calls), list(t.gold[0])))
+        correct += hit
+        fmt_ok += ok
+        rec: dict[str, Any] = {"id": t.id, "correct": hit, "format_ok": ok}
+        if keep_texts:
+            rec["text"] = text
+        per.append(rec)
+    n = len(tasks)
+    acc = correct / n
+    return EvalResult(accuracy=acc, format_rate=fmt_ok / n, n=n, stderr=math.sqrt(acc * (1 - acc) / n),
+                      seconds=time.perf_counter() - t0, per_task=per)
+
+
+def format_rate(engine: Any, tokenizer: Any, tasks: Sequence[Task], messages_fn: Callable[[Task], list[dict]],
+                *, fmt: str = "hermes", samples_per_task: int = 1, batch_size: int = 16,
+                max_new_tokens: int = 64, temperature: float = 1.0, seed: int = 0) -> float:
+    """Share of sampled answers (``samples_per_task`` per task, at ``temperature``) that parse as at
+    least one tool call in format ``fmt``."""
+    tasks = list(tasks)
+    if not tasks:
+        raise ValueError("format_rate: no tasks")
+    prompts = [render_prompt(tokenizer, messages_fn(t)) for t in tasks for _ in range(samples_per_task)]
+    texts = _generate_texts(engine, tokenizer, prompts, batch_size=batch_size,
+                            max_new_tokens=max_new_tokens, temperature=temperature, seed=seed)
+    return sum(_format_ok(x, fmt) for x in texts) / len(texts)

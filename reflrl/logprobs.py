@@ -1,0 +1,139 @@
+"""Memory-lean per-token log-probabilities of given tokens under a causal LM (differentiable).
+
+The output head of SmolLM2 maps 576 -> 49,152. Full logits for a batch of 32 x 441 tokens are
+about 2.8 GB in float32, and autograd keeps them (and the log-softmax) for the backward pass;
+that is how a plain forward+backward reaches 24 GB on this machine. Here the decoder runs once,
+the hidden states are gathered only at the positions that predict a response token, and the head
+projection + log-softmax run on those rows in chunks (optionally recomputed in the backward pass
+instead of stored). Log-probs use temperature-scaled logits, ``log_softmax(logits / T)``, the
+distribution the rollout engine samples from (before any top-p truncation), so the importance
+ratio of PPO/GRPO (DAPO paper ``000_54a6bee37c8ce6eb.txt``, eq. 1) is 1 when nothing changed.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+
+def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
+    """Positions counted over real tokens: [B,T] mask -> [B,T] long (pads get 0).
+
+    Works for left padding (generation) and right padding (training batches).
+    """
+    return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+
+
+def head_of(model: nn.Module) -> tuple[nn.Module, torch.Tensor, torch.Tensor | None]:
+    """(decoder, head weight [V,H], head bias [V] or None) of a causal LM (peft-wrapped or not)."""
+    head = model.get_output_embeddings()
+    return model.get_decoder(), head.weight, getattr(head, "bias", None)
+
+
+def hidden_states(
+    model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor
+) -> torch.Tensor:
+    """Final (normed) hidden states of the decoder: [B,T] ids -> [B,T,H], no output head."""
+    decoder, _, _ = head_of(model)
+    out = decoder(
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        position_ids=position_ids_from_mask(attention_mask),
+        use_cache=False,
+    )
+    return out.last_hidden_state
+
+
+def token_logprobs_from_hidden(
+    hidden: torch.Tensor,
+    targets: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    temperature: float = 1.0,
+    chunk_size: int = 512,
+    recompute: bool | None = None,
+    compute_dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:
+    """log softmax(h W^T + b) / T)[target] for each row: hidden [N,H], targets [N] -> [N] float32.
+
+    Rows are processed ``chunk_size`` at a time in ``compute_dtype`` (float32: bfloat16 logits
+    would be off by ~0.05 nats). ``recompute`` (default: when gradients are on and there is more
+    than one chunk) stores only the hidden rows for the backward pass and recomputes each chunk's
+    logits there, so peak memory is one chunk of logits instead of N x V.
+    ``temperature`` <= 0 is treated as 1 (greedy decoding has no sampling distribution).
+    """
+    n = hidden.shape[0]
+    if n == 0:
+        return hidden.new_zeros(0, dtype=torch.float32)
+    t = float(temperature) if temperature and temperature > 0 else 1.0
+    w = weight if weight.dtype == compute_dtype else weight.to(compute_dtype)
+    b = None if bias is None else bias.to(compute_dtype)
+    if recompute is None:
+        recompute = torch.is_grad_enabled() and n > chunk_size
+
+    def chunk_fn(h: torch.Tensor, tgt: torch.Tensor) -> torch.Tensor:
+        logits = F.linear(h.to(compute_dtype), w, b)
+        if t != 1.0:
+            logits = logits / t
+        picked = logits.gather(-1, tgt.unsqueeze(-1)).squeeze(-1)
+        return (picked - torch.logsumexp(logits, dim=-1)).float()
+
+    outs = []
+    for s in range(0, n, chunk_size):
+        h, tgt = hidden[s : s + chunk_size], targets[s : s + chunk_size]
+        if recompute and h.requires_grad:
+            outs.append(checkpoint(chunk_fn, h, tgt, use_reentrant=False))
+        else:
+            outs.append(chunk_fn(h, tgt))
+    return torch.cat(outs)
+
+
+def sequence_logprobs(
+    model: nn.Module,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    response_mask: torch.Tensor,
+    temperature: float = 1.0,
+    chunk_size: int = 512,
+    recompute: bool | None = None,
+) -> torch.Tensor:
+    """Per-token log p(x_t | x_<t) at response positions, differentiable.
+
+    Args:
+        model: a causal LM (transformers, optionally peft-wrapped).
+        input_ids: [B,T] long, prompt + response tokens (any padding side).
+        attention_mask: [B,T] 1 for real tokens, 0 for pads.
+        response_mask: [B,T] 1 where the token is one whose log-prob is wanted (sampled action
+            tokens; 0 on prompt, observation and pad tokens). Position 0 has no context and is
+            always 0 in the output.
+        temperature: logits are divided by it (match the sampling temperature; <=0 means 1).
+        chunk_size, recompute: see :func:`token_logprobs_from_hidden`.
+
+    Returns:
+        [B,T] float32: ``out[b,t] = log softmax(logits(x_<t) / T)[x_t]`` where
+        ``response_mask[b,t]`` (and t >= 1), 0 elsewhere. Gradients flow to the trainable
+        parameters through the gathered rows only.
+    """
+    if input_ids.shape != attention_mask.shape or input_ids.shape != response_mask.shape:
+        raise ValueError(
+            f"shape mismatch: input_ids {tuple(input_ids.shape)}, attention_mask "
+            f"{tuple(attention_mask.shape)}, response_mask {tuple(response_mask.shape)}"
+        )
+    bsz, seqlen = input_ids.shape
+    _, weight, bias = head_of(model)
+    h = hidden_states(model, input_ids, attention_mask)  # [B,T,H]
+    sel = response_mask[:, 1:].bool() & attention_mask[:, 1:].bool()  # target positions t>=1
+    rows, cols = sel.nonzero(as_tuple=True)  # predicting token (rows, cols+1) from h[rows, cols]
+    lp = token_logprobs_from_hidden(
+        h[rows, cols],
+        input_ids[rows, cols + 1],
+        weight,
+        bias,
+        temperature=temperature,
+        chunk_size=chunk_size,
+        recompute=recompute,
+    )
+    out = torch.zeros(bsz, seqlen, dtype=torch.float32, device=input_ids.device)
+    return out.index_put((rows, cols + 1), lp)

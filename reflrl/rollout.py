@@ -1,0 +1,367 @@
+"""Rollouts: sample n answers per task from the policy and run them through the tool environments.
+
+Single-turn (``kind == "single"``/``"parallel"``): the B prompts are rendered once with the tokenizer's
+chat template, all B×n samples come from ONE batched engine call, then every environment steps
+concurrently (``asyncio.gather`` over ``env.astep``), so a slow or rate-limited tool only delays its
+own trajectory's reward, not the others' (VerlTool, sec. 3.3 "Asynchronous Rollout Design").
+
+Multi-turn: each trajectory alternates generation and tool observations. Generation is batched
+over every trajectory that is *ready* (not waiting for a tool); tool calls of all trajectories run
+concurrently on the event loop while the next generation batch runs in a worker thread
+(torch releases the GIL), again following VerlTool sec. 3.3.
+
+Tokenization (VerlTool, sec. 3.3 "Tokenization"): the action tokens of a trajectory are exactly the
+sampled ids (never re-tokenized text); observation tokens (tool messages rendered by the chat
+template + the next assistant header) are tokenized separately and appended with loss_mask 0, so the
+trained tokens are on-policy and observations get no gradient.
+
+Env faults that the env could not recover (``masked``) leave the trajectory out of the loss: they are
+never turned into a negative reward.
+"""
+from __future__ import annotations
+
+import asyncio
+import functools
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+from reflrl.envs.types import Task
+
+
+@dataclass
+class Trajectory:
+    """One rollout.
+
+    prompt_ids:    the rendered prompt (chat template + generation prompt), list[int] of length P.
+    response_ids:  everything after the prompt, length R: sampled action tokens and, in multi-turn
+                   episodes, the observation tokens between them.
+    loss_mask:     length R; 1 on sampled (action) tokens, 0 on observation tokens.
+    old_logprobs:  length R; the engine's log-prob of each sampled token (0.0 on observations).
+    reward:        the env's reward (0 for a masked trajectory: it is not used anyway).
+    correct:       the answer was fully right (exact match) — used by the pre-rollout filter.
+    masked:        an env fault was not recovered: excluded from the loss, never penalised.
+    info:          per-turn env info: fault events, triage, parse_ok, calls, env_fault_treatment ...
+    group:         index of the task in the batch (GRPO group).
+    """
+
+    task: Task
+    group: int
+    prompt_ids: list[int]
+    response_ids: list[int] = field(default_factory=list)
+    loss_mask: list[int] = field(default_factory=list)
+    old_logprobs: list[float] = field(default_factory=list)
+    reward: float = 0.0
+    correct: bool = False
+    masked: bool = False
+    info: dict[str, Any] = field(default_factory=dict)
+    texts: list[str] = field(default_factory=list)  # decoded actions, one per turn
+    turns: int = 0
+    truncated: bool = False
+
+    @property
+    def n_action_tokens(self) -> int:
+        return int(sum(self.loss_mask))
+
+    def append_action(self, ids: Sequence[int], logprobs: Sequence[float]) -> None:
+        if len(ids) != len(logprobs):
+            raise ValueError(f"action has {len(ids)} ids but {len(logprobs)} log-probs")
+        self.response_ids.extend(int(i) for i in ids)
+        self.loss_mask.extend([1] * len(ids))
+        self.old_logprobs.extend(float(x) for x in logprobs)
+
+    def append_observation(self, ids: Sequence[int]) -> None:
+        self.response_ids.extend(int(i) for i in ids)
+        self.loss_mask.extend([0] * len(ids))
+        self.old_logprobs.extend([0.0] * len(ids))
+
+
+@dataclass
+class RolloutConfig:
+    """What a rollout samples: tokens per turn, temperature, turns, concurrency."""
+
+    max_new_tokens: int = 64
+    temperature: float = 1.0
+    top_p: float = 1.0
+    max_turns: int = 1
+    max_total_tokens: int = 1024      # prompt + response cap for multi-turn episodes
+    concurrent: bool = True           # False: step envs one at a time (the baseline bench (d) measures)
+
+
+# ---------------------------------------------------------------------------------------- rendering
+def render_prompt(tokenizer: Any, messages: list[dict[str, Any]]) -> list[int]:
+    """Token ids of ``messages`` rendered with the tokenizer's chat template and the assistant
+    generation prompt appended."""
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def observation_text(tokenizer: Any, before: list[dict[str, Any]], action_text: str,
+                     after: list[dict[str, Any]], sampled_text: str) -> str:
+    """The text to append after a sampled action so the sequence equals the chat template's
+    rendering of ``after`` with a new assistant generation prompt.
+
+    before:       messages up to (not including) the assistant action.
+    action_text:  the assistant message content as the env recorded it.
+    after:        messages after the action (tool results, maybe a new user turn); must not be empty.
+    sampled_text: the decoded sampled ids WITH special tokens (e.g. "...</tool_call><|im_end|>").
+
+    The result = (what the template writes after the sampled text to close the assistant message,
+    e.g. "\\n" after "<|im_end|>", or "<|im_end|>\\n" if generation was cut) + (the rendering of
+    ``after`` + the assistant header). Falls back to rendering ``after`` alone when the template
+    rewrites earlier text (rare: templates that drop reasoning from history).
+    """
+    asst = {"role": "assistant", "content": action_text}
+    head = tokenizer.apply_chat_template(before, tokenize=False, add_generation_prompt=True)
+    closed = tokenizer.apply_chat_template(before + [asst], tokenize=False)
+    full = tokenizer.apply_chat_template(before + [asst] + after, tokenize=False, add_generation_prompt=True)
+    block = closed[len(head):] if closed.startswith(head) else ""
+    if block.startswith(sampled_text):
+        tail = block[len(sampled_text):]
+    else:  # the sample stopped early or the template normalised the content: close it ourselves
+        eos = tokenizer.eos_token or ""
+        tail = block[len(action_text):] if block.startswith(action_text) else (eos + "\n")
+        if sampled_text.endswith(eos) and tail.startswith(eos):
+            tail = tail[len(eos):]
+    if full.startswith(closed):
+        return tail + full[len(closed):]
+    rendered = tokenizer.apply_chat_template(after, tokenize=False, add_generation_prompt=True)
+    return tail + rendered
+
+
+# ------------------------------------------------------------------------------------ generation
+def generate_batch(engine: Any, prompts: list[list[int]], cfg: RolloutConfig, *, n: int = 1,
+                   max_new_tokens: int | None = None, seed: int = 0
+                   ) -> list[tuple[list[int], list[float], bool]]:
+    """One batched engine call: ``n`` samples per prompt (token ids), prompt-major.
+
+    Returns, per sample, (sampled ids, their log-probs, finished) where finished is False when the
+    sample was cut at max_new_tokens (the engine's finish_reason "length")."""
+    mnt = max_new_tokens or cfg.max_new_tokens
+    out = engine.generate(prompts, n=n, max_new_tokens=mnt, temperature=cfg.temperature,
+                          top_p=cfg.top_p, seed=seed)
+    if len(out) != len(prompts) * n:
+        raise ValueError(f"engine returned {len(out)} samples for {len(prompts)} prompts x {n}")
+    res = []
+    for smp in out:
+        ids = [int(t) for t in smp.token_ids]
+        lps = [float(x) for x in smp.logprobs]
+        if len(lps) != len(ids):
+            raise ValueError(f"engine sample has {len(ids)} tokens but {len(lps)} log-probs")
+        res.append((ids, lps, smp.finish_reason == "stop"))
+    return res
+
+
+# ------------------------------------------------------------------------------------------ envs
+def _fault_outcome(info: dict[str, Any]) -> bool:
+    """True when this env step ended in an env fault the env did not recover (mask it)."""
+    if "masked" in info:
+        return bool(info["masked"])
+    return info.get("env_fault_treatment") == "masked"
+
+
+def _is_correct(info: dict[str, Any], reward: float) -> bool:
+    if "correct" in info:
+        return bool(info["correct"])
+    parts = info.get("reward_parts") or {}
+    if isinstance(parts, dict) and "exact_match" in parts:
+        return bool(parts["exact_match"])
+    return float(reward) >= 1.0
+
+
+def _record_step(traj: Trajectory, reward: float, info: dict[str, Any]) -> None:
+    traj.reward = float(reward)
+    traj.correct = _is_correct(info, reward)
+    masked = _fault_outcome(info)
+    traj.masked = traj.masked or masked
+    steps = traj.info.setdefault("steps", [])
+    steps.append({k: info.get(k) for k in ("parse_ok", "triage", "env_fault_treatment", "reward_parts")
+                  if k in info})
+    traj.info.setdefault("fault_events", []).extend(info.get("fault_events") or [])
+    triage = info.get("triage")
+    if triage is not None:
+        traj.info.setdefault("triage", []).append(triage)
+    traj.info["parse_ok"] = info.get("parse_ok", traj.info.get("parse_ok"))
+
+
+async def _reset(env: Any, task: Task, seed: int) -> tuple[Any, dict[str, Any]]:
+    u = env.unwrapped
+    if hasattr(u, "areset"):
+        return await u.areset(seed=seed, options={"task": task})
+    return env.reset(seed=seed, options={"task": task})
+
+
+async def _step(env: Any, action: str) -> tuple[Any, float, bool, bool, dict[str, Any]]:
+    u = env.unwrapped
+    if hasattr(u, "astep"):
+        return await u.astep(action)
+    return env.step(action)
+
+
+async def _run_all(coros: list, concurrent: bool) -> list:
+    if concurrent:
+        return await asyncio.gather(*coros)
+    out = []
+    for c in coros:  # one at a time: the baseline the rollout benchmark compares against
+        out.append(await c)
+    return out
+
+
+# -------------------------------------------------------------------------------------- rollouts
+async def arollout(engine: Any, tokenizer: Any, envs: Sequence[Any], tasks: Sequence[Task], n: int,
+                   cfg: RolloutConfig, *, seed: int = 0, timings: dict[str, float] | None = None
+                   ) -> list[Trajectory]:
+    """Roll out n samples for each task: returns B×n Trajectories ordered task-major
+    (trajectory j of task i at index i*n + j, ``group == i``).
+
+    envs:  at least B×n environments (gymnasium envs with async ``areset``/``astep``), reused across
+           calls; env k serves trajectory k.
+    seed:  base seed; episode k is reset with seed + k (deterministic fault schedules).
+    timings: if given, receives "generate_s" and "env_s" (wall seconds spent in each).
+    """
+    total = len(tasks) * n
+    if len(envs) < total:
+        raise ValueError(f"need {total} environments for {len(tasks)} tasks x {n} rollouts, got {len(envs)}")
+    t = timings if timings is not None else {}
+    t.setdefault("generate_s", 0.0)
+    t.setdefault("env_s", 0.0)
+    t0 = time.perf_counter()
+    resets = await _run_all([_reset(envs[k], tasks[k // n], seed + k) for k in range(total)], cfg.concurrent)
+    t["env_s"] += time.perf_counter() - t0
+    trajs: list[Trajectory] = []
+    messages: list[list[dict[str, Any]]] = []
+    for k, (_obs, info) in enumerate(resets):
+        msgs = info.get("messages")
+        if not msgs:
+            raise KeyError("env reset info has no 'messages' to render with the chat template")
+        messages.append(list(msgs))
+        trajs.append(Trajectory(task=tasks[k // n], group=k // n, prompt_ids=render_prompt(tokenizer, msgs)))
+    multi = cfg.max_turns > 1 and any(tk.kind == "multi_turn" for tk in tasks)
+    if not multi:
+        await _single_turn(engine, tokenizer, envs, trajs, cfg, t, seed)
+    else:
+        await _multi_turn(engine, tokenizer, envs, trajs, messages, cfg, t, seed)
+    return trajs
+
+
+async def _single_turn(engine, tokenizer, envs, trajs: list[Trajectory], cfg: RolloutConfig,
+                       t: dict[str, float], seed: int) -> None:
+    """All B×n samples in one engine call, then all env steps concurrently."""
+    t0 = time.perf_counter()
+    groups = sorted({tr.group for tr in trajs})
+    firsts = {g: next(tr for tr in trajs if tr.group == g) for g in groups}
+    if all(tr.prompt_ids == firsts[tr.group].prompt_ids for tr in trajs) and \
+            [tr.group for tr in trajs] == [g for g in groups for _ in range(len(trajs) // len(groups))]:
+        # the n rollouts of a task share its prompt: one prefill per task, n samples each
+        samples = generate_batch(engine, [firsts[g].prompt_ids for g in groups], cfg,
+                                 n=len(trajs) // len(groups), seed=seed)
+    else:
+        samples = generate_batch(engine, [tr.prompt_ids for tr in trajs], cfg, seed=seed)
+    t["generate_s"] += time.perf_counter() - t0
+    texts = []
+    for tr, (ids, lps, fin) in zip(trajs, samples):
+        tr.append_action(ids, lps)
+        tr.truncated = not fin
+        tr.turns = 1
+        texts.append(tokenizer.decode(ids, skip_special_tokens=True))
+        tr.texts.append(texts[-1])
+    t0 = time.perf_counter()
+    results = await _run_all([_step(envs[k], texts[k]) for k in range(len(trajs))], cfg.concurrent)
+    t["env_s"] += time.perf_counter() - t0
+    for tr, (_obs, reward, _term, _trunc, info) in zip(trajs, results):
+        _record_step(tr, reward, info)
+
+
+async def _multi_turn(engine, tokenizer, envs, trajs: list[Trajectory], messages: list[list[dict]],
+                      cfg: RolloutConfig, t: dict[str, float], seed: int) -> None:
+    """Alternate batched generation of the ready trajectories with concurrent env steps.
+
+    Loop: generate for every ready trajectory in one batch (in a worker thread, so in-flight tool
+    calls keep progressing on the event loop); start an env step for each; then wait until at least
+    one env step finishes and collect every finished one; those not done become ready again.
+    """
+    loop = asyncio.get_running_loop()
+    ready: list[int] = list(range(len(trajs)))
+    pending: dict[asyncio.Future, tuple[int, str, list[int]]] = {}
+    rounds = 0
+    while ready or pending:
+        if ready:
+            batch = [k for k in ready if _fits(trajs[k], cfg)]
+            for k in ready:
+                if k not in batch:
+                    trajs[k].truncated = True
+            ready = []
+            if batch:
+                t0 = time.perf_counter()
+                prompts = [trajs[k].prompt_ids + trajs[k].response_ids for k in batch]
+                room = min(cfg.max_new_tokens, max(1, cfg.max_total_tokens - max(len(p) for p in prompts)))
+                call = functools.partial(generate_batch, engine, prompts, cfg, max_new_tokens=room,
+                                         seed=seed + 7919 * rounds)
+                rounds += 1
+                samples = await loop.run_in_executor(None, call)
+                t["generate_s"] += time.perf_counter() - t0
+                for k, (ids, lps, fin) in zip(batch, samples):
+                    tr = trajs[k]
+                    tr.append_action(ids, lps)
+                    tr.turns += 1
+                    text = tokenizer.decode(ids, skip_special_tokens=True)
+                    tr.texts.append(text)
+                    if not fin:
+                        tr.truncated = True
+                    fut = asyncio.ensure_future(_timed_step(envs[k], text))
+                    pending[fut] = (k, text, ids)
+        if not pending:
+            continue
+        done, _ = await asyncio.wait(list(pending), return_when=asyncio.FIRST_COMPLETED)
+        for fut in done:
+            k, text, ids = pending.pop(fut)
+            (_obs, reward, term, trunc, info), dt = fut.result()
+            t["env_s"] += dt
+            tr = trajs[k]
+            _record_step(tr, reward, info)
+            if term or trunc or tr.masked or tr.turns >= cfg.max_turns or tr.truncated:
+                tr.truncated = tr.truncated or (bool(trunc) and not term)
+                continue
+            new_msgs = list(info.get("messages") or [])
+            before = messages[k]
+            after = new_msgs[len(before) + 1:] if len(new_msgs) > len(before) + 1 else []
+            if not after:
+                continue  # the env added nothing to answer: the episode is over
+            action_text = new_msgs[len(before)].get("content", text) if len(new_msgs) > len(before) else text
+            sampled = tokenizer.decode(ids, skip_special_tokens=False)
+            obs = observation_text(tokenizer, before, action_text, after, sampled)
+            tr.append_observation(tokenizer(obs, add_special_tokens=False)["input_ids"])
+            messages[k] = new_msgs
+            ready.append(k)
+
+
+def _fits(tr: Trajectory, cfg: RolloutConfig) -> bool:
+    return len(tr.prompt_ids) + len(tr.response_ids) < cfg.max_total_tokens - 8
+
+
+async def _timed_step(env: Any, action: str):
+    t0 = time.perf_counter()
+    res = await _step(env, action)
+    return res, time.perf_counter() - t0
+
+
+def rollout(engine: Any, tokenizer: Any, envs: Sequence[Any], tasks: Sequence[Task], n: int,
+            cfg: RolloutConfig, *, seed: int = 0, timings: dict[str, float] | None = None) -> list[Trajectory]:
+    """Synchronous wrapper of :func:`arollout` (runs its own event loop)."""
+    return asyncio.run(arollout(engine, tokenizer, envs, tasks, n, cfg, seed=seed, timings=timings))
+
+
+def rollout_stats(trajs: Sequence[Trajectory]) -> dict[str, float]:
+    """Batch metrics: mean reward (unmasked), accuracy, parse rate, masked share, fault counts."""
+    live = [t for t in trajs if not t.masked]
+    n = max(1, len(trajs))
+    faults = sum(len(t.info.get("fault_events", [])) for t in trajs)
+    return {
+        "reward_mean": (sum(t.reward for t in live) / len(live)) if live else 0.0,
+        "correct_rate": (sum(t.correct for t in live) / len(live)) if live else 0.0,
+        "parse_rate": sum(bool(t.info.get("parse_ok")) for t in trajs) / n,
+        "masked_frac": (len(trajs) - len(live)) / n,
+        "fault_events": float(faults),
+        "response_tokens_mean": sum(len(t.response_ids) for t in trajs) / n,
+        "truncated_frac": sum(t.truncated for t in trajs) / n,
+    }

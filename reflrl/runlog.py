@@ -1,0 +1,275 @@
+"""The run folder: everything a training run leaves behind, in one place.
+
+    runs/<name>/
+        config.yaml        the resolved config (after --config, --faults and --set)
+        versions.json      python, torch, transformers, reflrl, git sha, host cores
+        metrics.jsonl      one JSON object per logged step ({"step", "phase", ...metrics})
+        events.out.tfevents.*   the same scalars for TensorBoard
+        checkpoints/step_000012/
+            model/         save_pretrained() of the policy (+ tokenizer): loads in transformers/vLLM as is
+            trainable.pt   the trainable parameters, exact dtype (what --resume loads)
+            optimizer.pt   optimizer state
+            rng.pt         python / numpy / torch RNG states
+            state.json     step, data-order position, pre-rollout filter streaks, timers
+        summary.json       the final report (accuracy before/after, fault counts, timings ...)
+
+Nothing here knows about RL: the trainer hands in plain dicts and modules.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import platform
+import random
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import yaml
+
+CHECKPOINT_DIR = "checkpoints"
+
+
+def versions() -> dict[str, Any]:
+    """Versions of what produced the run: python, torch, transformers, reflrl and the git sha (if any)."""
+    import transformers
+
+    import reflrl
+
+    out: dict[str, Any] = {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "reflrl": reflrl.__version__,
+        "platform": platform.platform(),
+        "cpu_count": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+    }
+    try:
+        import peft
+
+        out["peft"] = peft.__version__
+    except Exception:  # peft is optional at run time
+        pass
+    repo = Path(__file__).resolve().parent.parent
+    try:
+        sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=repo, capture_output=True, text=True,
+                             timeout=5)
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=repo,
+                               capture_output=True, text=True, timeout=5)
+        if sha.returncode == 0:
+            out["git_sha"] = sha.stdout.strip()
+            out["git_dirty"] = bool(dirty.stdout.strip())
+    except (OSError, subprocess.SubprocessError):
+        out["git_sha"] = None
+    return out
+
+
+def rng_state() -> dict[str, Any]:
+    """Snapshot of the python, numpy and torch RNGs (restore with :func:`set_rng_state`)."""
+    return {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+
+
+def _jsonable(x: Any) -> Any:
+    """Make metrics JSON-safe: tensors/numpy scalars to floats, NaN/inf to None (and say so)."""
+    if isinstance(x, torch.Tensor):
+        x = x.detach().cpu()
+        x = x.item() if x.numel() == 1 else x.tolist()
+    if isinstance(x, np.generic):
+        x = x.item()
+    if isinstance(x, float) and not math.isfinite(x):
+        return None
+    if isinstance(x, dict):
+        return {str(k): _jsonable(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_jsonable(v) for v in x]
+    if isinstance(x, Path):
+        return str(x)
+    return x
+
+
+class RunLog:
+    """A run folder: config, versions, metrics (JSONL + TensorBoard), checkpoints, summary.
+
+    ``RunLog(path, config)`` creates the folder (refusing to overwrite a run that already has
+    metrics unless ``resume=True``, in which case metrics are appended).
+    """
+
+    def __init__(self, path: str | Path, config: dict[str, Any] | None = None, *, resume: bool = False,
+                 tensorboard: bool = True):
+        self.path = Path(path)
+        self.resume = resume
+        if self.path.exists() and (self.path / "metrics.jsonl").exists() and not resume:
+            raise FileExistsError(f"run folder {self.path} already holds a run; pass --resume {self.path} "
+                                  "to continue it or choose another --name")
+        self.path.mkdir(parents=True, exist_ok=True)
+        (self.path / CHECKPOINT_DIR).mkdir(exist_ok=True)
+        if config is not None and not (resume and (self.path / "config.yaml").exists()):
+            self.write_config(config)
+        (self.path / "versions.json").write_text(json.dumps(versions(), indent=2) + "\n")
+        self._metrics = open(self.path / "metrics.jsonl", "a", buffering=1)
+        self._tb = None
+        if tensorboard:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+
+                self._tb = SummaryWriter(log_dir=str(self.path))
+            except Exception as e:  # tensorboard missing or broken: JSONL still has everything
+                print(f"[reflrl] TensorBoard disabled: {e}", file=sys.stderr)
+
+    # ------------------------------------------------------------------ config
+    def write_config(self, config: dict[str, Any]) -> None:
+        (self.path / "config.yaml").write_text(yaml.safe_dump(_jsonable(config), sort_keys=False))
+
+    def read_config(self) -> dict[str, Any]:
+        return yaml.safe_load((self.path / "config.yaml").read_text())
+
+    # ----------------------------------------------------------------- metrics
+    def log(self, step: int, metrics: dict[str, Any], phase: str = "train") -> None:
+        """Append one record to metrics.jsonl and write its numeric scalars to TensorBoard as
+        ``<phase>/<key>``."""
+        rec = {"step": int(step), "phase": phase, "time": round(time.time(), 3)}
+        rec.update(_jsonable(metrics))
+        self._metrics.write(json.dumps(rec) + "\n")
+        if self._tb is not None:
+            for k, v in rec.items():
+                if k in ("step", "phase", "time"):
+                    continue
+                if isinstance(v, bool):
+                    v = float(v)
+                if isinstance(v, (int, float)):
+                    self._tb.add_scalar(f"{phase}/{k}", v, int(step))
+
+    def read_metrics(self) -> list[dict[str, Any]]:
+        p = self.path / "metrics.jsonl"
+        return [json.loads(line) for line in p.read_text().splitlines() if line.strip()] if p.exists() else []
+
+    # ------------------------------------------------------------- checkpoints
+    def checkpoint_dir(self, step: int) -> Path:
+        return self.path / CHECKPOINT_DIR / f"step_{step:06d}"
+
+    def save_checkpoint(self, step: int, *, model: torch.nn.Module, tokenizer: Any,
+                        optimizer: torch.optim.Optimizer | None, state: dict[str, Any],
+                        export: bool = True, keep_last: int = 1) -> Path:
+        """Write checkpoints/step_<step>/ atomically (written to a temp folder, then renamed).
+
+        ``state`` is JSON (step, data order position, filter streaks, ...). ``export`` also writes
+        ``model/`` with save_pretrained (+ tokenizer) so the checkpoint loads in transformers/vLLM.
+        Keeps the newest ``keep_last`` checkpoints.
+        """
+        final = self.checkpoint_dir(step)
+        tmp = final.with_name(final.name + ".tmp")
+        if tmp.exists():
+            shutil.rmtree(tmp)
+        tmp.mkdir(parents=True)
+        trainable = {n: p.detach().cpu().clone() for n, p in model.named_parameters() if p.requires_grad}
+        torch.save(trainable, tmp / "trainable.pt")
+        if optimizer is not None:
+            torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
+        torch.save(rng_state(), tmp / "rng.pt")
+        (tmp / "state.json").write_text(json.dumps(_jsonable(state), indent=1) + "\n")
+        if export:
+            export_model(model, tokenizer, tmp / "model")
+        if final.exists():
+            shutil.rmtree(final)
+        tmp.rename(final)
+        self._prune(keep_last)
+        return final
+
+    def _prune(self, keep_last: int) -> None:
+        if keep_last <= 0:
+            return
+        cks = list_checkpoints(self.path)
+        for old in cks[:-keep_last]:
+            shutil.rmtree(old, ignore_errors=True)
+
+    # ----------------------------------------------------------------- summary
+    def write_summary(self, summary: dict[str, Any]) -> Path:
+        p = self.path / "summary.json"
+        p.write_text(json.dumps(_jsonable(summary), indent=2) + "\n")
+        return p
+
+    def close(self) -> None:
+        if self._tb is not None:
+            self._tb.flush()
+            self._tb.close()
+            self._tb = None
+        if not self._metrics.closed:
+            self._metrics.close()
+
+    def __enter__(self) -> "RunLog":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+def export_model(model: torch.nn.Module, tokenizer: Any, out: Path) -> None:
+    """save_pretrained the policy (and tokenizer) into ``out``: uses reflrl.models.save_checkpoint
+    when it exists (it merges LoRA adapters), else the model's own save_pretrained."""
+    try:
+        from . import models as _models
+
+        save = getattr(_models, "save_checkpoint", None)
+    except Exception:
+        save = None
+    if save is not None:
+        save(model, tokenizer, out)
+        return
+    model.save_pretrained(out)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(out)
+
+
+def list_checkpoints(run_dir: str | Path) -> list[Path]:
+    """Complete checkpoints of a run, oldest first (half-written ``*.tmp`` folders are ignored)."""
+    d = Path(run_dir) / CHECKPOINT_DIR
+    if not d.is_dir():
+        return []
+    cks = [p for p in d.iterdir() if p.is_dir() and p.name.startswith("step_") and not p.name.endswith(".tmp")
+           and (p / "state.json").exists()]
+    return sorted(cks, key=lambda p: int(p.name.split("_")[1]))
+
+
+def latest_checkpoint(run_dir: str | Path) -> Path | None:
+    cks = list_checkpoints(run_dir)
+    return cks[-1] if cks else None
+
+
+def load_checkpoint(ckpt: str | Path, *, model: torch.nn.Module | None = None,
+                    optimizer: torch.optim.Optimizer | None = None, restore_rng: bool = True) -> dict[str, Any]:
+    """Load a checkpoint written by :meth:`RunLog.save_checkpoint` into ``model`` (trainable
+    parameters, exact) and ``optimizer``; restore the RNGs; return the JSON state."""
+    ckpt = Path(ckpt)
+    if not (ckpt / "state.json").exists():
+        raise FileNotFoundError(f"{ckpt} is not a reflrl checkpoint (no state.json)")
+    if model is not None:
+        saved = torch.load(ckpt / "trainable.pt", map_location="cpu", weights_only=True)
+        params = dict(model.named_parameters())
+        missing = [n for n in saved if n not in params]
+        if missing:
+            raise KeyError(f"checkpoint {ckpt} has parameters the model lacks: {missing[:5]} "
+                           "(was it trained with another model or trainable-layer setting?)")
+        not_saved = [n for n, p in params.items() if p.requires_grad and n not in saved]
+        if not_saved:
+            raise KeyError(f"model has trainable parameters the checkpoint lacks: {not_saved[:5]}")
+        with torch.no_grad():
+            for n, t in saved.items():
+                params[n].copy_(t.to(params[n].dtype))
+    if optimizer is not None and (ckpt / "optimizer.pt").exists():
+        optimizer.load_state_dict(torch.load(ckpt / "optimizer.pt", map_location="cpu", weights_only=False))
+    if restore_rng and (ckpt / "rng.pt").exists():
+        set_rng_state(torch.load(ckpt / "rng.pt", map_location="cpu", weights_only=False))
+    return json.loads((ckpt / "state.json").read_text())

@@ -1,0 +1,162 @@
+"""Config: YAML + dotted overrides -> typed dataclasses; errors name the key; round-trip."""
+
+import dataclasses
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from reflrl.config import (
+    ADVANTAGES,
+    POLICY_LOSSES,
+    Config,
+    ConfigError,
+    config_diff,
+    config_help,
+    config_to_dict,
+    dump_config,
+    load_config,
+    parse_override,
+    save_config,
+)
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_defaults_and_default_yaml_match_the_dataclasses():
+    cfg = load_config(None)
+    assert cfg == Config()
+    assert cfg.algo.clip_low == 0.2 and cfg.algo.clip_high == 0.28
+    assert cfg.algo.advantage == "grpo" and cfg.algo.loss_agg == "token-mean"
+    assert load_config(ROOT / "configs" / "default.yaml") == Config()
+    # default.yaml lists every key of every section
+    text = (ROOT / "configs" / "default.yaml").read_text()
+    for f in dataclasses.fields(Config):
+        assert f"\n{f.name}:" in "\n" + text
+
+
+def test_tiny_yaml_loads():
+    cfg = load_config(ROOT / "configs" / "tiny.yaml")
+    assert cfg.model.name == "tiny-random"
+    assert cfg.train.steps <= 5 and cfg.rollout.n >= 2
+
+
+def test_overrides_typed_values_and_first_equals_split():
+    cfg = load_config(None, [
+        "algo.clip_high=0.3",
+        "train.steps=20",
+        "env.faults=rate_limit=0.1,timeout=0.05",
+        "data.kinds=[single, multiple]",
+        "env.retry.max_attempts=2",
+        "algo.dynamic_sampling=true",
+        "algo.dual_clip_c=3",
+        "algo.lr=1e-5",
+        "train.run_name=null",
+        "model.name=1e-5",
+        "warmup.enabled=false",
+        "train.time_budget_min=null",
+    ])
+    assert cfg.algo.clip_high == 0.3 and isinstance(cfg.algo.clip_high, float)
+    assert cfg.train.steps == 20
+    assert cfg.env.faults == "rate_limit=0.1,timeout=0.05"
+    assert cfg.data.kinds == ["single", "multiple"]
+    assert cfg.env.retry.max_attempts == 2
+    assert cfg.algo.dynamic_sampling is True
+    assert cfg.algo.dual_clip_c == 3.0 and isinstance(cfg.algo.dual_clip_c, float)
+    assert cfg.algo.lr == 1e-5
+    assert cfg.train.run_name is None
+    assert cfg.model.name == "1e-5"  # string fields keep the text
+    assert cfg.warmup.enabled is False
+    assert cfg.train.time_budget_min is None
+    assert load_config(None, ["data.kinds=single,parallel"]).data.kinds == ["single", "parallel"]
+
+
+def test_overrides_apply_on_top_of_file(tmp_path):
+    p = tmp_path / "c.yaml"
+    p.write_text("algo:\n  clip_high: 0.25\n  lr: 1e-5\ntrain:\n  steps: 7\n")
+    cfg = load_config(p, ["train.steps=9"])
+    assert cfg.algo.clip_high == 0.25 and cfg.algo.lr == 1e-5 and cfg.train.steps == 9
+    assert cfg.algo.clip_low == 0.2  # untouched keys keep defaults
+    assert parse_override("env.faults=a=1=2") == (["env", "faults"], "a=1=2")
+
+
+@pytest.mark.parametrize("override, needles", [
+    ("algo.clip_hihg=0.3", ["algo.clip_hihg", "did you mean 'clip_high'", "clip_low"]),
+    ("algx.lr=1", ["'algx'", "did you mean 'algo'", "rollout"]),
+    ("env.retry.attempts=1", ["env.retry.attempts", "max_attempts"]),
+    ("algo.clip_high=abc", ["algo.clip_high", "expected float", "'abc'"]),
+    ("train.steps=1.5", ["train.steps", "expected int", "1.5"]),
+    ("train.steps=true", ["train.steps", "expected int", "True"]),
+    ("algo.dynamic_sampling=1", ["algo.dynamic_sampling", "expected bool"]),
+    ("data.kinds=3", ["data.kinds", "list of str"]),
+    ("algo.lr", ["key=value"]),
+    ("algo.lr.x=1", ["algo.lr", "not a section"]),
+    ("algo=3", ["algo", "mapping"]),
+    ("algo.advantage=grp", ["algo.advantage", "did you mean 'grpo'"]),
+    ("algo.loss_agg=token_mean", ["algo.loss_agg", "token-mean"]),
+    ("model.trainable=top_layers:0", ["model.trainable"]),
+    ("algo.downsample_m=8", ["algo.downsample_m", "rollout.n"]),
+    ("rollout.n=0", ["rollout.n", ">= 1"]),
+    ("warmup.enabled=maybe", ["warmup.enabled", "'maybe'"]),
+    ("train.run_name=../x", ["train.run_name"]),
+])
+def test_bad_overrides_name_the_key(override, needles):
+    with pytest.raises(ConfigError) as exc:
+        load_config(None, [override])
+    for needle in needles:
+        assert needle in str(exc.value), (needle, str(exc.value))
+
+
+def test_bad_files(tmp_path):
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config(tmp_path / "missing.yaml")
+    p = tmp_path / "list.yaml"
+    p.write_text("- a\n- b\n")
+    with pytest.raises(ConfigError, match="mapping"):
+        load_config(p)
+    p.write_text("model:\n  nmae: x\n")
+    with pytest.raises(ConfigError, match=r"model\.nmae.*did you mean 'name'"):
+        load_config(p)
+    p.write_text("rollout:\n  temperature: hot\n")
+    with pytest.raises(ConfigError, match=r"rollout\.temperature: expected float, got str 'hot'"):
+        load_config(p)
+    p.write_text("algo: [1, 2\n")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_config(p)
+
+
+def test_several_value_errors_reported_together():
+    with pytest.raises(ConfigError) as exc:
+        load_config(None, ["rollout.n=0", "algo.clip_low=1.5"])
+    assert "rollout.n" in str(exc.value) and "algo.clip_low" in str(exc.value)
+
+
+def test_round_trip_through_run_folder(tmp_path):
+    cfg = load_config(ROOT / "configs" / "tiny.yaml", [
+        "env.faults=rate_limit=0.1", "algo.lr=3e-6", "train.run_name=x1", "data.path=/tmp/a b.jsonl",
+        "model.name=true", "env.fault_seed=7", "algo.value_clip=null", "data.kinds=[multi_turn]",
+    ])
+    path = save_config(cfg, tmp_path / "run" / "config.yaml", header="run x1")
+    again = load_config(path)
+    assert again == cfg
+    assert config_to_dict(again) == config_to_dict(cfg)
+    assert dump_config(again) == dump_config(cfg)
+
+
+def test_config_diff_and_help():
+    cfg = load_config(None, ["algo.clip_high=0.3", "env.retry.budget_s=5"])
+    assert config_diff(cfg) == {"algo.clip_high": (0.28, 0.3), "env.retry.budget_s": (30.0, 5.0)}
+    text = config_help()
+    for f in dataclasses.fields(Config):
+        assert f"\n{f.name}." in "\n" + text
+    assert "algo.clip_high (float, default 0.28)" in text
+
+
+def test_registry_names_in_sync_and_no_torch_import():
+    from reflrl.algos import list_advantages, list_policy_losses
+
+    assert set(ADVANTAGES) <= set(list_advantages())
+    assert set(POLICY_LOSSES) <= set(list_policy_losses())
+    code = "import sys, reflrl.config as c; c.load_config(None, ['train.steps=3']); assert 'torch' not in sys.modules"
+    subprocess.run([sys.executable, "-c", code], check=True)
