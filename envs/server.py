@@ -96,14 +96,35 @@ class ToolServer:
             Route("/v1/tools", self.list_tools, methods=["GET"]),
             Route("/v1/episodes", self.open_episode, methods=["POST"]),
             Route("/v1/episodes/{episode_id}", self.close_episode, methods=["DELETE"]),
-            Route("/v1/call/{tool}", self.call, methods=["POST"]),
             Route("/v1/ledger", self.get_ledger, methods=["GET"]),
             Route("/v1/health", self.health, methods=["GET"]),
         ]
         self.starlette = Starlette(routes=routes, lifespan=self._lifespan)
-        self.app = FaultInjector(self.starlette, lookup=self._lookup, ledger=self.ledger,
+        self.app = FaultInjector(self._asgi, lookup=self._lookup, ledger=self.ledger,
                                  clock=self.clock)
         self.app.server = self  # type: ignore[attr-defined]  (handy for tests and serve.py)
+
+    async def _asgi(self, scope, receive, send) -> None:
+        """POST /v1/call/{tool} goes straight to ``_call`` (the hot path); the rest to Starlette."""
+        if (scope["type"] == "http" and scope["method"] == "POST"
+                and scope["path"].startswith("/v1/call/")):
+            name = scope["path"][len("/v1/call/"):]
+            eid = None
+            for k, v in scope["headers"]:
+                if k == b"x-reflrl-episode":
+                    eid = v.decode("utf-8", "replace")
+                    break
+            chunks = []
+            while True:
+                msg = await receive()
+                if msg["type"] != "http.request":
+                    return None  # client went away
+                chunks.append(msg.get("body", b""))
+                if not msg.get("more_body", False):
+                    break
+            resp = self._call(name, eid, b"".join(chunks))
+            return await resp(scope, receive, send)
+        return await self.starlette(scope, receive, send)
 
     # ---- fault-site lookup for the injector ---------------------------------------------
     def _lookup(self, episode_id: str, tool: str) -> FaultSite | None:
@@ -169,9 +190,8 @@ class ToolServer:
         shutil.rmtree(ep.ctx.sandbox, ignore_errors=True)
         return Response(status_code=204)
 
-    async def call(self, request: Request) -> Response:
-        name = request.path_params["tool"]
-        eid = request.headers.get("x-reflrl-episode")
+    def _call(self, name: str, eid: str | None, raw: bytes) -> Response:
+        """Validate and dispatch one tool call (no fault logic here: that is the injector's)."""
         ep = self.episodes.get(eid) if eid else None
         if ep is None:
             return _error(404, "unknown_episode", f"no open episode {eid!r} "
@@ -180,7 +200,7 @@ class ToolServer:
         if spec is None or name not in ep.tools:
             return _error(404, "unknown_tool", f"no tool named {name!r} in this episode")
         try:
-            body = json.loads(await request.body())
+            body = json.loads(raw)
         except (ValueError, UnicodeDecodeError):
             return _error(400, "bad_request", "body is not valid JSON")
         args = body.get("arguments", {}) if isinstance(body, dict) else None

@@ -37,7 +37,7 @@ from __future__ import annotations
 import asyncio
 import copy
 import dataclasses
-import json
+import functools
 import string
 import threading
 from pathlib import Path
@@ -197,6 +197,8 @@ class ToolCallEnv(gym.Env[str, str]):
         app: a shared in-process ASGI app (ignored when ``server_url`` or ``client`` is given).
         server_seed: seed of the in-process server's catalogue.
         dataset_seed: seed of the synthetic dataset generator (fixed so splits stay stable).
+        synthetic_sizes: (train, val, test) sizes of the synthetic splits.
+        episode_prefix: prefix of server-side episode ids (``<prefix>-<fault seed hex>-<n>``).
         max_action_chars / max_obs_chars: length bounds of the text spaces.
         render_mode: ``"ansi"`` (render returns the conversation) or ``"human"`` (prints it).
     """
@@ -231,6 +233,7 @@ class ToolCallEnv(gym.Env[str, str]):
         app: Any = None,
         server_seed: int = 0,
         dataset_seed: int = 0,
+        synthetic_sizes: tuple[int, int, int] = (512, 64, 64),
         episode_prefix: str = "ep",
         max_action_chars: int = 16_384,
         max_obs_chars: int = 1 << 24,
@@ -244,7 +247,8 @@ class ToolCallEnv(gym.Env[str, str]):
         self.render_mode = render_mode
         self.fault_plan = FaultPlan.coerce(faults)  # FaultSpecError names a bad entry
         self.tasks: list[Task] = _resolve_dataset(
-            dataset, split, kinds if kinds is not None else self.default_kinds, dataset_seed)
+            dataset, split, kinds if kinds is not None else self.default_kinds, dataset_seed,
+            synthetic_sizes)
         if not self.tasks:
             raise ValueError(f"dataset {dataset!r} (split {split!r}) has no task of kinds "
                              f"{kinds if kinds is not None else self.default_kinds}")
@@ -457,7 +461,9 @@ class ToolCallEnv(gym.Env[str, str]):
                 turn_ended = True
                 ep.turn += 1
                 ep.turn_calls, ep.turn_format_ok = [], True
-                if ep.turn >= ep.n_user_turns:
+                if continues:  # the step budget ran out in the middle of a turn
+                    truncated = True
+                elif ep.turn >= ep.n_user_turns:
                     terminated = True
                 elif ep.step >= limit:
                     truncated = True
@@ -475,6 +481,7 @@ class ToolCallEnv(gym.Env[str, str]):
         ep.done = terminated or truncated
 
         info = {
+            "task_id": ep.task.id,
             "calls": [c.to_dict() for c in calls],
             "parse_ok": bool(parse.ok),
             "parse_error": parse.error,
@@ -621,7 +628,8 @@ def gold_actions(task: Task, fmt: str = "hermes", *, multi_turn: bool = False,
 
 
 # ---------------------------------------------------------------------- adapters to sibling modules
-def _resolve_dataset(dataset, split: str, kinds, dataset_seed: int) -> list[Task]:
+def _resolve_dataset(dataset, split: str, kinds, dataset_seed: int,
+                     synthetic_sizes: tuple[int, int, int]) -> list[Task]:
     """A list of Task from a list, a named source ("synthetic", "bfcl") or a file path."""
     if isinstance(dataset, (list, tuple)):
         tasks = list(dataset)
@@ -629,16 +637,15 @@ def _resolve_dataset(dataset, split: str, kinds, dataset_seed: int) -> list[Task
         if bad:
             raise TypeError(f"dataset list must hold Task objects, found {bad[0]}")
     elif isinstance(dataset, (str, Path)) and str(dataset) == "synthetic":
-        from . import datasets as ds
-
-        splits = ds.synthetic_splits(seed=dataset_seed)
+        want = tuple(kinds) if kinds is not None else ("single", "parallel", "multi_turn")
+        splits = _synthetic_splits(tuple(int(n) for n in synthetic_sizes), int(dataset_seed), want)
         if split not in splits:
             raise ValueError(f"unknown split {split!r}; choose from {sorted(splits)}")
         tasks = list(splits[split])
     elif isinstance(dataset, (str, Path)) and str(dataset).lower() in ("bfcl", "bfcl-multi-turn"):
-        from . import datasets as ds
+        from .tools.bfcl_backends import load_bfcl_multi_turn
 
-        tasks = list(ds.load_bfcl_multi_turn())
+        tasks = list(load_bfcl_multi_turn())
     elif isinstance(dataset, (str, Path)):
         path = Path(dataset)
         if not path.exists():
@@ -646,13 +653,22 @@ def _resolve_dataset(dataset, split: str, kinds, dataset_seed: int) -> list[Task
                                     "an existing file")
         from . import datasets as ds
 
-        tasks = list(ds.load_tasks(path))
+        report = ds.load_tasks(path)
+        tasks = list(report.tasks)
     else:
         raise TypeError(f"dataset must be a list of Task, 'synthetic', 'bfcl' or a path; got "
                         f"{type(dataset).__name__}")
     if kinds is not None:
         tasks = [t for t in tasks if t.kind in kinds]
     return tasks
+
+
+@functools.lru_cache(maxsize=8)
+def _synthetic_splits(sizes: tuple[int, int, int], seed: int, kinds: tuple[str, ...]):
+    """Synthetic train/val/test splits, cached per process (many envs share one dataset)."""
+    from . import datasets as ds
+
+    return ds.synthetic_splits(*sizes, seed, kinds=kinds)
 
 
 def _get_reward(name: str):

@@ -241,7 +241,7 @@ class Ledger:
         per = {k: KindCounts() for k in KIND_NAMES}
         mism: list[Mismatch] = []
         for o in obs.values():
-            if o.triage == "env_fault" and o.kind in per:
+            if o.kind in per and (o.triage == "env_fault" or o.kind == "latency"):
                 per[o.kind].observed += 1
         for key in sorted(set(inj) | set(obs)):
             i, o = inj.get(key), obs.get(key)

@@ -86,6 +86,7 @@ class RolloutConfig:
     max_turns: int = 1
     max_total_tokens: int = 1024      # prompt + response cap for multi-turn episodes
     concurrent: bool = True           # False: step envs one at a time (the baseline bench (d) measures)
+    concurrency: int = 64             # at most this many env calls (reset/step) in flight at once
 
 
 # ---------------------------------------------------------------------------------------- rendering
@@ -198,8 +199,17 @@ async def _step(env: Any, action: str) -> tuple[Any, float, bool, bool, dict[str
     return env.step(action)
 
 
-async def _run_all(coros: list, concurrent: bool) -> list:
+async def _run_all(coros: list, concurrent: bool, limit: int = 0) -> list:
+    """Await ``coros``: all at once (at most ``limit`` in flight when > 0), or one after another."""
     if concurrent:
+        if limit and limit < len(coros):
+            sem = asyncio.Semaphore(limit)
+
+            async def bounded(c):
+                async with sem:
+                    return await c
+
+            return await asyncio.gather(*(bounded(c) for c in coros))
         return await asyncio.gather(*coros)
     out = []
     for c in coros:  # one at a time: the baseline the rollout benchmark compares against
@@ -226,7 +236,8 @@ async def arollout(engine: Any, tokenizer: Any, envs: Sequence[Any], tasks: Sequ
     t.setdefault("generate_s", 0.0)
     t.setdefault("env_s", 0.0)
     t0 = time.perf_counter()
-    resets = await _run_all([_reset(envs[k], tasks[k // n], seed + k) for k in range(total)], cfg.concurrent)
+    resets = await _run_all([_reset(envs[k], tasks[k // n], seed + k) for k in range(total)],
+                           cfg.concurrent, cfg.concurrency)
     t["env_s"] += time.perf_counter() - t0
     trajs: list[Trajectory] = []
     messages: list[list[dict[str, Any]]] = []
@@ -266,7 +277,8 @@ async def _single_turn(engine, tokenizer, envs, trajs: list[Trajectory], cfg: Ro
         texts.append(tokenizer.decode(ids, skip_special_tokens=True))
         tr.texts.append(texts[-1])
     t0 = time.perf_counter()
-    results = await _run_all([_step(envs[k], texts[k]) for k in range(len(trajs))], cfg.concurrent)
+    results = await _run_all([_step(envs[k], texts[k]) for k in range(len(trajs))], cfg.concurrent,
+                             cfg.concurrency)
     t["env_s"] += time.perf_counter() - t0
     for tr, (_obs, reward, _term, _trunc, info) in zip(trajs, results):
         _record_step(tr, reward, info)

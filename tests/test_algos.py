@@ -437,3 +437,37 @@ def test_groups_to_request():
     assert groups_to_request(8, 5, 0.5) == 6
     assert groups_to_request(8, 0, 0.0) == 160  # floored at 5% keep rate
     assert groups_to_request(8, 0, 0.0, max_request=32) == 32
+
+
+def test_importance_weights_token_and_sequence_level():
+    from reflrl.algos import importance_weights
+
+    tgt = torch.log(torch.tensor([[0.5, 0.4, 0.9]]))
+    beh = torch.log(torch.tensor([[0.25, 0.8, 0.1]]))
+    mask = torch.tensor([[1, 1, 0]])
+    assert close(importance_weights(tgt, beh, mask), [[2.0, 0.5, 0.0]])
+    assert close(importance_weights(tgt, beh, mask, level="sequence"), [[1.0, 1.0, 0.0]])
+    assert close(importance_weights(tgt, beh, mask, cap=1.5), [[1.5, 0.5, 0.0]])
+
+
+def test_bfloat16_log_probs_are_computed_in_float32():
+    logp, old, adv = _policy_example()
+    loss32, _ = clipped_policy_loss(logp, old, adv, torch.ones(1, 4))
+    lp16 = logp.detach().to(torch.bfloat16).requires_grad_(True)
+    loss16, _ = clipped_policy_loss(lp16, old.to(torch.bfloat16), adv, torch.ones(1, 4))
+    assert loss16.dtype == torch.float32
+    loss16.backward()
+    assert lp16.grad is not None and lp16.grad.dtype == torch.bfloat16
+    assert abs(float(loss16.detach()) - float(loss32.detach())) < 0.05
+
+
+def test_group_reward_stats_and_nonfinite_rewards():
+    from reflrl.algos import group_reward_stats
+
+    r = torch.tensor([[1.0, 1, 1], [0.0, 1, 0], [0.0, 0, 0], [1.0, 1, 1]])
+    s = group_reward_stats(r, r_max=1.0, r_min=0.0)
+    assert s == {"groups": 4.0, "zero_variance_ratio": 0.75, "all_correct_ratio": 0.5, "all_wrong_ratio": 0.25}
+    with pytest.raises(ValueError, match="finite"):
+        grpo_advantage(torch.tensor([1.0, float("nan")]), [0, 0])
+    with pytest.raises(ValueError, match="finite"):
+        max_variance_subset([1.0, float("nan"), 0.0], 2)

@@ -41,6 +41,9 @@ def group_index(group_ids: GroupIds, batch_size: int) -> tuple[torch.Tensor, int
 
 def _flatten_groups(rewards: torch.Tensor, group_ids: GroupIds | None) -> tuple[torch.Tensor, torch.Tensor, int]:
     """rewards [B] + ids, or rewards [G, n] (one row per group) -> (flat [B], index [B], G)."""
+    if not bool(torch.isfinite(rewards).all()):
+        bad = (~torch.isfinite(rewards.reshape(-1))).nonzero().flatten().tolist()
+        raise ValueError(f"rewards must be finite; non-finite at flat positions {bad}")
     if rewards.dim() == 2 and group_ids is None:
         g, n = rewards.shape
         return rewards.reshape(-1), torch.arange(g).repeat_interleave(n), g
@@ -232,26 +235,30 @@ def _outcome_rewards(rewards, token_rewards, response_mask) -> torch.Tensor:
 @register_advantage("grpo")
 def _grpo(*, response_mask, group_ids, rewards=None, token_rewards=None, eps: float = 1e-6, **_):
     """GRPO (eq. 2 of the efficiency paper) broadcast over action tokens; returns == advantages."""
-    adv = broadcast_to_tokens(grpo_advantage(_outcome_rewards(rewards, token_rewards, response_mask), group_ids, eps=eps), response_mask)
+    r = _outcome_rewards(rewards, token_rewards, response_mask)
+    adv = broadcast_to_tokens(grpo_advantage(r, group_ids, eps=eps), response_mask)
     return adv, adv
 
 
 @register_advantage("dr_grpo")
 def _dr_grpo(*, response_mask, group_ids, rewards=None, token_rewards=None, **_):
     """Dr.GRPO (no std division) broadcast over action tokens; returns == advantages."""
-    adv = broadcast_to_tokens(dr_grpo_advantage(_outcome_rewards(rewards, token_rewards, response_mask), group_ids), response_mask)
+    r = _outcome_rewards(rewards, token_rewards, response_mask)
+    adv = broadcast_to_tokens(dr_grpo_advantage(r, group_ids), response_mask)
     return adv, adv
 
 
 @register_advantage("rloo")
 def _rloo(*, response_mask, group_ids, rewards=None, token_rewards=None, **_):
     """RLOO broadcast over action tokens; returns == advantages."""
-    adv = broadcast_to_tokens(rloo_advantage(_outcome_rewards(rewards, token_rewards, response_mask), group_ids), response_mask)
+    r = _outcome_rewards(rewards, token_rewards, response_mask)
+    adv = broadcast_to_tokens(rloo_advantage(r, group_ids), response_mask)
     return adv, adv
 
 
 @register_advantage("gae", needs_critic=True)
-def _gae(*, response_mask, values, rewards=None, token_rewards=None, gamma: float = 1.0, lam: float = 1.0, whiten: bool = True, **_):
+def _gae(*, response_mask, values, rewards=None, token_rewards=None, gamma: float = 1.0, lam: float = 1.0,
+         whiten: bool = True, **_):
     """PPO GAE; outcome ``rewards`` [B] are placed on each response's last action token."""
     if values is None:
         raise ValueError("advantage 'gae' needs critic values [B, T]")

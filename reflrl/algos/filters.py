@@ -45,7 +45,9 @@ class PreRolloutFilter:
     prompt that is still all-correct then needs k more all-correct epochs to be skipped
     again (with k = 1: rolled out every other epoch); one that fails stays in.
 
-    Usage per epoch::
+    Typical use: call ``keep`` once on the epoch's whole (shuffled) prompt order at the
+    start of the epoch (eq. 6 decides D^(e) before any rollout), then batch the kept
+    prompts. Usage per epoch::
 
         flt.start_epoch(e)                 # or pass epoch=e to keep()
         batch = flt.keep(prompt_ids)       # prompt ids to roll out this epoch
@@ -199,6 +201,8 @@ def max_variance_subset(rewards: Sequence[float] | torch.Tensor, m: int) -> list
     """
     vals = _as_float_list(rewards)
     n = len(vals)
+    if not all(math.isfinite(v) for v in vals):
+        raise ValueError(f"rewards must be finite, got {vals}")
     if m < 0:
         raise ValueError(f"m must be >= 0, got {m}")
     if m >= n:
@@ -259,3 +263,29 @@ def groups_to_request(
     rate = 1.0 if keep_rate is None else max(float(keep_rate), min_keep_rate)
     want = math.ceil(missing / min(rate, 1.0))
     return min(want, max_request) if max_request is not None else want
+
+
+def group_reward_stats(
+    rewards: torch.Tensor, r_max: float = 1.0, r_min: float | None = None, tol: float = 1e-6
+) -> dict[str, float]:
+    """Shares of prompt groups by outcome, for per-step logging: rewards [G, n] -> dict.
+
+    ``zero_variance_ratio`` (all n rewards equal: no GRPO signal, efficiency paper Fig. 4),
+    ``all_correct_ratio`` (all == r_max), ``all_wrong_ratio`` (all == r_min; default: the
+    batch minimum is not assumed, so it is only reported when r_min is given), ``groups``.
+    """
+    if rewards.dim() != 2:
+        raise ValueError(f"rewards must be [G, n], got shape {tuple(rewards.shape)}")
+    g = rewards.shape[0]
+    if g == 0:
+        return {"groups": 0.0, "zero_variance_ratio": 0.0, "all_correct_ratio": 0.0}
+    r = rewards.detach().double()
+    zero_var = ~drop_zero_variance_groups(r)
+    out = {
+        "groups": float(g),
+        "zero_variance_ratio": float(zero_var.double().mean()),
+        "all_correct_ratio": float(((r - r_max).abs() <= tol).all(dim=1).double().mean()),
+    }
+    if r_min is not None:
+        out["all_wrong_ratio"] = float(((r - r_min).abs() <= tol).all(dim=1).double().mean())
+    return out

@@ -78,9 +78,10 @@ def clipped_policy_loss(
     if dual_clip_c is not None and dual_clip_c <= 1.0:
         raise ValueError(f"dual_clip_c must be > 1, got {dual_clip_c}")
     m = as_bool_mask(response_mask)
-    logp = masked_fill_zero(log_prob, m)
-    old = masked_fill_zero(old_log_prob.detach().to(log_prob.dtype), m)
-    adv = masked_fill_zero(advantages.detach().to(log_prob.dtype), m)
+    f32 = torch.float32  # ratios in float32 even when the model runs in bfloat16
+    logp = masked_fill_zero(log_prob.to(f32), m)
+    old = masked_fill_zero(old_log_prob.detach().to(f32), m)
+    adv = masked_fill_zero(advantages.detach().to(f32), m)
 
     log_ratio = torch.clamp(logp - old, min=-20.0, max=20.0)
     ratio = torch.exp(log_ratio)
@@ -94,7 +95,7 @@ def clipped_policy_loss(
         dual_active = (adv < 0) & (loss3 < clipped) & m
         per_token = torch.where(adv < 0, torch.minimum(loss3, clipped), clipped)
     if importance_weights is not None:
-        w = masked_fill_zero(importance_weights.detach().to(log_prob.dtype), m)
+        w = masked_fill_zero(importance_weights.detach().to(f32), m)
         per_token = per_token * w
     loss = agg_loss(per_token, m, loss_agg_mode, global_denominator=global_denominator)
 
@@ -130,7 +131,7 @@ def kl_penalty(log_prob: torch.Tensor, ref_log_prob: torch.Tensor, estimator: st
     if estimator not in KL_ESTIMATORS:
         raise ValueError(f"unknown KL estimator {estimator!r}; expected one of {', '.join(KL_ESTIMATORS)}")
     _check_shapes(log_prob=log_prob, ref_log_prob=ref_log_prob)
-    diff = log_prob - ref_log_prob.detach()
+    diff = log_prob.float() - ref_log_prob.detach().float()
     if estimator in ("k1", "kl"):
         return diff
     if estimator == "abs":
@@ -178,9 +179,9 @@ def value_loss(
     """
     _check_shapes(values=values, old_values=old_values, returns=returns, response_mask=response_mask)
     m = as_bool_mask(response_mask)
-    v = masked_fill_zero(values, m)
-    v_old = masked_fill_zero(old_values.detach().to(values.dtype), m)
-    ret = masked_fill_zero(returns.detach().to(values.dtype), m)
+    v = masked_fill_zero(values.float(), m)
+    v_old = masked_fill_zero(old_values.detach().float(), m)
+    ret = masked_fill_zero(returns.detach().float(), m)
     l1 = (v - ret).square()
     if clip_range_value is None:
         per_token = 0.5 * l1
@@ -196,6 +197,38 @@ def value_loss(
         "vf_clipfrac": float(masked_mean(clip_active.float(), m)),
         "vpred_mean": float(masked_mean(v.detach(), m)),
     }
+
+
+def importance_weights(
+    target_log_prob: torch.Tensor,
+    behavior_log_prob: torch.Tensor,
+    response_mask: torch.Tensor,
+    *,
+    level: str = "token",
+    cap: float | None = None,
+) -> torch.Tensor:
+    """Detached importance weights pi_target / pi_behavior for off-policy tokens -> [B, T].
+
+    For data sampled by a different policy than the one trained (Tool-ReRL 003 sec. 3.3:
+    reflection-conditioned trajectories, behaviour pi(tau*|q*) vs target pi(tau*|q); or a
+    rollout engine whose numerics differ from the trainer's).
+    ``level="token"``: w_t = exp(logp_t - logp_beh_t); ``level="sequence"``: every action
+    token of a response gets exp(sum_t (logp_t - logp_beh_t)), the trajectory ratio of eq. 2.
+    ``cap`` truncates weights from above (truncated IS). Log-ratios are clamped to [-20, 20].
+    Inputs [B, T]; masked tokens get weight 0.
+    """
+    _check_shapes(target_log_prob=target_log_prob, behavior_log_prob=behavior_log_prob, response_mask=response_mask)
+    if level not in ("token", "sequence"):
+        raise ValueError(f"level must be 'token' or 'sequence', got {level!r}")
+    m = as_bool_mask(response_mask)
+    with torch.no_grad():
+        diff = masked_fill_zero(target_log_prob.detach().float() - behavior_log_prob.detach().float(), m)
+        if level == "sequence":
+            diff = diff.sum(dim=-1, keepdim=True).expand_as(diff)
+        w = torch.exp(diff.clamp(-20.0, 20.0))
+        if cap is not None:
+            w = w.clamp(max=cap)
+        return masked_fill_zero(w, m)
 
 
 def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,761 @@
+"""`reflrl train`: GRPO on the tool environments, on the CPU, with the efficiency filters.
+
+One path from the config to the loss, in the order it runs (CleanRL style; read top to bottom):
+
+    cfg -> splits (train/val/test tasks) -> model + tokenizer (reflrl.models) -> engine
+        -> envs (gymnasium, with the fault plan) -> run folder (reflrl.runlog)
+    eval before (greedy exact match on the test split)
+    warm-up: if the sampled format rate on probe tasks < threshold, SFT on the train split's gold calls
+    for each RL step:
+        prompts   = next prompts of a seeded per-epoch permutation, minus the prompts the online
+                    pre-rollout filter skips (paper 000 sec. 4.1, eqs. 4-6)
+        rollouts  = n samples per prompt, env steps run concurrently (VerlTool sec. 3.3)
+        filter    <- all-correct streak per prompt
+        [DAPO dynamic sampling: drop zero-variance groups and refill]
+        [max-variance down-sampling: keep m of n rollouts per prompt (paper 000 sec. 4.2, eq. 7)]
+        advantages = GRPO group-normalised (paper 000 eq. 2), masked rollouts excluded
+        loss       = clipped surrogate with clip-higher (paper 000 eq. 3, appendix F), token-mean
+        AdamW step with grad clipping
+    eval after; summary.json; a short human summary.
+
+Masked rollouts (an env fault the client's retries did not recover) are dropped from the advantage
+groups and from the loss: env faults never become negative rewards (Tool-ReRL 003, sec. 3.2).
+
+Old log-probs: with one optimiser step per rollout batch (``algo.epochs_per_batch == 1``) the policy
+that sampled is exactly the current one, so old_logprob = current logprob, detached (ratio 1, the
+gradient is the plain policy gradient); we do not use the engine's log-probs as "old" because they
+come from a different kernel path (KV-cache decoding, bfloat16) and their numerical noise would show
+up as spurious ratios and clipping. With several epochs the old log-probs are recomputed once with the
+current model before the first update. The engine/trainer log-prob gap is logged as a diagnostic.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import copy
+import json
+import math
+import os
+import random
+import sys
+import time
+from dataclasses import dataclass, field
+from datetime import datetime
+from pathlib import Path
+from typing import Any, Sequence
+
+import numpy as np
+import torch
+
+from . import config as C
+from . import rollout as R
+from .algos import (PreRolloutFilter, drop_zero_variance_groups, get_advantage_fn, get_policy_loss_fn,
+                    groups_to_request, kl_loss, max_variance_subset)
+from .runlog import RunLog, latest_checkpoint, load_checkpoint
+
+# ============================================================================ data order
+class PromptSampler:
+    """Which training prompts come next: a seeded permutation per epoch, filtered at the start of
+    each epoch by the online pre-rollout filter (paper 000 sec. 4.1, eq. 6).
+
+    State (``state_dict``): epoch, position in the epoch's order, and the order itself; with the
+    filter's streaks (saved separately) a resumed run draws exactly the same prompts.
+    """
+
+    def __init__(self, task_ids: Sequence[str], seed: int, prefilter: PreRolloutFilter):
+        if not task_ids:
+            raise ValueError("no training tasks")
+        self.task_ids = list(task_ids)
+        self.seed = int(seed)
+        self.filter = prefilter
+        self.epoch = -1
+        self.pos = 0
+        self.order: list[int] = []
+        self.skipped: dict[int, int] = {}  # epoch -> prompts skipped by the filter
+
+    def _start_epoch(self) -> None:
+        self.epoch += 1
+        perm = np.random.default_rng([self.seed, self.epoch]).permutation(len(self.task_ids)).tolist()
+        kept = set(self.filter.keep([self.task_ids[i] for i in perm], epoch=self.epoch))
+        self.order = [i for i in perm if self.task_ids[i] in kept]
+        self.skipped[self.epoch] = len(perm) - len(self.order)
+        self.pos = 0
+
+    def next(self, count: int) -> list[int]:
+        """The next ``count`` task indices (crossing into new epochs as needed)."""
+        out: list[int] = []
+        empty_epochs = 0
+        while len(out) < count:
+            if self.pos >= len(self.order):
+                self._start_epoch()
+                if not self.order:
+                    empty_epochs += 1
+                    if empty_epochs > 2:  # cannot happen with re-entry after one skipped epoch
+                        raise RuntimeError("the pre-rollout filter skipped every training prompt")
+                    continue
+            out.append(self.order[self.pos])
+            self.pos += 1
+        return out
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"seed": self.seed, "epoch": self.epoch, "pos": self.pos, "order": list(self.order),
+                "skipped": {str(k): v for k, v in self.skipped.items()}}
+
+    def load_state_dict(self, s: dict[str, Any]) -> None:
+        if int(s["seed"]) != self.seed:
+            raise ValueError(f"checkpoint data order has seed {s['seed']}, this run {self.seed}")
+        self.epoch, self.pos, self.order = int(s["epoch"]), int(s["pos"]), [int(i) for i in s["order"]]
+        self.skipped = {int(k): int(v) for k, v in s.get("skipped", {}).items()}
+
+
+def derive_seed(*parts: int) -> int:
+    """A 31-bit seed from integers (numpy SeedSequence)."""
+    return int(np.random.SeedSequence([int(p) & 0xFFFFFFFF for p in parts]).generate_state(1)[0] >> 1)
+
+
+# ============================================================================ batches
+@dataclass
+class UpdateBatch:
+    """Right-padded training tensors, all [B, L]: input_ids, attention_mask, response_mask (1 on the
+    sampled action tokens), engine_logprobs (the rollout engine's log-probs at those positions),
+    advantages (per token, 0 off the action tokens)."""
+
+    input_ids: torch.Tensor
+    attention_mask: torch.Tensor
+    response_mask: torch.Tensor
+    engine_logprobs: torch.Tensor
+    advantages: torch.Tensor
+
+    def __len__(self) -> int:
+        return int(self.input_ids.shape[0])
+
+    def select(self, idx: Sequence[int]) -> "UpdateBatch":
+        ix = torch.as_tensor(list(idx), dtype=torch.long)
+        sub = UpdateBatch(*(t[ix] for t in (self.input_ids, self.attention_mask, self.response_mask,
+                                            self.engine_logprobs, self.advantages)))
+        width = int(sub.attention_mask.sum(-1).max()) if len(sub) else 0  # trim shared right padding
+        return UpdateBatch(*(t[:, :width] for t in (sub.input_ids, sub.attention_mask, sub.response_mask,
+                                                    sub.engine_logprobs, sub.advantages)))
+
+
+def make_batch(trajs: Sequence[R.Trajectory], advantages: Sequence[float], pad_id: int) -> UpdateBatch:
+    """Pack trajectories (prompt_ids + response_ids) into an :class:`UpdateBatch`; the per-sequence
+    advantage is broadcast over the action tokens (loss_mask 1) only."""
+    if len(trajs) != len(advantages):
+        raise ValueError(f"{len(trajs)} trajectories but {len(advantages)} advantages")
+    L = max(len(t.prompt_ids) + len(t.response_ids) for t in trajs)
+    B = len(trajs)
+    ids = torch.full((B, L), pad_id, dtype=torch.long)
+    attn = torch.zeros((B, L), dtype=torch.long)
+    resp = torch.zeros((B, L), dtype=torch.long)
+    elp = torch.zeros((B, L), dtype=torch.float32)
+    adv = torch.zeros((B, L), dtype=torch.float32)
+    for i, (t, a) in enumerate(zip(trajs, advantages)):
+        P, Rn = len(t.prompt_ids), len(t.response_ids)
+        ids[i, : P + Rn] = torch.tensor(t.prompt_ids + t.response_ids, dtype=torch.long)
+        attn[i, : P + Rn] = 1
+        resp[i, P: P + Rn] = torch.tensor(t.loss_mask, dtype=torch.long)
+        elp[i, P: P + Rn] = torch.tensor(t.old_logprobs, dtype=torch.float32)
+        adv[i, P: P + Rn] = float(a) * resp[i, P: P + Rn].float()
+    return UpdateBatch(ids, attn, resp, elp, adv)
+
+
+def micro_batches(batch: UpdateBatch, size: int) -> list[UpdateBatch]:
+    """Split into micro-batches of at most ``size`` sequences, grouping similar lengths to cut padding."""
+    lengths = batch.attention_mask.sum(-1).tolist()
+    order = sorted(range(len(batch)), key=lambda i: lengths[i])
+    return [batch.select(order[s: s + size]) for s in range(0, len(order), size)]
+
+
+# ============================================================================ the policy update
+def policy_update(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: UpdateBatch,
+                  cfg: C.AlgoConfig, *, temperature: float = 1.0, ref_model: torch.nn.Module | None = None
+                  ) -> dict[str, float]:
+    """One rollout batch -> ``cfg.epochs_per_batch`` optimiser steps of the clipped surrogate.
+
+    Token-mean over the whole batch with gradient accumulation over micro-batches
+    (``global_denominator`` = action tokens of the batch), so the result equals one full-batch
+    step. Returns averaged loss metrics, grad norm and the engine/trainer log-prob gap.
+    """
+    from .logprobs import sequence_logprobs
+
+    loss_fn = get_policy_loss_fn(cfg.policy_loss)
+    params = [p for p in model.parameters() if p.requires_grad]
+    mbs = micro_batches(batch, cfg.micro_batch_size)
+    total_tokens = float(batch.response_mask.sum())
+    n_seq = float((batch.response_mask.sum(-1) > 0).sum())
+    denom = total_tokens if cfg.loss_agg == "token-mean" else n_seq
+    old: list[torch.Tensor | None] = [None] * len(mbs)
+    if cfg.epochs_per_batch > 1:  # recompute old log-probs once with the current (= sampling) policy
+        with torch.no_grad():
+            old = [sequence_logprobs(model, mb.input_ids, mb.attention_mask, mb.response_mask, temperature)
+                   for mb in mbs]
+    ref: list[torch.Tensor | None] = [None] * len(mbs)
+    if ref_model is not None and cfg.kl_coef > 0:
+        with torch.no_grad():
+            ref = [sequence_logprobs(ref_model, mb.input_ids, mb.attention_mask, mb.response_mask, temperature)
+                   for mb in mbs]
+    tok_sums: dict[str, float] = {}  # token-weighted sums of the loss function's metrics
+    tok_count = 0.0
+    losses, grad_norms = [], []
+    model.train()
+    for _epoch in range(cfg.epochs_per_batch):
+        optimizer.zero_grad(set_to_none=True)
+        loss_total = 0.0
+        for j, mb in enumerate(mbs):
+            lp = sequence_logprobs(model, mb.input_ids, mb.attention_mask, mb.response_mask, temperature)
+            old_lp = old[j] if old[j] is not None else lp.detach()
+            loss, m = loss_fn(lp, old_lp, mb.advantages, mb.response_mask, clip_low=cfg.clip_low,
+                              clip_high=cfg.clip_high, dual_clip_c=cfg.dual_clip_c,
+                              loss_agg_mode=cfg.loss_agg, global_denominator=denom)
+            if ref[j] is not None:
+                kl, km = kl_loss(lp, ref[j], mb.response_mask, cfg.kl_estimator, cfg.loss_agg,
+                                 global_denominator=denom)
+                loss = loss + cfg.kl_coef * kl
+                m.update(km)
+            if not torch.isfinite(loss):
+                raise FloatingPointError(f"policy loss is {float(loss)}; check the learning rate")
+            loss.backward()
+            loss_total += float(loss.detach())
+            mask = mb.response_mask.bool()
+            w = float(mask.sum())
+            if w:
+                m["engine_logprob_gap"] = float((lp.detach() - mb.engine_logprobs)[mask].abs().mean())
+            for k, v in m.items():
+                if k not in ("pg_loss", "tokens", "kl"):
+                    tok_sums[k] = tok_sums.get(k, 0.0) + w * float(v)
+            tok_count += w
+        gn = torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip if cfg.grad_clip > 0 else float("inf"))
+        optimizer.step()
+        losses.append(loss_total)
+        grad_norms.append(float(gn))
+    optimizer.zero_grad(set_to_none=True)
+    out = {k: v / max(tok_count, 1.0) for k, v in tok_sums.items()}
+    out["loss"] = float(np.mean(losses))
+    out["grad_norm"] = float(np.mean(grad_norms))
+    out["update_tokens"] = total_tokens
+    out["update_sequences"] = float(len(batch))
+    return out
+
+
+# ============================================================================ the trainer
+def splits_from_config(d: C.DataConfig) -> dict[str, list]:
+    """train/val/test task lists for the data section (synthetic generator or a loader)."""
+    from reflrl.envs import datasets as ds
+
+    if d.source == "synthetic":
+        sp = ds.synthetic_splits(n_train=d.n_train, n_val=d.n_val, n_test=d.n_test, seed=d.seed,
+                                 kinds=tuple(d.kinds))
+        splits = {k: list(sp[k]) for k in ("train", "val", "test")}
+    else:
+        if d.path is None:
+            raise C.ConfigError(f"data.source={d.source!r} needs data.path (a local file)")
+        fmt = d.fmt or (d.source if d.source in ds.FORMATS else "auto")
+        report = ds.load_tasks(d.path, fmt=fmt)
+        if report.n_skipped:
+            print(f"[reflrl] {report.summary()}", file=sys.stderr)
+        tasks = list(report.tasks)
+        rng = random.Random(d.seed)
+        rng.shuffle(tasks)
+        splits = {"test": tasks[: d.n_test], "val": tasks[d.n_test: d.n_test + d.n_val],
+                  "train": tasks[d.n_test + d.n_val: d.n_test + d.n_val + d.n_train]}
+    for k in splits:
+        splits[k] = [t for t in splits[k] if t.kind in d.kinds]
+    if not splits["train"]:
+        raise C.ConfigError(f"data: no training task of kinds {d.kinds} in source {d.source!r}")
+    return splits
+
+
+class Trainer:
+    """Holds everything a run needs; :meth:`run` executes it (see the module docstring).
+
+    ``run_dir``: the run folder (created; with ``resume=True`` the run continues from its last
+    checkpoint with the same data order and filter state).
+    """
+
+    def __init__(self, cfg: C.Config, run_dir: str | Path, *, resume: bool = False, progress: bool = True,
+                 quiet: bool = False):
+        self.cfg = cfg
+        self.progress = progress
+        self.quiet = quiet
+        self.t_start = time.perf_counter()
+        tr = cfg.train
+        if tr.threads:
+            torch.set_num_threads(tr.threads)
+        random.seed(tr.seed)
+        np.random.seed(tr.seed)
+        torch.manual_seed(tr.seed)
+        if cfg.algo.advantage == "gae" or cfg.algo.entropy_coef > 0:
+            raise C.ConfigError("the CPU trainer supports outcome advantages (grpo, dr_grpo, rloo) without "
+                                "an entropy bonus; algo.advantage='gae' and algo.entropy_coef>0 need a "
+                                "value head / full-vocabulary logits it does not compute")
+
+        # ---- data ------------------------------------------------------------------
+        self.splits = splits_from_config(cfg.data)
+        self.train_tasks = self.splits["train"]
+        self.prefilter = PreRolloutFilter(cfg.algo.prefilter_k)
+        self.sampler = PromptSampler([t.id for t in self.train_tasks], tr.seed, self.prefilter)
+
+        # ---- model, engine ---------------------------------------------------------
+        from .engine import TransformersEngine
+        from .models import load_model
+
+        t0 = time.perf_counter()
+        m = cfg.model
+        self.model, self.tokenizer = load_model(m.name, dtype=m.dtype, trainable=m.trainable, lora_r=m.lora_r,
+                                                lora_alpha=m.lora_alpha, lora_dropout=m.lora_dropout,
+                                                seed=tr.seed, trainable_dtype=m.trainable_dtype)
+        self.load_s = time.perf_counter() - t0
+        self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
+        self.engine = TransformersEngine(self.model, self.tokenizer,
+                                         max_batch_size=max(cfg.rollout.n, cfg.rollout.n * cfg.rollout.batch_prompts))
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        if not params:
+            raise C.ConfigError(f"model.trainable={m.trainable!r} leaves no trainable parameter")
+        self.optimizer = torch.optim.AdamW(params, lr=cfg.algo.lr, weight_decay=cfg.algo.weight_decay)
+        self.ref_model = None
+        if cfg.algo.kl_coef > 0:
+            self.ref_model = copy.deepcopy(self.model).eval()
+            for p in self.ref_model.parameters():
+                p.requires_grad_(False)
+
+        # ---- envs --------------------------------------------------------------------
+        self.n_envs = cfg.rollout.n * cfg.rollout.batch_prompts
+        self.envs = self._make_envs(self.n_envs)
+        self.loop = asyncio.new_event_loop()
+        self.rollout_cfg = R.RolloutConfig(
+            max_new_tokens=cfg.rollout.max_new_tokens, temperature=cfg.rollout.temperature,
+            top_p=cfg.rollout.top_p, max_turns=cfg.rollout.max_turns,
+            max_total_tokens=cfg.rollout.max_total_tokens, concurrent=cfg.env.concurrency > 1,
+            concurrency=cfg.env.concurrency)
+
+        # ---- run folder and state -------------------------------------------------------
+        self.log = RunLog(run_dir, None, resume=resume)
+        if not resume:
+            C.save_config(cfg, self.log.path / "config.yaml", header="resolved config of this run "
+                          "(reflrl train --resume RUN_DIR reads it back)")
+        self.step = 0
+        self.state: dict[str, Any] = {"phase": "start", "timers": {"rollout_s": 0.0, "update_s": 0.0,
+                                                                    "eval_s": 0.0, "warmup_s": 0.0},
+                                      "elapsed_before_s": 0.0, "zero_var_ratio": [], "rewards": [],
+                                      "masked": 0, "trajectories": 0, "episodes": 0}
+        if resume:
+            ck = latest_checkpoint(self.log.path)
+            if ck is None:
+                raise FileNotFoundError(f"{self.log.path} has no checkpoint to resume from")
+            self._load(ck)
+
+    # -------------------------------------------------------------------------------- set-up
+    def _make_envs(self, count: int) -> list:
+        import gymnasium as gym
+
+        import reflrl.envs  # noqa: F401  (registers the env ids)
+        from reflrl.envs.server import create_app
+
+        e = self.cfg.env
+        app = create_app()  # one in-process tool server shared by all envs
+        return [gym.make(e.id, dataset=self.train_tasks, faults=e.faults or None, fault_seed=e.fault_seed,
+                         seed=self.cfg.train.seed + k, reward=e.reward, parser=e.parser,
+                         prompt_style=self.cfg.data.prompt_style, max_steps=e.max_steps,
+                         retry={"max_attempts": e.retry.max_attempts, "budget_s": e.retry.budget_s},
+                         app=app, episode_prefix=f"w{k}").unwrapped
+                for k in range(count)]
+
+    def messages(self, task) -> list[dict]:
+        """The chat messages that start an episode of ``task`` (same rendering as the envs)."""
+        from reflrl.envs.prompts import build_messages
+
+        return build_messages(task, style=self.cfg.data.prompt_style, fmt=self._fmt())
+
+    def _fmt(self) -> str:
+        return "hermes" if self.cfg.env.parser == "auto" else self.cfg.env.parser
+
+    def elapsed(self) -> float:
+        return self.state["elapsed_before_s"] + (time.perf_counter() - self.t_start)
+
+    def say(self, msg: str) -> None:
+        if not self.quiet:
+            print(f"[reflrl] {msg}", flush=True)
+
+    # -------------------------------------------------------------------------------- evaluation
+    def evaluate(self, split: str = "test") -> dict[str, Any]:
+        from .evaluate import evaluate
+
+        t0 = time.perf_counter()
+        res = evaluate(self.engine, self.tokenizer, self.splits[split], self.messages, fmt=self._fmt(),
+                       batch_size=16, max_new_tokens=self.cfg.rollout.max_new_tokens)
+        self.state["timers"]["eval_s"] += time.perf_counter() - t0
+        return res.to_dict()
+
+    def probe_format_rate(self) -> float:
+        from .evaluate import format_rate
+
+        w = self.cfg.warmup
+        pool = self.splits["val"] or self.train_tasks
+        tasks = [pool[i % len(pool)] for i in range(w.probe_n)]
+        t0 = time.perf_counter()
+        r = format_rate(self.engine, self.tokenizer, tasks, self.messages, fmt=self._fmt(),
+                        temperature=self.cfg.rollout.temperature, max_new_tokens=self.cfg.rollout.max_new_tokens,
+                        seed=derive_seed(self.cfg.train.seed, 77))
+        self.state["timers"]["eval_s"] += time.perf_counter() - t0
+        return r
+
+    # -------------------------------------------------------------------------------- warm-up
+    def warmup(self) -> dict[str, Any]:
+        """Supervised warm-up when the format rate is below the threshold (or always/never)."""
+        from .sft import build_examples, train_sft
+
+        w = self.cfg.warmup
+        out: dict[str, Any] = {"ran": False}
+        if w.enabled is False or w.steps == 0:
+            return out
+        if w.probe_n > 0:
+            out["format_rate_before"] = self.probe_format_rate()
+            self.say(f"format rate before warm-up: {out['format_rate_before']:.0%} "
+                     f"(threshold {w.format_rate_threshold:.0%})")
+        if w.enabled == "auto" and out.get("format_rate_before", 0.0) >= w.format_rate_threshold:
+            return out
+        t0 = time.perf_counter()
+        examples = build_examples(self.train_tasks, self.tokenizer, self.messages, fmt=self._fmt())
+        res = train_sft(self.model, self.tokenizer, examples, steps=w.steps, batch_size=w.batch_size, lr=w.lr,
+                        seed=derive_seed(self.cfg.train.seed, 11), grad_clip=self.cfg.algo.grad_clip or 1.0,
+                        warmup_steps=min(5, w.steps // 10),
+                        time_budget_s=w.time_budget_min * 60 if w.time_budget_min else None,
+                        log=lambda s, m: self.log.log(s, m, phase="warmup"),
+                        progress=self.progress and not self.quiet)
+        self.state["timers"]["warmup_s"] += time.perf_counter() - t0
+        out.update(ran=True, **{f"sft_{k}": v for k, v in res.items()})
+        if w.probe_n > 0:
+            out["format_rate_after"] = self.probe_format_rate()
+            self.say(f"warm-up: {res['steps']} SFT steps in {res['seconds']:.0f}s, loss "
+                     f"{res['loss_first']:.2f} -> {res['loss_last']:.2f}; format rate "
+                     f"{out['format_rate_before']:.0%} -> {out['format_rate_after']:.0%}")
+        return out
+
+    # -------------------------------------------------------------------------------- one RL step
+    def rollout(self, task_idx: list[int], round_: int, timings: dict[str, float]) -> list[R.Trajectory]:
+        tasks = [self.train_tasks[i] for i in task_idx]
+        seed = derive_seed(self.cfg.train.seed, self.step, round_, 1)
+        n = self.cfg.rollout.n
+        self.state["episodes"] += len(tasks) * n
+        return self.loop.run_until_complete(
+            R.arollout(self.engine, self.tokenizer, self.envs, tasks, n, self.rollout_cfg, seed=seed,
+                       timings=timings))
+
+    def train_step(self) -> dict[str, Any]:
+        """Sample prompts, roll out, filter, compute advantages, update. Returns the step's metrics."""
+        cfg, a, n = self.cfg, self.cfg.algo, self.cfg.rollout.n
+        B = cfg.rollout.batch_prompts
+        t_step = time.perf_counter()
+        timings: dict[str, float] = {}
+        epoch_before = self.sampler.epoch
+
+        # 1. prompts (the pre-rollout filter acts when an epoch starts) + rollouts
+        groups: list[list[R.Trajectory]] = []
+        kept_groups: list[list[R.Trajectory]] = []
+        zero_var = live_groups = 0
+        rounds = 0
+        want = B
+        while want > 0:
+            idx = self.sampler.next(want)
+            trajs = self.rollout(idx, rounds, timings)
+            rounds += 1
+            for g in range(len(idx)):
+                grp = trajs[g * n: (g + 1) * n]
+                groups.append(grp)
+                live = [t for t in grp if not t.masked]
+                if live:  # 2. the filter's streak: all live rollouts correct (eqs. 4-5)
+                    self.prefilter.update(grp[0].task.id, [float(t.correct) for t in live], r_max=1.0)
+                    live_groups += 1
+                    rs = [t.reward for t in live]
+                    zv = len(live) < 2 or max(rs) == min(rs)
+                    zero_var += zv
+                if not live:
+                    continue
+                if a.dynamic_sampling and (len(live) < 2 or max(t.reward for t in live) == min(t.reward for t in live)):
+                    continue  # DAPO: a zero-variance group carries no signal; refill instead
+                kept_groups.append(grp)
+            if not a.dynamic_sampling or rounds > a.max_refill_rounds:
+                break
+            keep_rate = len(kept_groups) / max(1, len(groups))
+            want = min(B, groups_to_request(B, len(kept_groups), keep_rate if groups else None, max_request=B))
+        rollout_s = time.perf_counter() - t_step
+        all_trajs = [t for g in groups for t in g]
+
+        # 3. max-variance down-sampling (eq. 7) and GRPO advantages over the live rollouts of each group
+        train_trajs: list[R.Trajectory] = []
+        group_ids: list[int] = []
+        for gi, grp in enumerate(kept_groups[: B if a.dynamic_sampling else None]):
+            live = [t for t in grp if not t.masked]
+            if a.downsample_m and len(live) > a.downsample_m:
+                live = [live[i] for i in max_variance_subset([t.reward for t in live], a.downsample_m)]
+            train_trajs.extend(live)
+            group_ids.extend([gi] * len(live))
+        metrics: dict[str, Any] = {}
+        t_up = time.perf_counter()
+        if train_trajs:
+            rewards = torch.tensor([t.reward for t in train_trajs], dtype=torch.float32)
+            adv_fn = get_advantage_fn(a.advantage)
+            # outcome advantages: the [B] values, via a one-token mask (the estimator broadcasts)
+            one = torch.ones((len(train_trajs), 1), dtype=torch.long)
+            adv_tok, _ = adv_fn(rewards=rewards, group_ids=group_ids, response_mask=one, eps=a.adv_eps)
+            adv = adv_tok[:, 0].tolist()
+            # rollouts with zero advantage give exactly zero gradient: leave them out of the compute
+            use = [i for i, v in enumerate(adv) if v != 0.0 and train_trajs[i].n_action_tokens > 0]
+            if use:
+                batch = make_batch([train_trajs[i] for i in use], [adv[i] for i in use], self.pad_id)
+                metrics.update(policy_update(self.model, self.optimizer, batch, a,
+                                             temperature=cfg.rollout.temperature, ref_model=self.ref_model))
+            metrics["adv_abs_mean"] = float(np.mean(np.abs(adv)))
+        metrics["update_skipped"] = float("loss" not in metrics)
+        update_s = time.perf_counter() - t_up
+
+        # 4. bookkeeping
+        stats = R.rollout_stats(all_trajs)
+        masked = sum(t.masked for t in all_trajs)
+        self.state["masked"] += masked
+        self.state["trajectories"] += len(all_trajs)
+        zvr = zero_var / max(1, live_groups)
+        self.state["zero_var_ratio"].append(zvr)
+        self.state["rewards"].append(stats["reward_mean"])
+        self.state["timers"]["rollout_s"] += rollout_s
+        self.state["timers"]["update_s"] += update_s
+        metrics.update(stats)
+        metrics.update({
+            "epoch": self.sampler.epoch, "groups": len(groups), "groups_trained": len(set(group_ids)),
+            "zero_var_ratio": zvr, "masked": masked, "sampling_rounds": rounds,
+            "prefilter_skipped_epoch": self.sampler.skipped.get(self.sampler.epoch, 0),
+            "trained_rollouts": len(train_trajs),
+            "time_rollout_s": rollout_s, "time_generate_s": timings.get("generate_s", 0.0),
+            "time_env_s": timings.get("env_s", 0.0), "time_update_s": update_s,
+            "time_step_s": time.perf_counter() - t_step,
+        })
+        if self.sampler.epoch != epoch_before:
+            metrics["new_epoch"] = True
+        return metrics
+
+    # -------------------------------------------------------------------------------- checkpoints
+    def checkpoint_state(self) -> dict[str, Any]:
+        s = dict(self.state)
+        s["step"] = self.step
+        s["elapsed_before_s"] = self.elapsed()
+        s["sampler"] = self.sampler.state_dict()
+        s["prefilter"] = self.prefilter.state_dict()
+        return s
+
+    def save(self) -> Path:
+        return self.log.save_checkpoint(self.step, model=self.model, tokenizer=self.tokenizer,
+                                        optimizer=self.optimizer, state=self.checkpoint_state(),
+                                        keep_last=self.cfg.train.keep_checkpoints)
+
+    def _load(self, ck: Path) -> None:
+        s = load_checkpoint(ck, model=self.model, optimizer=self.optimizer)
+        self.step = int(s.pop("step"))
+        self.sampler.load_state_dict(s.pop("sampler"))
+        self.prefilter.load_state_dict(s.pop("prefilter"))
+        self.state.update(s)
+        self.t_start = time.perf_counter()
+        self.say(f"resumed {self.log.path} at step {self.step} ({ck.name})")
+
+    # -------------------------------------------------------------------------------- the run
+    def run(self) -> dict[str, Any]:
+        """Eval before, warm-up, RL steps (until train.steps or the time budget), eval after, summary."""
+        cfg, tr = self.cfg, self.cfg.train
+        st = self.state
+        if st["phase"] == "start":
+            self.say(f"run folder {self.log.path}; model {cfg.model.name} loaded in {self.load_s:.0f}s; "
+                     f"{len(self.train_tasks)} train / {len(self.splits['test'])} test tasks; "
+                     f"faults: {cfg.env.faults or 'none'}")
+            st["eval_before"] = self.evaluate("test")
+            self.log.log(0, {f"test_{k}": v for k, v in st["eval_before"].items()}, phase="eval")
+            self.say(f"held-out accuracy before: {st['eval_before']['accuracy']:.1%} "
+                     f"({st['eval_before']['n']} tasks, {st['eval_before']['seconds']:.0f}s)")
+            st["warmup"] = self.warmup()
+            st["phase"] = "rl"
+            self.save()
+        eval_cost = st["eval_before"]["seconds"]
+        budget = tr.time_budget_min * 60 if tr.time_budget_min else None
+        bar = None
+        if self.progress and not self.quiet:
+            from tqdm.auto import tqdm
+
+            bar = tqdm(total=tr.steps, initial=self.step, desc="GRPO", unit="step", dynamic_ncols=True)
+        step_times: list[float] = []
+        stop_reason = "steps"
+        while self.step < tr.steps:
+            est = float(np.mean(step_times[-3:])) if step_times else 0.0
+            if budget is not None and self.elapsed() + est + eval_cost > budget:
+                stop_reason = "time_budget"
+                break
+            m = self.train_step()
+            self.step += 1
+            step_times.append(m["time_step_s"])
+            if self.step % tr.log_every == 0 or self.step == tr.steps:
+                self.log.log(self.step, m)
+            if tr.eval_every and self.step % tr.eval_every == 0 and self.splits["val"]:
+                ev = self.evaluate("val")
+                self.log.log(self.step, {f"val_{k}": v for k, v in ev.items()}, phase="eval")
+            if tr.save_every and self.step % tr.save_every == 0:
+                self.save()
+            if bar is not None:
+                bar.update(1)
+                bar.set_postfix(reward=f"{m['reward_mean']:.2f}", acc=f"{m['correct_rate']:.2f}",
+                                zv=f"{m['zero_var_ratio']:.2f}", masked=int(m["masked"]))
+        if bar is not None:
+            bar.close()
+        st["stop_reason"] = stop_reason
+        st["phase"] = "done"
+        st["eval_after"] = self.evaluate("test")
+        self.log.log(self.step, {f"test_{k}": v for k, v in st["eval_after"].items()}, phase="eval")
+        self.save()
+        summary = self.summary()
+        self.log.write_summary(summary)
+        return summary
+
+    def ledger_totals(self) -> dict[str, Any]:
+        """Fault and triage counts summed over the envs' ledgers (this process's episodes)."""
+        tot: dict[str, Any] = {"calls": 0, "attempts": 0, "retries": 0, "recovered": 0, "given_up": 0,
+                               "policy_errors": 0, "faults_by_kind": {}, "injected_by_kind": {}}
+        for env in self.envs:
+            led = getattr(env, "ledger", None)
+            if led is None:
+                continue
+            t = led.totals()
+            for k in ("calls", "attempts", "retries", "recovered", "given_up", "policy_errors"):
+                tot[k] += int(getattr(t, k))
+            for key in ("faults_by_kind", "injected_by_kind"):
+                for kind, c in getattr(t, key).items():
+                    tot[key][kind] = tot[key].get(kind, 0) + int(c)
+        return tot
+
+    def summary(self) -> dict[str, Any]:
+        st = self.state
+        before, after = st.get("eval_before", {}), st.get("eval_after", {})
+        wu = st.get("warmup", {})
+        return {
+            "run_dir": str(self.log.path),
+            "accuracy_before": before.get("accuracy"), "accuracy_after": after.get("accuracy"),
+            "accuracy_gain": (after.get("accuracy", 0) - before.get("accuracy", 0)) if before and after else None,
+            "eval_before": before, "eval_after": after,
+            "format_rate_before": wu.get("format_rate_before"), "format_rate_after": wu.get("format_rate_after"),
+            "warmup": wu,
+            "steps": self.step, "stop_reason": st.get("stop_reason"),
+            "reward_per_step": st["rewards"], "zero_var_ratio_per_step": st["zero_var_ratio"],
+            "prefilter_skipped_per_epoch": dict(self.sampler.skipped),
+            "trajectories": st["trajectories"], "masked_trajectories": st["masked"],
+            "faults": self.ledger_totals(),
+            "time_s": {**{k: round(v, 1) for k, v in st["timers"].items()}, "load_s": round(self.load_s, 1),
+                       "total_s": round(self.elapsed(), 1)},
+            "config": {"faults": self.cfg.env.faults, "model": self.cfg.model.name, "seed": self.cfg.train.seed},
+        }
+
+    def close(self) -> None:
+        for env in self.envs:
+            try:
+                if getattr(env, "_client", None) is not None:
+                    self.loop.run_until_complete(env.aclose())
+            except Exception:  # noqa: BLE001  closing is best-effort at shutdown
+                pass
+        if not self.loop.is_closed():
+            self.loop.close()
+        self.log.close()
+
+
+# ============================================================================ CLI
+def format_summary(s: dict[str, Any]) -> str:
+    """The short human summary printed at the end of a run."""
+    def pct(x: Any) -> str:
+        return "n/a" if x is None else f"{x:.1%}"
+
+    f = s["faults"]
+    fk = ", ".join(f"{k}={v}" for k, v in sorted(f["faults_by_kind"].items())) or "none"
+    lines = [
+        "",
+        f"held-out accuracy: {pct(s['accuracy_before'])} -> {pct(s['accuracy_after'])}"
+        f"  ({s['eval_after'].get('n', 0)} test tasks, greedy exact match)",
+    ]
+    if s.get("format_rate_before") is not None:
+        lines.append(f"format rate (sampled): {pct(s['format_rate_before'])} -> {pct(s.get('format_rate_after'))}"
+                     f"  (warm-up {'ran' if s['warmup'].get('ran') else 'skipped'})")
+    lines += [
+        f"RL steps: {s['steps']} ({s['stop_reason']}); last rewards: "
+        + ", ".join(f"{r:.2f}" for r in s["reward_per_step"][-5:]),
+        f"tool calls: {f['calls']} ({f['attempts']} billed attempts, {f['retries']} retries); env faults seen: {fk}; "
+        f"recovered {f['recovered']}, given up {f['given_up']} -> {s['masked_trajectories']} of "
+        f"{s['trajectories']} rollouts masked (not penalised)",
+        "time: " + ", ".join(f"{k[:-2]} {v:.0f}s" for k, v in s["time_s"].items()),
+        f"run folder: {s['run_dir']}  (summary.json, metrics.jsonl, TensorBoard events, checkpoints/)",
+    ]
+    return "\n".join(lines)
+
+
+DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "default.yaml"
+
+
+def build_arg_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="reflrl train", description="Train a tool-calling policy with GRPO on the "
+                                "CPU, through fault-injecting tools. Writes a run folder.")
+    p.add_argument("--config", help=f"YAML config (default: {DEFAULT_CONFIG.name}, the default recipe)")
+    p.add_argument("--faults", help="fault spec, e.g. rate_limit=0.1,timeout=0.05 (sets env.faults)")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a config key, e.g. --set algo.lr=2e-5 (repeatable)")
+    p.add_argument("--seed", type=int, help="sets train.seed")
+    p.add_argument("--name", help="run folder name (sets train.run_name)")
+    p.add_argument("--resume", metavar="RUN_DIR", help="continue the run in RUN_DIR from its last checkpoint")
+    p.add_argument("--no-progress", action="store_true", help="no progress bars")
+    p.add_argument("--quiet", action="store_true", help="print only the final summary")
+    p.add_argument("--help-config", action="store_true", help="list every config key with its default and exit")
+    return p
+
+
+def resolve_config(args: argparse.Namespace) -> tuple[C.Config, Path, bool]:
+    """(config, run folder, resume?) from the parsed command line."""
+    overrides = list(args.overrides)
+    if args.faults is not None:
+        from reflrl.faults.spec import FaultPlan
+
+        overrides.append(f"env.faults={'' if args.faults in ('', 'none') else str(FaultPlan.parse(args.faults))}")
+    if args.seed is not None:
+        overrides.append(f"train.seed={args.seed}")
+    if args.resume:
+        run_dir = Path(args.resume)
+        if not (run_dir / "config.yaml").is_file():
+            raise C.ConfigError(f"--resume {run_dir}: no config.yaml there (not a reflrl run folder)")
+        cfg = C.load_config(run_dir / "config.yaml", overrides)
+        return cfg, run_dir, True
+    if args.name:
+        overrides.append(f"train.run_name={args.name}")
+    path = args.config if args.config else (DEFAULT_CONFIG if DEFAULT_CONFIG.is_file() else None)
+    cfg = C.load_config(path, overrides)
+    name = cfg.train.run_name or (datetime.now().strftime("%Y%m%d-%H%M%S") + f"-s{cfg.train.seed}")
+    return cfg, Path(cfg.train.out_dir) / name, False
+
+
+def train(cfg: C.Config, run_dir: str | Path, *, resume: bool = False, progress: bool = True,
+          quiet: bool = False) -> dict[str, Any]:
+    """Run a whole training job; returns the summary (also in run_dir/summary.json)."""
+    trainer = Trainer(cfg, run_dir, resume=resume, progress=progress, quiet=quiet)
+    try:
+        return trainer.run()
+    finally:
+        trainer.close()
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``reflrl train`` entry point; returns the exit status (2 for configuration errors)."""
+    args = build_arg_parser().parse_args(list(sys.argv[1:] if argv is None else argv))
+    if args.help_config:
+        print(C.config_help())
+        return 0
+    try:
+        cfg, run_dir, resume = resolve_config(args)
+    except (C.ConfigError, ValueError) as e:
+        print(f"reflrl train: error: {e}", file=sys.stderr)
+        return 2
+    summary = train(cfg, run_dir, resume=resume, progress=not args.no_progress, quiet=args.quiet)
+    print(format_summary(summary), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

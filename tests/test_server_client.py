@@ -1,0 +1,378 @@
+"""Tool server + client in-process (httpx over InProcessTransport, VirtualClock: no real sleeps)."""
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import httpx
+import pytest
+
+from reflrl.envs.client import (CallOutcome, RetryPolicy, ToolClient, ToolClientError,
+                                classify_response, parse_retry_after)
+from reflrl.envs.clock import VirtualClock
+from reflrl.envs.server import create_app
+from reflrl.envs.tools.base import ToolError, ToolSpec
+from reflrl.faults import KIND_NAMES, FaultPlan
+
+FILE_RETURNS = {
+    "type": "object",
+    "properties": {"path": {"type": "string"}, "content": {"type": "string"},
+                   "size_bytes": {"type": "integer"}},
+    "required": ["path", "content", "size_bytes"],
+    "additionalProperties": False,
+}
+
+
+def _read_file(args, ctx):
+    p = ctx.resolve_in_sandbox(args["path"])
+    text = p.read_text() if p.exists() else f"default content of {args['path']}"
+    return {"path": args["path"], "content": text, "size_bytes": len(text)}
+
+
+def _write_file(args, ctx):
+    p = ctx.resolve_in_sandbox(args["path"])
+    p.parent.mkdir(parents=True, exist_ok=True)
+    p.write_text(args["content"])
+    ctx.state["writes"] = ctx.state.get("writes", 0) + 1
+    return {"path": args["path"], "content": args["content"], "size_bytes": len(args["content"])}
+
+
+def _weather(args, ctx):
+    if args["city"] == "Atlantis":
+        raise ToolError("unknown city 'Atlantis'", kind="not_found")
+    return {"city": args["city"], "temp_c": 10 + ctx.seed % 7, "units": args.get("units", "metric")}
+
+
+def _buggy(args, ctx):
+    raise RuntimeError("handler bug")
+
+
+def make_tools() -> dict[str, ToolSpec]:
+    path = {"type": "string", "description": "file path"}
+    return {
+        "read_file": ToolSpec("read_file", "files", "Read a file.",
+                              {"type": "object", "properties": {"path": path},
+                               "required": ["path"]}, _read_file, returns=FILE_RETURNS),
+        "write_file": ToolSpec("write_file", "files", "Write a file.",
+                               {"type": "object", "properties": {"path": path,
+                                                                 "content": {"type": "string"}},
+                                "required": ["path", "content"]}, _write_file,
+                               returns=FILE_RETURNS),
+        "get_weather": ToolSpec("get_weather", "weather", "Weather for a city.",
+                                {"type": "object",
+                                 "properties": {"city": {"type": "string"},
+                                                "units": {"type": "string",
+                                                          "enum": ["metric", "imperial"]}},
+                                 "required": ["city"], "additionalProperties": False},
+                                _weather),
+        "buggy": ToolSpec("buggy", "misc", "Always crashes.", {"type": "object"}, _buggy),
+    }
+
+
+@pytest.fixture
+def clock():
+    return VirtualClock()
+
+
+@pytest.fixture
+def app(tmp_path):
+    return create_app(make_tools(), sandbox_root=tmp_path / "sandboxes")
+
+
+@pytest.fixture
+async def client(app, clock):
+    c = ToolClient.in_process(app, clock=clock, timeout=1.0)
+    yield c
+    await c.aclose()
+
+
+async def _call(c: ToolClient, ep: str, step: int, name="read_file", args=None, call_index=0
+                ) -> CallOutcome:
+    return await c.call(ep, step=step, call_index=call_index, name=name,
+                        arguments=args if args is not None else {"path": "notes.txt"})
+
+
+# ---- protocol ---------------------------------------------------------------------------
+async def test_tools_and_episode_lifecycle(client, app, tmp_path):
+    tools = await client.tools()
+    assert {t["name"] for t in tools} == set(make_tools())
+    assert set(tools[0]) == {"name", "description", "parameters"}
+    detail = await client.tools(detail=True)
+    assert next(t for t in detail if t["name"] == "read_file")["returns"] == FILE_RETURNS
+    info = await client.open_episode("ep", seed=3, faults="rate_limit=0.1", tools=["read_file",
+                                                                                     "write_file"])
+    assert info["faults"] == "rate_limit=0.1"
+    with pytest.raises(ToolClientError, match="409"):
+        await client.open_episode("ep")
+    r = await client.http.post("/v1/episodes", json={"episode_id": "x", "faults": "rate_limt=1"})
+    assert r.status_code == 422 and "did you mean 'rate_limit'" in r.json()["error"]["message"]
+    with pytest.raises(ValueError, match="rate_limt"):   # FaultSpecError, before any request
+        await client.open_episode("x", faults="rate_limt=1")
+    out = await _call(client, "ep", 0, "write_file", {"path": "a/b.txt", "content": "hi"})
+    assert out.ok and out.result["size_bytes"] == 2
+    sandbox = app.server.episodes["ep"].ctx.sandbox
+    assert (sandbox / "a" / "b.txt").read_text() == "hi"
+    assert sandbox.parent == tmp_path / "sandboxes"
+    out = await _call(client, "ep", 1, "get_weather", {"city": "Oslo"})   # not offered here
+    assert out.triage == "policy_error" and out.status == 404 and "unknown_tool" in out.error
+    await client.close_episode("ep")
+    assert not sandbox.exists() and "ep" not in app.server.episodes
+    with pytest.raises(ToolClientError, match="unknown_episode|no open episode"):
+        await _call(client, "ep", 2)
+
+
+async def test_policy_errors_are_classified_and_never_retried(client):
+    await client.open_episode("ep", seed=1)
+    out = await _call(client, "ep", 0, "get_weather", {})
+    assert (out.triage, out.attempts, out.status) == ("policy_error", 1, 422)
+    assert "city" in out.error and "missing required argument" in out.error
+    out = await _call(client, "ep", 1, "get_weather", {"city": "Oslo", "units": "kelvin"})
+    assert out.triage == "policy_error" and "units" in out.error and "kelvin" in out.error
+    out = await _call(client, "ep", 2, "get_weather", {"city": "Oslo", "zip": 1})
+    assert out.triage == "policy_error" and "zip" in out.error
+    out = await _call(client, "ep", 3, "get_weather", {"city": "Atlantis"})
+    assert out.triage == "policy_error" and out.error.startswith("not_found")
+    out = await _call(client, "ep", 4, "no_such_tool", {})
+    assert out.triage == "policy_error" and out.status == 404
+    out = await _call(client, "ep", 5, "read_file", {"path": "../../etc/passwd"})
+    assert out.triage == "policy_error" and "forbidden_path" in out.error
+    out = await _call(client, "ep", 6, "get_weather", {"city": "Oslo"})
+    assert out.ok and out.result == {"city": "Oslo", "temp_c": 11, "units": "metric"}
+    assert client.ledger.reconcile("ep").exact
+    assert client.ledger.totals("ep").policy_errors == 6
+
+
+async def test_handler_bug_is_a_500_that_reconcile_flags(client):
+    await client.open_episode("ep", seed=1)
+    out = await client.call("ep", step=0, call_index=0, name="buggy", arguments={})
+    assert out.triage == "env_fault" and out.fault_kind == "server_error" and out.status == 500
+    rep = client.ledger.reconcile("ep")
+    assert not rep.exact and all(m.injected is None for m in rep.mismatches)
+
+
+# ---- each kind, as the client sees it ---------------------------------------------------
+RAW = {"x-reflrl-step": "0", "x-reflrl-call": "0", "x-reflrl-attempt": "0"}
+
+
+async def test_raw_symptoms_match_a_real_client(client):
+    """With the bare httpx client: the exception types / statuses a socket would give."""
+    async def raw(kind: str, name="read_file"):
+        ep = f"raw-{kind}"
+        await client.open_episode(ep, faults=f"{kind}=1", fault_seed=5)
+        return await client.http.post(f"/v1/call/{name}", json={"arguments": {"path": "x"}},
+                                      headers={**RAW, "x-reflrl-episode": ep}, timeout=1.0)
+    with pytest.raises(httpx.ReadError):
+        await raw("connection")
+    with pytest.raises(httpx.ReadTimeout):
+        await raw("timeout")
+    with pytest.raises(httpx.RemoteProtocolError):
+        await raw("truncated")
+    r = await raw("rate_limit")
+    assert r.status_code == 429 and r.headers["retry-after"] == "1"
+    assert (await raw("server_error")).status_code in (500, 502, 503)
+    r = await raw("malformed")
+    assert r.status_code == 200
+    with pytest.raises(ValueError):
+        r.json()
+    r = await raw("ip_ban")
+    assert r.status_code == 403 and r.json()["error"]["type"] == "ip_banned"
+    r = await raw("schema_drift")
+    assert r.status_code == 200 and set(r.json()["result"]) != {"path", "content", "size_bytes"}
+    t0 = client.clock.monotonic()
+    r = await raw("latency")
+    assert r.status_code == 200 and client.clock.monotonic() - t0 == pytest.approx(0.5)
+
+
+@pytest.mark.parametrize("kind", KIND_NAMES)
+async def test_each_kind_is_observed_as_itself(client, kind):
+    await client.open_episode("ep", faults=f"{kind}=1", fault_seed=11)
+    client.retry = RetryPolicy.no_retry()
+    out = await _call(client, "ep", 0)
+    if kind == "latency":
+        assert out.ok and [e.kind for e in out.events] == ["latency"]
+        assert out.elapsed_s == pytest.approx(0.5)
+    else:
+        assert (out.triage, out.fault_kind, out.attempts) == ("env_fault", kind, 1)
+    rep = client.ledger.reconcile("ep")
+    assert rep.exact and rep.per_kind[kind].matched == 1, rep.format()
+
+
+async def test_file_only_and_undetectable_kinds(client):
+    # invalid_file does not touch a non-file tool; nothing injected, nothing recorded
+    await client.open_episode("a", faults="invalid_file=1")
+    out = await _call(client, "a", 0, "get_weather", {"city": "Oslo"})
+    assert out.ok and not client.ledger.injected("a")
+    # drift on a tool without a returns schema: delivered as ok data, counted undetected
+    await client.open_episode("b", faults="schema_drift=1")
+    out = await _call(client, "b", 0, "get_weather", {"city": "Oslo"})
+    assert out.ok and set(out.result) != {"city", "temp_c", "units"}
+    rep = client.ledger.reconcile("b")
+    assert rep.exact and rep.per_kind["schema_drift"].undetected == 1
+    # a client that skips returns-validation sees the drift as ok too
+    client.validate_returns = False
+    client._returns = None
+    await client.open_episode("c", faults="schema_drift=1")
+    assert (await _call(client, "c", 0)).ok
+    assert client.ledger.reconcile("c").per_kind["schema_drift"].undetected == 1
+
+
+async def test_post_dispatch_faults_ran_the_tool(client, app):
+    await client.open_episode("ep", faults="truncated=1")
+    client.retry = RetryPolicy.no_retry()
+    out = await _call(client, "ep", 0, "write_file", {"path": "f.txt", "content": "x"})
+    assert out.fault_kind == "truncated"
+    assert app.server.episodes["ep"].ctx.state["writes"] == 1   # the side effect happened
+
+
+# ---- retry policy -----------------------------------------------------------------------
+async def test_retry_after_is_honoured_on_the_virtual_clock(client, clock):
+    client.retry = RetryPolicy(max_attempts=3, base_s=0.1, jitter=0.0)
+    await client.open_episode("ep", faults="rate_limit=1:2s")
+    out = await _call(client, "ep", 0)
+    assert (out.triage, out.fault_kind, out.attempts) == ("env_fault", "rate_limit", 3)
+    assert clock.sleeps == [2.0, 2.0]
+    assert out.elapsed_s == pytest.approx(4.0)
+    # Retry-After is whole seconds: 300ms is announced as 1 s
+    clock.sleeps.clear()
+    await client.open_episode("ep2", faults="rate_limit=1:300ms")
+    await _call(client, "ep2", 0)
+    assert clock.sleeps == [1.0, 1.0]
+    # a time budget stops the retries before a wait that would overrun it
+    clock.sleeps.clear()
+    client.retry = RetryPolicy(max_attempts=10, base_s=0.1, jitter=0.0, budget_s=3.0)
+    await client.open_episode("ep3", faults="rate_limit=1:2s")
+    out = await _call(client, "ep3", 0)
+    assert out.attempts == 2 and clock.sleeps == [2.0]
+    # a Retry-After beyond max_retry_after_s is not waited for
+    clock.sleeps.clear()
+    client.retry = RetryPolicy(max_attempts=10, max_retry_after_s=5)
+    await client.open_episode("ep4", faults="rate_limit=1:10s")
+    out = await _call(client, "ep4", 0)
+    assert out.attempts == 1 and clock.sleeps == []
+
+
+async def test_backoff_is_capped_exponential_with_seeded_jitter(client, clock):
+    pol = RetryPolicy(max_attempts=6, base_s=0.5, cap_s=2.0, jitter=0.0)
+    client.retry = pol
+    await client.open_episode("ep", faults="server_error=1")
+    out = await _call(client, "ep", 0)
+    assert out.attempts == 6 and out.fault_kind == "server_error"
+    assert clock.sleeps == [0.5, 1.0, 2.0, 2.0, 2.0]
+    jit = RetryPolicy(jitter=1.0, seed=3)
+    waits = [jit.backoff("ep", 0, 0, a) for a in range(4)]
+    assert waits == [jit.backoff("ep", 0, 0, a) for a in range(4)]
+    assert waits != [RetryPolicy(jitter=1.0, seed=4).backoff("ep", 0, 0, a) for a in range(4)]
+    assert all(0 <= w <= min(8.0, 0.5 * 2 ** a) for a, w in enumerate(waits))
+
+
+async def test_recovery_is_counted(client):
+    client.retry = RetryPolicy(max_attempts=8, jitter=0.0)
+    await client.open_episode("ep", faults="server_error=0.5", fault_seed=2)
+    outs = [await _call(client, "ep", s) for s in range(40)]
+    t = client.ledger.totals("ep")
+    assert t.calls == 40 and t.attempts == sum(o.attempts for o in outs)
+    assert t.retries == t.attempts - t.calls > 0
+    assert t.recovered == sum(o.recovered for o in outs) > 0
+    assert t.given_up == sum(o.triage == "env_fault" for o in outs)
+    assert client.ledger.reconcile("ep").exact
+
+
+async def test_ip_ban_persists_until_the_identity_changes(client):
+    client.retry = RetryPolicy(max_attempts=3, rotate_identity_on_ban=False)
+    await client.open_episode("ep", faults="ip_ban=1", fault_seed=0)
+    out = await _call(client, "ep", 0)
+    assert out.fault_kind == "ip_ban" and out.attempts == 1   # not retried without an IP change
+    await client.open_episode("ep-b", faults="ip_ban=0.2", fault_seed=0)
+    outs = [await _call(client, "ep-b", s) for s in range(30)]
+    first = next(i for i, o in enumerate(outs) if not o.ok)
+    assert all(o.fault_kind == "ip_ban" for o in outs[first:])     # banned for the episode
+    causes = [e.cause for e in client.ledger.injected("ep-b")]
+    assert causes[0] == "draw" and set(causes[1:]) == {"ban"}
+    assert client.ledger.reconcile("ep-b").exact
+    # with identity rotation the ban is lifted by retrying from a new identity
+    client.retry = RetryPolicy(max_attempts=3, rotate_identity_on_ban=True)
+    await client.open_episode("ep-c", faults="ip_ban=0.2", fault_seed=0)
+    outs = [await _call(client, "ep-c", s) for s in range(30)]
+    assert sum(o.ok for o in outs) >= 28 and any(o.recovered for o in outs)
+    assert client.current_identity("ep-c") != client.identity
+
+
+# ---- determinism ------------------------------------------------------------------------
+async def _run_episode(seed: int, tmp_path: Path) -> list[tuple]:
+    clock = VirtualClock()
+    app = create_app(make_tools(), sandbox_root=tmp_path / f"s{seed}")
+    c = ToolClient.in_process(app, clock=clock, timeout=1.0)
+    await c.open_episode("ep", seed=1, faults=",".join(f"{k}=0.08" for k in KIND_NAMES),
+                         fault_seed=seed)
+    outs = [await _call(c, "ep", s) for s in range(30)]
+    await c.aclose()
+    inj = [(e.key, e.kind, e.status, e.detail) for e in c.ledger.injected("ep")]
+    obs = [(e.key, e.triage, e.kind, e.status, e.detail) for e in c.ledger.observed("ep")]
+    res = [(o.triage, o.attempts, repr(o.result)) for o in outs]
+    return [inj, obs, res, clock.now]
+
+
+async def test_same_seed_replays_identically(tmp_path):
+    a = await _run_episode(4, tmp_path)
+    b = await _run_episode(4, tmp_path)
+    c = await _run_episode(5, tmp_path)
+    assert a == b
+    assert a[0] != c[0] and a[1] != c[1]
+
+
+# ---- the acceptance run -----------------------------------------------------------------
+async def test_ten_thousand_calls_frequencies_and_exact_reconciliation(tmp_path):
+    """Every kind at 5%, 10,000 single-attempt calls over 100 episodes: each kind's observed
+    frequency is within 3 standard errors of 5% and the ledger reconciles exactly."""
+    clock = VirtualClock()
+    app = create_app(make_tools(), sandbox_root=tmp_path / "s")
+    c = ToolClient.in_process(app, clock=clock, timeout=1.0, retry=RetryPolicy.no_retry())
+    spec = ",".join(f"{k}=0.05" for k in KIND_NAMES)
+    n_eps, per_ep = 100, 100
+    for e in range(n_eps):
+        ep = f"ep{e}"
+        await c.open_episode(ep, seed=e, faults=spec, fault_seed=1000 + e)
+        for s in range(per_ep):
+            await _call(c, ep, s)
+        await c.close_episode(ep)
+    n = n_eps * per_ep
+    rep = c.ledger.reconcile()
+    assert rep.exact, rep.format()
+    assert rep.attempts == n
+    se = math.sqrt(0.05 * 0.95 / n)
+    for kind in KIND_NAMES:
+        k = rep.per_kind[kind]
+        assert k.injected == k.matched == k.observed, (kind, k)
+        assert abs(k.observed / n - 0.05) < 3 * se, (kind, k.observed)
+    t = c.ledger.totals()
+    assert t.calls == n and t.attempts == n and t.retries == 0
+    assert sum(t.faults_by_kind.values()) == sum(rep.per_kind[k].observed for k in KIND_NAMES
+                                                 if k != "latency")
+
+
+async def test_mixed_plan_with_retries_reconciles(tmp_path):
+    clock = VirtualClock()
+    app = create_app(make_tools(), sandbox_root=tmp_path / "s")
+    c = ToolClient.in_process(app, clock=clock, timeout=1.0, retry=RetryPolicy(max_attempts=4))
+    await c.open_episode("ep", faults=",".join(f"{k}=0.05" for k in KIND_NAMES), fault_seed=9)
+    outs = [await _call(c, "ep", s, call_index=s % 3) for s in range(600)]
+    rep = c.ledger.reconcile()
+    assert rep.exact, rep.format()
+    t = c.ledger.totals()
+    assert t.attempts == sum(o.attempts for o in outs) > 600
+    assert t.recovered > 0 and t.recovered + t.given_up <= t.calls
+    assert sum(o.ok for o in outs) + t.given_up == 600
+
+
+# ---- classification helpers -------------------------------------------------------------
+def test_classification_helpers():
+    assert parse_retry_after("3") == 3.0 and parse_retry_after("x") is None
+    assert parse_retry_after("Wed, 21 Oct 2015 07:28:00 GMT") == 0.0
+    assert classify_response(502, {}, b"<html>").kind == "server_error"
+    assert classify_response(504, {}, b"").kind == "timeout"
+    assert classify_response(200, {}, b'{"result": "a\\u0000b"}').kind == "invalid_file"
+    assert classify_response(200, {}, b'{"other": 1}').kind == "malformed"
+    assert classify_response(404, {}, b'{"error": {"type": "file_missing"}}').kind == \
+        "invalid_file"
+    assert classify_response(422, {}, b'{"error": {"type": "x"}}').triage == "policy_error"
+    assert FaultPlan.parse(str(FaultPlan.parse("latency=1:2s"))).entry("latency").param == 2.0
