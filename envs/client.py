@@ -493,10 +493,20 @@ class ToolClient:
                 return True
             return clock.monotonic() - t0 + rs.upcoming_sleep > pol.budget_s
 
-        retrying = AsyncRetrying(stop=stop, wait=wait, retry=retry_if_result(should_retry),
-                                 sleep=clock.sleep, reraise=True,
-                                 retry_error_callback=lambda rs: rs.outcome.result())
-        obs = await retrying(attempt)
+        # The first attempt runs outside tenacity (the common no-fault case stays cheap); when it
+        # must be retried, tenacity replays it as its attempt 1 and drives the rest, so its
+        # attempt numbers, waits and stop rules line up with ours exactly.
+        obs = await attempt()
+        if should_retry(obs) and pol.max_attempts > 1:
+            replay = [obs]
+
+            async def next_attempt() -> Observation:
+                return replay.pop() if replay else await attempt()
+
+            retrying = AsyncRetrying(stop=stop, wait=wait, retry=retry_if_result(should_retry),
+                                     sleep=clock.sleep, reraise=True,
+                                     retry_error_callback=lambda rs: rs.outcome.result())
+            obs = await retrying(next_attempt)
         elapsed = clock.monotonic() - t0
         self.ledger.record_call(CallRecord(episode_id, step, call_index, name, n_attempts,
                                            obs.triage, tuple(kinds)))

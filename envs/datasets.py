@@ -13,6 +13,13 @@ Loaders (``load_tasks``): a malformed row never stops a load and is never silent
 skipped and reported in ``LoadReport.skipped`` as ``(row_number, reason)`` (row_number is the
 1-based line of a ``.jsonl`` file, or the 1-based item of a JSON array), and the count is logged.
 Python-call strings (ToolACE's ``[f(a=1)]``) are parsed with ``ast``, never evaluated.
+
+``mix_tasks`` draws a seeded mixture from several loaded sources, e.g. the DSCL / ToolRL recipe
+of 2K ToolACE + 1K Hammer + 1K xLAM (DSCL paper, sec. 5.1 and appendix Table 7).
+
+CLI: ``python -m reflrl.envs.datasets synth OUT_DIR --train 1000 --val 100 --test 100`` writes
+the synthetic splits as our JSONL; ``python -m reflrl.envs.datasets check FILE [--fmt F]``
+loads a file and prints how many rows were loaded and which were skipped, and why.
 """
 from __future__ import annotations
 
@@ -21,6 +28,7 @@ import json
 import logging
 import random
 import re
+from collections import Counter
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterable
@@ -79,7 +87,8 @@ class _Draw:
             + self.fake.first_name(), "Design review", "Yoga class"))
 
     def email(self) -> str:
-        return f"{self.fake.first_name().lower()}@{self.choice(('example.com', 'example.org', 'mail.com'))}"
+        domain = self.choice(("example.com", "example.org", "mail.com"))
+        return f"{self.fake.first_name().lower()}@{domain}"
 
     def phone(self) -> str:
         return f"+1 555 {self.rng.randint(100, 999)} {self.rng.randint(1000, 9999)}"
@@ -262,14 +271,15 @@ def _g_sms(d: _Draw):
 
 def _g_list_messages(d: _Draw):
     args: dict[str, Any] = {}
-    folder = "inbox"
+    where = ""  # the default folder (inbox) is never named, so the gold never needs it
     if d.maybe(0.5):
         args["folder"] = folder = d.choice(C.FOLDERS[1:])
+        where = f" in the {folder} folder"
     if d.maybe(0.5):
         args["limit"] = n = d.rng.randint(2, 10)
-        return _q(f"Show my last {n} emails in the {folder} folder.", args)
-    return _q(d.choice((f"List my recent emails in the {folder} folder.",
-                        f"What's in my {folder} folder?")), args)
+        return _q(f"Show my last {n} emails{where}.", args)
+    return _q(d.choice((f"List my recent emails{where}.", f"Show my latest messages{where}.")),
+              args)
 
 
 def _g_contacts(d: _Draw):
@@ -427,18 +437,31 @@ def _offer(d: _Draw, gold_names: list[str], pool: dict[str, ToolSpec],
     return [(pool.get(n) or catalog[n]).schema() for n in offered]
 
 
-_CHAINS = (  # coherent multi-turn flows: (first tool, follow-up builder from first args)
-    ("write_file", lambda d, a: (d.choice((f"Read {a['path']} back to me.",
-                                           f"Show me what's in {a['path']} now.")),
-                                 "read_file", {"path": a["path"]})),
-    ("create_event", lambda d, a: (f"List my events for {a['date']}.", "list_events",
-                                   {"date": a["date"]})),
-    ("search_flights", lambda d, a: (f"Get airport details for {a['destination']}.",
-                                     "get_airport_info", {"code": a["destination"]})),
-    ("get_stock_quote", lambda d, a: (f"How has {a['symbol']} moved over the past week?",
-                                      "get_market_trend", {"symbol": a["symbol"],
-                                                           "period": "week"})),
+_CHAINS = (  # coherent multi-turn flows: (first tool, follow-up tool, follow-up builder)
+    ("write_file", "read_file",
+     lambda d, a: (d.choice((f"Read {a['path']} back to me.",
+                             f"Show me what's in {a['path']} now.")),
+                   "read_file", {"path": a["path"]})),
+    ("create_event", "list_events",
+     lambda d, a: (f"List my events for {a['date']}.", "list_events", {"date": a["date"]})),
+    ("search_flights", "get_airport_info",
+     lambda d, a: (f"Get airport details for {a['destination']}.", "get_airport_info",
+                   {"code": a["destination"]})),
+    ("get_stock_quote", "get_market_trend",
+     lambda d, a: (f"How has {a['symbol']} moved over the past week?", "get_market_trend",
+                   {"symbol": a["symbol"], "period": "week"})),
 )
+
+
+def _fresh(d: _Draw, name: str, earlier: list[ToolCall]) -> tuple[str, dict[str, Any]]:
+    """A request for ``name`` whose file path no earlier call of the task uses (deleting and
+    reading the same file in one order-free parallel message would be ill-posed)."""
+    used = {c.arguments.get("path") for c in earlier} - {None}
+    for _ in range(50):
+        text, args = TEMPLATES[name](d)
+        if args.get("path") not in used:
+            return text, args
+    return text, args
 
 
 def _one(d: _Draw, kind: str, names: list[str], pool, catalog) -> Task:
@@ -454,14 +477,14 @@ def _one(d: _Draw, kind: str, names: list[str], pool, catalog) -> Task:
             picked = d.rng.sample(names, min(k, len(names)))
         parts, calls = [], []
         for i, name in enumerate(picked):
-            text, args = TEMPLATES[name](d)
+            text, args = _fresh(d, name, calls)
             parts.append(text if i == 0 else _connect(d.choice(_JOIN), text))
             calls.append(ToolCall(name, args))
         query, gold, turns = " ".join(parts), [calls], []
     elif kind == "multi_turn":
-        chains = [c for c in _CHAINS if c[0] in names]
+        chains = [c for c in _CHAINS if c[0] in names and c[1] in names]
         if chains and d.maybe(0.35):
-            first, follow = d.choice(chains)
+            first, _, follow = d.choice(chains)
             t1, a1 = TEMPLATES[first](d)
             t2, n2, a2 = follow(d, a1)
             msgs, gold = [t1, t2], [[ToolCall(first, a1)], [ToolCall(n2, a2)]]
@@ -469,7 +492,7 @@ def _one(d: _Draw, kind: str, names: list[str], pool, catalog) -> Task:
             msgs, gold = [], []
             for _ in range(d.rng.randint(2, 3)):
                 name = d.choice(names)
-                text, args = TEMPLATES[name](d)
+                text, args = _fresh(d, name, [c for turn in gold for c in turn])
                 msgs.append(text)
                 gold.append([ToolCall(name, args)])
         query = msgs[0]
@@ -506,15 +529,16 @@ def generate_synthetic(n: int, seed: int, kinds: Iterable[str] = ("single", "par
     d = _Draw(seed)
     out: list[Task] = []
     seen: set[str] = set()
-    attempts = 0
+    misses = 0  # duplicates in a row: the tools' phrasings and values are used up
     while len(out) < n:
-        attempts += 1
-        if attempts > 50 * n + 100:
-            raise ValueError(f"could only make {len(out)} distinct tasks of {n} with tools "
-                             f"{names}: use more tools or fewer tasks")
         task = _one(d, kinds[len(out) % len(kinds)], names, pool, catalog)
         if task.query in seen:
+            misses += 1
+            if misses > 500:
+                raise ValueError(f"could only make {len(out)} distinct tasks of {n} with tools "
+                                 f"{names}: use more tools or fewer tasks")
             continue
+        misses = 0
         seen.add(task.query)
         task.meta["seed"] = seed
         out.append(task)
@@ -929,3 +953,60 @@ def save_tasks(tasks: Iterable[Task], path: str | Path) -> Path:
         for t in tasks:
             fh.write(json.dumps(task_to_dict(t), ensure_ascii=False) + "\n")
     return path
+
+
+def mix_tasks(sources: dict[str, list[Task]], counts: dict[str, int], seed: int) -> list[Task]:
+    """A seeded mixture: ``counts[name]`` tasks drawn without replacement from
+    ``sources[name]``, shuffled together (DSCL sec. 5.1: 2K ToolACE + 1K Hammer + 1K xLAM).
+
+    Raises ValueError when a source is unknown or has fewer tasks than asked for.
+    """
+    rng = random.Random(seed)
+    out: list[Task] = []
+    for name in sorted(counts):
+        if name not in sources:
+            raise ValueError(f"mix: no source named {name!r}; have {sorted(sources)}")
+        pool, k = sources[name], counts[name]
+        if k > len(pool):
+            raise ValueError(f"mix: source {name!r} has {len(pool)} tasks, {k} asked")
+        out.extend(rng.sample(pool, k))
+    ids = [t.id for t in out]
+    if len(set(ids)) != len(ids):
+        raise ValueError("mix: two sources share task ids; give them distinct ids first")
+    rng.shuffle(out)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``synth``: dump synthetic splits; ``check``: load a file and report skipped rows."""
+    import argparse
+
+    ap = argparse.ArgumentParser(prog="python -m reflrl.envs.datasets")
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    sp = sub.add_parser("synth", help="write synthetic train/val/test splits as JSONL")
+    sp.add_argument("out_dir")
+    sp.add_argument("--train", type=int, default=1000)
+    sp.add_argument("--val", type=int, default=100)
+    sp.add_argument("--test", type=int, default=100)
+    sp.add_argument("--seed", type=int, default=0)
+    sp.add_argument("--kinds", default="single,parallel,multi_turn")
+    cp = sub.add_parser("check", help="load a dataset file and report malformed rows")
+    cp.add_argument("path")
+    cp.add_argument("--fmt", default="auto", choices=FORMATS)
+    a = ap.parse_args(argv)
+    if a.cmd == "synth":
+        kinds = tuple(k.strip() for k in a.kinds.split(",") if k.strip())
+        splits = synthetic_splits(a.train, a.val, a.test, a.seed, kinds=kinds)
+        for name, tasks in splits.items():
+            path = save_tasks(tasks, Path(a.out_dir) / f"{name}.jsonl")
+            print(f"{path}: {len(tasks)} tasks")
+        return 0
+    report = load_tasks(a.path, fmt=a.fmt)
+    print(report.summary())
+    kinds = Counter(t.kind for t in report.tasks)
+    print("kinds: " + ", ".join(f"{k}={v}" for k, v in sorted(kinds.items())))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

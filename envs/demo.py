@@ -86,7 +86,8 @@ def format_step(info: dict[str, Any], reward: float, *, indent: str = "    ") ->
             outcome = f"{res['triage']}: {_short(res.get('error'), 70)}"
         verdict = {"ok": "ok", "env_fault": "ENV FAULT (retries gave up)",
                    "policy_error": "POLICY ERROR"}.get(res["triage"], res["triage"])
-        lines.append(f"{indent}  => triage {verdict}{retry}, billed {attempts}: {outcome}")
+        took = f", {res['elapsed_s']:g}s" if res.get("elapsed_s") else ""
+        lines.append(f"{indent}  => triage {verdict}{retry}, billed {attempts}{took}: {outcome}")
     for c in info.get("skipped_calls") or []:
         lines.append(f"{indent}call {c['name']} not executed (too many calls in one message)")
     parts = ", ".join(f"{k}={v:g}" if isinstance(v, (int, float)) else f"{k}={v}"
@@ -99,10 +100,12 @@ def format_step(info: dict[str, Any], reward: float, *, indent: str = "    ") ->
 
 def run_episode(env: Any, generate: Generate, *, task: Task | None = None, seed: int | None = None,
                 out: TextIO | None = None, label: str = "model",
-                header: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
+                header: Callable[[dict[str, Any]], None] | None = None,
+                policy_for_task: Callable[[Task], Generate] | None = None) -> dict[str, Any]:
     """Run one episode with ``generate`` as the policy; print every step to ``out``.
 
-    ``task`` None = the env draws one; ``header(reset_info)`` is called after the reset.
+    ``task`` None = the env draws one; ``header(reset_info)`` is called after the reset;
+    ``policy_for_task(task)``, when given, builds the episode's policy instead of ``generate``.
 
     Returns {"reward" (episode return), "correct", "masked", "steps", "billed_calls"}.
     """
@@ -110,6 +113,8 @@ def run_episode(env: Any, generate: Generate, *, task: Task | None = None, seed:
     obs, info = env.reset(seed=seed, options=options)
     if header is not None:
         header(info)
+    if policy_for_task is not None:
+        generate = policy_for_task(info["task"])
     messages = info["messages"]
     total, steps = 0.0, 0
     while True:
@@ -144,10 +149,12 @@ def gold_policy(task: Task, fmt: str, multi_turn: bool) -> Generate:
 
 
 def main_demo(args: Any, *, faults: str, out: TextIO | None = None,
-              generate: Generate | None = None) -> int:
+              generate: Generate | None = None,
+              policy_for_task: Callable[[Task], Generate] | None = None) -> int:
     """The ``reflrl env demo`` command (``args`` from ``reflrl.cli``); returns the exit status.
 
-    ``generate`` replaces the model (tests); otherwise ``args.model`` is loaded.
+    ``generate`` (one policy for all episodes) or ``policy_for_task`` (a policy per task, e.g.
+    :func:`gold_policy`) replace the model; otherwise ``args.model`` is loaded.
     """
     import gymnasium
 
@@ -165,8 +172,11 @@ def main_demo(args: Any, *, faults: str, out: TextIO | None = None,
     u = env.unwrapped
     _print(out, f"reflrl env demo: {env_id}, faults={faults}, seed={args.seed}, "
                 f"dataset={args.dataset}/{args.split} ({len(u.tasks)} tasks), parser={args.parser}, "
-                f"reward={args.reward}, tools: {'in-process server' if not args.server_url else args.server_url}")
-    if generate is None:
+                f"reward={args.reward}")
+    _print(out, "tools: " + ("in-process server, virtual clock (Retry-After, backoff and latency "
+                             "waits cost no wall time; times shown are virtual)"
+                             if not args.server_url else f"{args.server_url} (real HTTP, wall time)"))
+    if generate is None and policy_for_task is None:
         t0 = time.perf_counter()
         _print(out, f"loading model {args.model} ({args.dtype}) ...")
         generate = load_generator(args.model, dtype=args.dtype, max_new_tokens=args.max_new_tokens,
@@ -189,7 +199,7 @@ def main_demo(args: Any, *, faults: str, out: TextIO | None = None,
 
             # the first reset seeds the env; later resets continue its episode counter
             res = run_episode(env, generate, seed=args.seed if k == 0 else None, out=out,
-                              label="model", header=header)
+                              label="model", header=header, policy_for_task=policy_for_task)
             results.append(res)
             if args.gold_replay:
                 task = u.episode_task

@@ -91,6 +91,12 @@ class NetH11Protocol(H11Protocol):
 
     def connection_made(self, transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
+        sock = transport.get_extra_info("socket")
+        if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
+            # headers and body go out as separate writes: without TCP_NODELAY, Nagle's algorithm
+            # plus the client's delayed ACK adds ~40 ms to every response
+            with contextlib.suppress(OSError):
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self.app = _NetApp(self.app, SocketNet(transport))
 
 

@@ -42,20 +42,25 @@ from .tools.base import ToolContext, ToolError, ToolSpec
 
 
 def default_tools() -> dict[str, ToolSpec]:
-    """The synthetic catalogue plus bfcl-eval backends when those modules are importable."""
+    """The synthetic catalogue (``tools.catalog.build_catalog``) plus the bfcl-eval multi-turn
+    backends (``tools.bfcl_backends.bfcl_tools``); a part whose module is missing is left out."""
     tools: dict[str, ToolSpec] = {}
     try:
         from .tools.catalog import build_catalog
+    except ImportError:
+        build_catalog = None
+    if build_catalog is not None:
         tools.update(build_catalog())
-    except ImportError:
-        pass
     try:
-        from .tools import bfcl_backends
-        build = getattr(bfcl_backends, "build_bfcl_tools", None)
-        if build is not None:
-            tools.update(build())
+        from .tools.bfcl_backends import bfcl_tools
     except ImportError:
-        pass
+        bfcl_tools = None
+    if bfcl_tools is not None:
+        for name, spec in bfcl_tools().items():
+            if name in tools:
+                raise ValueError(f"tool name {name!r} is both in the catalogue and in bfcl-eval's "
+                                 "backends; rename one")
+            tools[name] = spec
     return tools
 
 

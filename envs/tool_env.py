@@ -40,6 +40,7 @@ import dataclasses
 import functools
 import string
 import threading
+import weakref
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -260,6 +261,7 @@ class ToolCallEnv(gym.Env[str, str]):
         self.max_tool_chars = int(max_tool_chars)
         self._reward_fn = _get_reward(reward)
         self._parse = _get_parser(parser)
+        _check_prompt_style(prompt_style)
         self.fault_seed = fault_seed
         self.max_steps = max_steps
         self.max_steps_per_turn = int(max_steps_per_turn)
@@ -278,6 +280,8 @@ class ToolCallEnv(gym.Env[str, str]):
         self._owns_client = client is None
         self._client_loop: asyncio.AbstractEventLoop | None = None
         self._runner = _LoopThread(f"reflrl-env-{id(self):x}")
+        # an env dropped without close() must not leave its loop thread running
+        weakref.finalize(self, self._runner.stop)
         self.ledger = _new_ledger() if client is None else getattr(client, "ledger", None)
 
         self.observation_space = ChatText(max_obs_chars)
@@ -363,9 +367,17 @@ class ToolCallEnv(gym.Env[str, str]):
             # a replay of an earlier episode (same seed): it supersedes the earlier records
             self.ledger.forget_episode(episode_id)
         self._opened_ids.add(episode_id)
-        await client.open_episode(
-            episode_id, seed=data_seed, faults=self.fault_plan, fault_seed=fault_seed,
-            tools=[t["name"] for t in task.tools] or None, initial_config=task.initial_config)
+        try:
+            await client.open_episode(
+                episode_id, seed=data_seed, faults=self.fault_plan, fault_seed=fault_seed,
+                tools=[t["name"] for t in task.tools] or None, initial_config=task.initial_config)
+        except Exception as e:
+            if "HTTP 409" in str(e):
+                raise RuntimeError(
+                    f"episode {episode_id!r} is already open on the tool server: another env with "
+                    "the same seed and episode_prefix shares it; give each env its own seed or "
+                    "episode_prefix") from e
+            raise
         messages = _build_messages(task, self.prompt_style, self.parser_name, self.think)
         self._last_episode_id, self._last_task = episode_id, task
         self._episode = _Episode(task=task, episode_id=episode_id, data_seed=data_seed,
@@ -385,8 +397,8 @@ class ToolCallEnv(gym.Env[str, str]):
     async def astep(self, action: str):
         """One assistant message -> (observation, reward, terminated, truncated, info).
 
-        info: "calls" (parsed, as dicts), "parse_ok", "parse_error", "tool_results" (per call: ok,
-        result or error, triage, attempts), "fault_events" (per injected fault observed: call
+        info: "task_id", "calls" (parsed, as dicts), "parse_ok", "parse_error", "tool_results" (per
+        call: ok, result or error, triage, fault_kind, attempts, elapsed_s), "fault_events" (per injected fault observed: call
         index, tool, kind, attempt, recovered), "triage" (per call: ok / env_fault /
         policy_error), "env_fault_treatment" ("none" / "retried-recovered" / "masked"),
         "masked", "reward_parts", "correct", "billed_calls" (this step), "episode_billed_calls",
@@ -704,6 +716,13 @@ def _safe_parse(parse, text: str) -> ParseResult:
         return ParseResult(ok=False, calls=[], content=text, error=f"parser raised {type(e).__name__}: {e}")
 
 
+def _check_prompt_style(style: str) -> None:
+    from . import prompts
+
+    if style not in prompts.STYLES:
+        raise ValueError(f"unknown prompt_style {style!r}; choose one of {', '.join(prompts.STYLES)}")
+
+
 def _build_messages(task: Task, style: str, fmt: str, think: bool) -> list[dict[str, Any]]:
     """System prompt (tool list + how to write calls in ``fmt``) and the user query."""
     from . import prompts
@@ -763,7 +782,9 @@ def _outcome_dict(i: int, call: ToolCall, o: Any) -> dict[str, Any]:
     return {"call_index": i, "name": call.name, "ok": bool(o.ok),
             "result": copy.deepcopy(o.result) if o.ok else None,
             "error": o.error, "triage": o.triage, "fault_kind": o.fault_kind,
-            "attempts": int(o.attempts)}
+            "attempts": int(o.attempts),
+            # on the env's clock (virtual by default in-process: exact and replayable)
+            "elapsed_s": round(float(getattr(o, "elapsed_s", 0.0) or 0.0), 3)}
 
 
 def _new_ledger():

@@ -153,6 +153,8 @@ def cmd_faults_list(args: argparse.Namespace) -> int:
 
 def cmd_env_check(args: argparse.Namespace) -> int:
     """gymnasium.make each env id and run check_env on the unwrapped env; OK/FAIL per env."""
+    import contextlib
+    import io
     import warnings
 
     import gymnasium
@@ -171,7 +173,8 @@ def cmd_env_check(args: argparse.Namespace) -> int:
             failed += 1
             continue
         try:
-            with warnings.catch_warnings(record=True) as caught:
+            with warnings.catch_warnings(record=True) as caught, \
+                    contextlib.redirect_stdout(io.StringIO()):  # render_mode="human" prints
                 warnings.simplefilter("always")
                 check_env(env.unwrapped)
             notes = sorted({str(w.message).splitlines()[0][:100] for w in caught})

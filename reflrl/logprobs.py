@@ -7,7 +7,8 @@ the hidden states are gathered only at the positions that predict a response tok
 projection + log-softmax run on those rows in chunks (optionally recomputed in the backward pass
 instead of stored). Log-probs use temperature-scaled logits, ``log_softmax(logits / T)``, the
 distribution the rollout engine samples from (before any top-p truncation), so the importance
-ratio of PPO/GRPO (DAPO paper ``000_54a6bee37c8ce6eb.txt``, eq. 1) is 1 when nothing changed.
+ratio rho of the GRPO objective (``000_54a6bee37c8ce6eb.txt``, sec. 2.2, eq. 3) is 1 when
+nothing changed.
 """
 
 from __future__ import annotations
@@ -90,6 +91,23 @@ def token_logprobs_from_hidden(
     return torch.cat(outs)
 
 
+class ValueHead(nn.Module):
+    """Scalar value per position for PPO: Linear(hidden, 1) in float32 on the final hidden states.
+
+    PPO's critic (``003_febfc96bcceb98f2.txt``, appendix A.2, GAE) shares the policy trunk; the head
+    starts at zero so initial values are 0. ``forward``: hidden [..., H] -> values [...] float32.
+    """
+
+    def __init__(self, hidden_size: int):
+        super().__init__()
+        self.proj = nn.Linear(hidden_size, 1, dtype=torch.float32)
+        nn.init.zeros_(self.proj.weight)
+        nn.init.zeros_(self.proj.bias)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.proj(hidden.float()).squeeze(-1)
+
+
 def sequence_logprobs(
     model: nn.Module,
     input_ids: torch.Tensor,
@@ -121,9 +139,55 @@ def sequence_logprobs(
             f"shape mismatch: input_ids {tuple(input_ids.shape)}, attention_mask "
             f"{tuple(attention_mask.shape)}, response_mask {tuple(response_mask.shape)}"
         )
+    lp, _ = _logprobs_from(
+        model, hidden_states(model, input_ids, attention_mask), input_ids, attention_mask,
+        response_mask, temperature, chunk_size, recompute,
+    )
+    return lp
+
+
+def sequence_logprobs_and_values(
+    model: nn.Module,
+    value_head: ValueHead,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    response_mask: torch.Tensor,
+    temperature: float = 1.0,
+    chunk_size: int = 512,
+    recompute: bool | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Log-probs as :func:`sequence_logprobs` and PPO values from ONE decoder pass.
+
+    Returns (logprobs [B,T], values [B,T]) float32; ``values[b,t]`` is the value of the state
+    before token t (``value_head(h[b,t-1])``), the state in which the response token at t was
+    chosen, at response positions (0 elsewhere) -- the alignment GAE needs (appendix A.2 of
+    ``003_febfc96bcceb98f2.txt``).
+    """
+    h = hidden_states(model, input_ids, attention_mask)
+    return _logprobs_from(
+        model, h, input_ids, attention_mask, response_mask, temperature, chunk_size, recompute,
+        value_head=value_head,
+    )
+
+
+def _logprobs_from(
+    model: nn.Module,
+    h: torch.Tensor,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    response_mask: torch.Tensor,
+    temperature: float,
+    chunk_size: int,
+    recompute: bool | None,
+    value_head: nn.Module | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    if input_ids.shape != attention_mask.shape or input_ids.shape != response_mask.shape:
+        raise ValueError(
+            f"shape mismatch: input_ids {tuple(input_ids.shape)}, attention_mask "
+            f"{tuple(attention_mask.shape)}, response_mask {tuple(response_mask.shape)}"
+        )
     bsz, seqlen = input_ids.shape
     _, weight, bias = head_of(model)
-    h = hidden_states(model, input_ids, attention_mask)  # [B,T,H]
     sel = response_mask[:, 1:].bool() & attention_mask[:, 1:].bool()  # target positions t>=1
     rows, cols = sel.nonzero(as_tuple=True)  # predicting token (rows, cols+1) from h[rows, cols]
     lp = token_logprobs_from_hidden(
@@ -136,4 +200,8 @@ def sequence_logprobs(
         recompute=recompute,
     )
     out = torch.zeros(bsz, seqlen, dtype=torch.float32, device=input_ids.device)
-    return out.index_put((rows, cols + 1), lp)
+    out = out.index_put((rows, cols + 1), lp)
+    if value_head is None:
+        return out, None
+    vals = torch.zeros(bsz, seqlen, dtype=torch.float32, device=input_ids.device)
+    return out, vals.index_put((rows, cols + 1), value_head(h[rows, cols]).float())

@@ -214,7 +214,7 @@ def _embedded_tokenizer() -> Any:
         fix_chat_tokenizer(tok)
         with _atomic_dir(folder) as tmp:
             tok.save_pretrained(tmp)
-    return fix_chat_tokenizer(AutoTokenizer.from_pretrained(str(folder)))
+    return fix_chat_tokenizer(_load_tok_folder(folder))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -452,14 +452,12 @@ def _resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
 
 def load_tokenizer(name: str) -> Any:
     """The tokenizer of registry name / HF id / folder ``name``, with :func:`fix_chat_tokenizer`."""
-    from transformers import AutoTokenizer
-
     if name in (EMBEDDED_NAME, TINY_NAME):
         folder = embedded_cache_dir()
         if folder.is_dir():
-            return fix_chat_tokenizer(AutoTokenizer.from_pretrained(str(folder)))
+            return fix_chat_tokenizer(_load_tok_folder(folder))
         return _embedded_tokenizer()
-    return fix_chat_tokenizer(AutoTokenizer.from_pretrained(name, local_files_only=_offline()))
+    return fix_chat_tokenizer(_load_tok_folder(name))
 
 
 def _offline() -> bool:
@@ -523,10 +521,24 @@ def load_model(
     return model, tokenizer
 
 
+_TOK_MEMO: dict[tuple[str, float], Any] = {}
+
+
 def _load_tok_folder(src: str | Path) -> Any:
+    """AutoTokenizer.from_pretrained(src), memoized per local folder (returns a fresh copy)."""
+    import copy
+
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(str(src), local_files_only=_offline() or Path(src).exists())
+    path = Path(src)
+    is_dir = path.is_dir()
+    key = (str(path.resolve()), path.stat().st_mtime) if is_dir else None
+    if key is not None and key in _TOK_MEMO:
+        return copy.deepcopy(_TOK_MEMO[key])
+    tok = AutoTokenizer.from_pretrained(str(src), local_files_only=_offline() or is_dir)
+    if key is not None:
+        _TOK_MEMO[key] = copy.deepcopy(tok)
+    return tok
 
 
 def _load_adapter_checkpoint(path: Path) -> tuple[nn.Module, Any]:

@@ -183,6 +183,7 @@ def _record_step(traj: Trajectory, reward: float, info: dict[str, Any]) -> None:
     if triage is not None:
         traj.info.setdefault("triage", []).append(triage)
     traj.info["parse_ok"] = info.get("parse_ok", traj.info.get("parse_ok"))
+    traj.info["n_calls"] = traj.info.get("n_calls", 0) + len(info.get("calls") or [])
 
 
 async def _reset(env: Any, task: Task, seed: int) -> tuple[Any, dict[str, Any]]:
@@ -247,8 +248,7 @@ async def arollout(engine: Any, tokenizer: Any, envs: Sequence[Any], tasks: Sequ
             raise KeyError("env reset info has no 'messages' to render with the chat template")
         messages.append(list(msgs))
         trajs.append(Trajectory(task=tasks[k // n], group=k // n, prompt_ids=render_prompt(tokenizer, msgs)))
-    multi = cfg.max_turns > 1 and any(tk.kind == "multi_turn" for tk in tasks)
-    if not multi:
+    if cfg.max_turns <= 1:
         await _single_turn(engine, tokenizer, envs, trajs, cfg, t, seed)
     else:
         await _multi_turn(engine, tokenizer, envs, trajs, messages, cfg, t, seed)
@@ -371,7 +371,7 @@ def rollout_stats(trajs: Sequence[Trajectory]) -> dict[str, float]:
     return {
         "reward_mean": (sum(t.reward for t in live) / len(live)) if live else 0.0,
         "correct_rate": (sum(t.correct for t in live) / len(live)) if live else 0.0,
-        "parse_rate": sum(bool(t.info.get("parse_ok")) for t in trajs) / n,
+        "format_rate": sum(bool(t.info.get("parse_ok")) and t.info.get("n_calls", 0) > 0 for t in trajs) / n,
         "masked_frac": (len(trajs) - len(live)) / n,
         "fault_events": float(faults),
         "response_tokens_mean": sum(len(t.response_ids) for t in trajs) / n,

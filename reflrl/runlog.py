@@ -225,12 +225,20 @@ def export_model(model: torch.nn.Module, tokenizer: Any, out: Path) -> None:
         save = getattr(_models, "save_checkpoint", None)
     except Exception:
         save = None
-    if save is not None:
-        save(model, tokenizer, out)
-        return
-    model.save_pretrained(out)
-    if tokenizer is not None:
-        tokenizer.save_pretrained(out)
+    from transformers.utils import logging as hf_logging
+
+    bars = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()  # no "Writing model shards" bar in the middle of training output
+    try:
+        if save is not None:
+            save(model, tokenizer, out)
+            return
+        model.save_pretrained(out)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(out)
+    finally:
+        if bars:
+            hf_logging.enable_progress_bar()
 
 
 def list_checkpoints(run_dir: str | Path) -> list[Path]:

@@ -167,6 +167,35 @@ def micro_batches(batch: UpdateBatch, size: int) -> list[UpdateBatch]:
     return [batch.select(order[s: s + size]) for s in range(0, len(order), size)]
 
 
+# ============================================================================ advantages
+def select_and_score(groups: Sequence[Sequence[R.Trajectory]], a: C.AlgoConfig
+                     ) -> tuple[list[R.Trajectory], list[float], list[int]]:
+    """The rollouts to train on, their advantages and group ids.
+
+    Per group (the n rollouts of one prompt): masked rollouts (unrecovered env faults) are dropped
+    first, so they neither get an advantage nor shift the group baseline (env faults are never
+    penalised); then, with ``a.downsample_m``, the m live rollouts of maximal reward variance are
+    kept (paper 000 sec. 4.2, eq. 7); the advantage estimator (GRPO eq. 2 by default) runs on what
+    is left. Zero-variance groups get advantage 0.
+    Returns (trajectories, advantages [one per trajectory], group ids).
+    """
+    trajs: list[R.Trajectory] = []
+    group_ids: list[int] = []
+    for gi, grp in enumerate(groups):
+        live = [t for t in grp if not t.masked]
+        if a.downsample_m and len(live) > a.downsample_m:
+            live = [live[i] for i in max_variance_subset([t.reward for t in live], a.downsample_m)]
+        trajs.extend(live)
+        group_ids.extend([gi] * len(live))
+    if not trajs:
+        return [], [], []
+    rewards = torch.tensor([t.reward for t in trajs], dtype=torch.float32)
+    one = torch.ones((len(trajs), 1), dtype=torch.long)  # outcome advantages: one value per rollout
+    adv_tok, _ = get_advantage_fn(a.advantage)(rewards=rewards, group_ids=group_ids, response_mask=one,
+                                               eps=a.adv_eps, gamma=a.gamma, lam=a.lam)
+    return trajs, [float(x) for x in adv_tok[:, 0]], group_ids
+
+
 # ============================================================================ the policy update
 def policy_update(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: UpdateBatch,
                   cfg: C.AlgoConfig, *, temperature: float = 1.0, ref_model: torch.nn.Module | None = None
@@ -464,16 +493,16 @@ class Trainer:
                 grp = trajs[g * n: (g + 1) * n]
                 groups.append(grp)
                 live = [t for t in grp if not t.masked]
-                if live:  # 2. the filter's streak: all live rollouts correct (eqs. 4-5)
-                    self.prefilter.update(grp[0].task.id, [float(t.correct) for t in live], r_max=1.0)
-                    live_groups += 1
-                    rs = [t.reward for t in live]
-                    zv = len(live) < 2 or max(rs) == min(rs)
-                    zero_var += zv
                 if not live:
-                    continue
-                if a.dynamic_sampling and (len(live) < 2 or max(t.reward for t in live) == min(t.reward for t in live)):
-                    continue  # DAPO: a zero-variance group carries no signal; refill instead
+                    continue  # every rollout hit an unrecovered env fault: nothing to learn, nothing to blame
+                # 2. the filter's all-correct streak (eqs. 4-5), on the live rollouts
+                self.prefilter.update(grp[0].task.id, [float(t.correct) for t in live], r_max=1.0)
+                live_groups += 1
+                rs = [t.reward for t in live]
+                zv = len(live) < 2 or max(rs) == min(rs)
+                zero_var += zv
+                if a.dynamic_sampling and zv:
+                    continue  # DAPO dynamic sampling: drop the zero-variance group, refill below
                 kept_groups.append(grp)
             if not a.dynamic_sampling or rounds > a.max_refill_rounds:
                 break
@@ -482,31 +511,18 @@ class Trainer:
         rollout_s = time.perf_counter() - t_step
         all_trajs = [t for g in groups for t in g]
 
-        # 3. max-variance down-sampling (eq. 7) and GRPO advantages over the live rollouts of each group
-        train_trajs: list[R.Trajectory] = []
-        group_ids: list[int] = []
-        for gi, grp in enumerate(kept_groups[: B if a.dynamic_sampling else None]):
-            live = [t for t in grp if not t.masked]
-            if a.downsample_m and len(live) > a.downsample_m:
-                live = [live[i] for i in max_variance_subset([t.reward for t in live], a.downsample_m)]
-            train_trajs.extend(live)
-            group_ids.extend([gi] * len(live))
+        # 3. max-variance down-sampling (eq. 7), GRPO advantages over the live rollouts of each group
         metrics: dict[str, Any] = {}
         t_up = time.perf_counter()
-        if train_trajs:
-            rewards = torch.tensor([t.reward for t in train_trajs], dtype=torch.float32)
-            adv_fn = get_advantage_fn(a.advantage)
-            # outcome advantages: the [B] values, via a one-token mask (the estimator broadcasts)
-            one = torch.ones((len(train_trajs), 1), dtype=torch.long)
-            adv_tok, _ = adv_fn(rewards=rewards, group_ids=group_ids, response_mask=one, eps=a.adv_eps)
-            adv = adv_tok[:, 0].tolist()
-            # rollouts with zero advantage give exactly zero gradient: leave them out of the compute
-            use = [i for i, v in enumerate(adv) if v != 0.0 and train_trajs[i].n_action_tokens > 0]
-            if use:
-                batch = make_batch([train_trajs[i] for i in use], [adv[i] for i in use], self.pad_id)
-                metrics.update(policy_update(self.model, self.optimizer, batch, a,
-                                             temperature=cfg.rollout.temperature, ref_model=self.ref_model))
-            metrics["adv_abs_mean"] = float(np.mean(np.abs(adv)))
+        train_trajs, adv, group_ids = select_and_score(kept_groups[: B if a.dynamic_sampling else None], a)
+        # rollouts with zero advantage give exactly zero gradient: leave them out of the compute
+        use = [i for i, v in enumerate(adv) if v != 0.0 and train_trajs[i].n_action_tokens > 0]
+        metrics["groups_trained"] = len({group_ids[i] for i in use})
+        metrics["adv_abs_mean"] = float(np.mean(np.abs(adv))) if adv else 0.0
+        if use:
+            batch = make_batch([train_trajs[i] for i in use], [adv[i] for i in use], self.pad_id)
+            metrics.update(policy_update(self.model, self.optimizer, batch, a,
+                                         temperature=cfg.rollout.temperature, ref_model=self.ref_model))
         metrics["update_skipped"] = float("loss" not in metrics)
         update_s = time.perf_counter() - t_up
 
@@ -522,10 +538,10 @@ class Trainer:
         self.state["timers"]["update_s"] += update_s
         metrics.update(stats)
         metrics.update({
-            "epoch": self.sampler.epoch, "groups": len(groups), "groups_trained": len(set(group_ids)),
+            "epoch": self.sampler.epoch, "groups": len(groups),
             "zero_var_ratio": zvr, "masked": masked, "sampling_rounds": rounds,
             "prefilter_skipped_epoch": self.sampler.skipped.get(self.sampler.epoch, 0),
-            "trained_rollouts": len(train_trajs),
+            "trained_rollouts": len(train_trajs), "task_ids": [g[0].task.id for g in groups],
             "time_rollout_s": rollout_s, "time_generate_s": timings.get("generate_s", 0.0),
             "time_env_s": timings.get("env_s", 0.0), "time_update_s": update_s,
             "time_step_s": time.perf_counter() - t_step,

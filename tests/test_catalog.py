@@ -331,3 +331,22 @@ def test_load_bfcl_multi_turn_tasks():
     assert B.BfclSession(lc.initial_config).long_context is True
     with pytest.raises(ValueError):
         B.load_bfcl_multi_turn("simple")
+
+
+def test_hostile_paths_are_policy_errors_not_crashes(catalog, tmp_path):
+    ctx = ctx_for(tmp_path, name="hostile")
+    for args in [{"path": "a\x00b"}, {"path": "x" * 600}, {"path": ("d/" * 100) + "f"},
+                 {"path": "y" * 300}]:
+        with pytest.raises(ToolError):
+            catalog["read_file"].handler(args, ctx)
+    with pytest.raises(ToolError) as e:
+        catalog["write_file"].handler({"path": "z" * 300, "content": "x"}, ctx)
+    assert e.value.kind in ("io_error", "invalid_path")
+
+
+def test_bfcl_gold_that_breaks_its_own_schema_is_flagged():
+    tasks = {t.id: t for t in B.load_bfcl_multi_turn("multi_turn_base")}
+    flagged = {i for i, t in tasks.items() if "gold_schema_errors" in t.meta}
+    assert "multi_turn_base_173" in flagged
+    assert "close_ticket" in tasks["multi_turn_base_173"].meta["gold_schema_errors"][0]
+    assert len(flagged) < 5

@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import asyncio
+import subprocess
+import sys
 import warnings
 
 import gymnasium
@@ -71,6 +73,7 @@ def test_make_and_check_env(env_id):
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             check_env(env.unwrapped)
+            check_env(env)  # through gymnasium.make's wrappers too
         # no checker complaint about spaces, determinism or data reuse
         bad = [str(w.message) for w in caught if "not within" in str(w.message)
                or "deterministic" in str(w.message)]
@@ -108,11 +111,30 @@ def test_bad_fault_spec_names_the_entry():
         _make(faults="ratelimit=0.1")
 
 
-def test_bad_parser_and_reward_names():
+def test_bad_parser_reward_and_style_names():
     with pytest.raises(ValueError, match="format"):
         _make(parser="xml")
     with pytest.raises(ValueError, match="reward"):
         _make(reward="nope")
+    with pytest.raises(ValueError, match="prompt_style"):
+        _make(prompt_style="fancy")
+
+
+def test_import_and_episode_do_not_load_torch():
+    code = ("import sys, gymnasium, reflrl.envs, reflrl.envs.demo\n"
+            "e = gymnasium.make('reflrl/ToolCall-v0', seed=0); e.reset(); e.close()\n"
+            "assert 'torch' not in sys.modules, 'torch imported'\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+
+
+def test_render_ansi_returns_the_conversation():
+    env = _make(seed=0, render_mode="ansi")
+    try:
+        obs, _ = env.reset(seed=0, options={"task_index": 0})
+        assert env.render() == obs and "<|user|>" in obs and "Paris" in obs
+    finally:
+        env.close()
 
 
 # ------------------------------------------------------------------ single-turn behaviour

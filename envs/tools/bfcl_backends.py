@@ -1,4 +1,4 @@
-"""bfcl-eval's stateful multi-turn backends wrapped as ToolSpecs, and its multi-turn tasks (issue 2, item 2).
+"""bfcl-eval's stateful multi-turn backends as ToolSpecs, and its multi-turn tasks (issue 2, item 2).
 
 BFCL v4's multi-turn categories run model calls against eight Python classes shipped by
 ``bfcl-eval`` (file system, messaging, Twitter-like posting, ticketing, trading, travel booking,
@@ -278,7 +278,9 @@ def bfcl_tools(classes: list[str] | None = None) -> dict[str, ToolSpec]:
     """ToolSpecs for the whitelisted methods of the given bfcl classes (default: all eight).
 
     Tool names are bfcl's bare method names (as in BFCL's prompts and gold); the domain is
-    ``"bfcl:<Class>"``.
+    ``"bfcl:<Class>"``. ``returns`` is None: bfcl's "response" docs do not match what the
+    methods return (``echo`` returns None, ``send_message`` more fields), so a server that
+    validates results must not use them.
     """
     out: dict[str, ToolSpec] = {}
     for cls in classes or list(BFCL_CLASSES):
@@ -289,7 +291,8 @@ def bfcl_tools(classes: list[str] | None = None) -> dict[str, ToolSpec]:
             out[d["name"]] = ToolSpec(
                 name=d["name"], domain=f"bfcl:{cls}", description=d["description"],
                 parameters=to_json_schema(d["parameters"]), handler=_make_handler(d["name"]),
-                returns=to_json_schema(d.get("response")) if d.get("response") else None)
+                returns=None)  # bfcl's "response" docs are descriptive, not what is returned
+
     return out
 
 
@@ -393,6 +396,32 @@ def _turn_text(messages: list[dict[str, Any]]) -> str:
     return "\n".join(str(m.get("content", "")) for m in messages if m.get("role") == "user")
 
 
+@functools.lru_cache(maxsize=None)
+def _validator(class_name: str, name: str):
+    import jsonschema
+
+    for s in class_schemas(class_name):
+        if s["name"] == name:
+            return jsonschema.Draft202012Validator(s["parameters"])
+    return None
+
+
+def _gold_schema_errors(gold: list[list[ToolCall]], classes: list[str]) -> list[str]:
+    """Gold calls that the JSON schema of their tool rejects (a validating server would too)."""
+    owner = method_owner()
+    out = []
+    for ti, turn in enumerate(gold):
+        for c in turn:
+            v = _validator(owner.get(c.name, ""), c.name) if c.name in owner else None
+            if v is None:
+                out.append(f"turn {ti}: {c.name} is not a function of the involved classes")
+                continue
+            err = next(iter(v.iter_errors(c.arguments)), None)
+            if err is not None:
+                out.append(f"turn {ti}: {c.name}: {err.message}")
+    return out
+
+
 def load_bfcl_multi_turn(category: str = "multi_turn_base", limit: int | None = None
                          ) -> list[Task]:
     """BFCL v4 multi-turn entries of a category as Tasks (gold parsed with ast, never eval).
@@ -430,6 +459,9 @@ def load_bfcl_multi_turn(category: str = "multi_turn_base", limit: int | None = 
         meta: dict[str, Any] = {"source": f"bfcl:{category}", "involved_classes": classes,
                                 "path": e.get("path", []),
                                 "excluded_function": e.get("excluded_function", [])}
+        bad = _gold_schema_errors(gold, classes)
+        if bad:  # bfcl's own gold breaks its schema (e.g. close_ticket(ticket_id='ticket_001'))
+            meta["gold_schema_errors"] = bad
         if missed:
             meta["missed_function"] = missed
             meta["missed_function_schemas"] = {
@@ -440,3 +472,7 @@ def load_bfcl_multi_turn(category: str = "multi_turn_base", limit: int | None = 
                           turns=[_turn_text(q) for q in questions[1:]], initial_config=cfg,
                           meta=meta))
     return tasks
+
+
+#: the name the tool server looks up (``reflrl.envs.server.default_tools``)
+build_bfcl_tools = bfcl_tools

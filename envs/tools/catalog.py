@@ -5,9 +5,9 @@ Every tool is a :class:`~reflrl.envs.tools.base.ToolSpec` with an OpenAI/BFCL st
 
 Determinism: a handler's answer is a pure function of ``(ctx.seed, tool name, arguments)`` (plus,
 for the stateful file and calendar tools, what earlier calls of the same episode did). Each call
-re-seeds a faker instance from a blake2b hash of those three; the instance is private to the
-calling thread and re-seeded at the start of every call, so concurrent episodes never share
-random state.
+re-seeds a faker instance (``seeded_faker``) or makes a ``random.Random`` (``seeded_rng``)
+from a blake2b hash of those three; faker instances are private to the calling thread and
+re-seeded at the start of every call, so concurrent episodes never share random state.
 
 Policy errors (an unknown city or ticker, a date in the wrong format, a file that does not exist,
 ...) raise :class:`ToolError`; the server answers them as a 4xx the client triages as
@@ -20,6 +20,7 @@ from __future__ import annotations
 import datetime as _dt
 import hashlib
 import json
+import random
 import re
 import threading
 from typing import Any, Callable
@@ -135,14 +136,21 @@ def call_seed(seed: int, tool: str, arguments: dict[str, Any]) -> int:
     return int.from_bytes(hashlib.blake2b(payload.encode(), digest_size=8).digest(), "big")
 
 
-def seeded_faker(seed: int, tool: str, arguments: dict[str, Any]) -> Faker:
-    """This thread's own Faker, re-seeded for this call (never shared between threads)."""
-    fake = getattr(_local, "fake", None)
+def seeded_faker(seed: int, tool: str, arguments: dict[str, Any], slot: str = "main") -> Faker:
+    """This thread's own Faker for ``slot``, re-seeded for this call (never shared between
+    threads). Handlers use slot "main"; the shared helpers they call (products, seeded events,
+    sandbox files) use "aux", so a helper never re-seeds the instance its caller is using."""
+    fakes = _local.__dict__.setdefault("fakes", {})
+    fake = fakes.get(slot)
     if fake is None:
-        fake = Faker("en_US")
-        _local.fake = fake
+        fake = fakes[slot] = Faker("en_US")
     fake.seed_instance(call_seed(seed, tool, arguments))
     return fake
+
+
+def seeded_rng(seed: int, tool: str, arguments: dict[str, Any]) -> random.Random:
+    """An independent random.Random seeded like ``seeded_faker`` (for plain numbers)."""
+    return random.Random(call_seed(seed, tool, arguments))
 
 
 def _rng(fake: Faker):
@@ -271,7 +279,7 @@ def get_forecast(args: dict[str, Any], ctx: ToolContext) -> dict[str, Any]:
 
 def get_air_quality(args: dict[str, Any], ctx: ToolContext) -> dict[str, Any]:
     city = _city(args["city"])
-    r = _rng(seeded_faker(ctx.seed, "get_air_quality", {"city": city}))
+    r = seeded_rng(ctx.seed, "get_air_quality", {"city": city})
     aqi = r.randint(5, 300)
     level = ("good" if aqi <= 50 else "moderate" if aqi <= 100 else "unhealthy" if aqi <= 200
              else "very unhealthy")
@@ -295,14 +303,14 @@ def get_weather_alerts(args: dict[str, Any], ctx: ToolContext) -> dict[str, Any]
 # ---------------------------------------------------------------------------------------------
 
 def _base_price(seed: int, symbol: str) -> float:
-    r = _rng(seeded_faker(seed, "_price", {"symbol": symbol}))
+    r = seeded_rng(seed, "_price", {"symbol": symbol})
     return round(r.uniform(12, 900), 2)
 
 
 def get_stock_quote(args: dict[str, Any], ctx: ToolContext) -> dict[str, Any]:
     sym = _ticker(args["symbol"])
     price = _base_price(ctx.seed, sym)
-    r = _rng(seeded_faker(ctx.seed, "get_stock_quote", {"symbol": sym}))
+    r = seeded_rng(ctx.seed, "get_stock_quote", {"symbol": sym})
     change = round(r.uniform(-5, 5), 2)
     return {"symbol": sym, "company": TICKERS[sym], "price": price, "change_pct": change,
             "volume": r.randint(100_000, 90_000_000), "currency": "USD"}
@@ -312,7 +320,7 @@ def get_market_trend(args: dict[str, Any], ctx: ToolContext) -> dict[str, Any]:
     sym = _ticker(args["symbol"])
     period = args.get("period", "month")
     price = _base_price(ctx.seed, sym)
-    r = _rng(seeded_faker(ctx.seed, "get_market_trend", {"symbol": sym, "period": period}))
+    r = seeded_rng(ctx.seed, "get_market_trend", {"symbol": sym, "period": period})
     n = {"day": 8, "week": 7, "month": 10, "year": 12}[period]
     series, p = [], price
     for _ in range(n):
@@ -327,7 +335,7 @@ def get_market_trend(args: dict[str, Any], ctx: ToolContext) -> dict[str, Any]:
 
 def _rate(seed: int, base: str, target: str) -> float:
     def usd(c: str) -> float:
-        r = _rng(seeded_faker(seed, "_fx", {"c": c}))
+        r = seeded_rng(seed, "_fx", {"c": c})
         return _USD_PER_UNIT[c] * (1 + r.uniform(-0.03, 0.03)) if c != "USD" else 1.0
     return round(usd(base) / usd(target), 6)
 
@@ -349,7 +357,7 @@ def convert_currency(args: dict[str, Any], ctx: ToolContext) -> dict[str, Any]:
 
 def get_crypto_price(args: dict[str, Any], ctx: ToolContext) -> dict[str, Any]:
     coin, cur = args["coin"], args.get("currency", "USD")
-    r = _rng(seeded_faker(ctx.seed, "get_crypto_price", {"coin": coin}))
+    r = seeded_rng(ctx.seed, "get_crypto_price", {"coin": coin})
     usd = {"BTC": 60_000, "ETH": 3_000, "SOL": 150, "ADA": 0.5, "DOGE": 0.15, "XRP": 0.6}[coin]
     usd *= 1 + r.uniform(-0.1, 0.1)
     return {"coin": coin, "currency": cur, "price": round(usd / _rate(ctx.seed, cur, "USD"), 4),
@@ -366,14 +374,15 @@ def search_flights(args: dict[str, Any], ctx: ToolContext) -> dict[str, Any]:
         raise ToolError("origin and destination are the same airport", kind="invalid_value")
     day = _date(args["date"])
     cabin = args.get("cabin", "economy")
-    r = _rng(seeded_faker(ctx.seed, "search_flights", args))
+    r = seeded_rng(ctx.seed, "search_flights", args)
     mult = {"economy": 1, "premium": 1.7, "business": 3.5, "first": 6}[cabin]
     flights = []
     for _ in range(r.randint(1, 4)):
         code = r.choice(sorted(AIRLINES))
         dep = r.randint(5, 22)
         flights.append({"flight_number": f"{code}{r.randint(10, 9999)}",
-                        "airline": AIRLINES[code], "departure": f"{day}T{dep:02d}:{r.choice((0, 15, 30, 45)):02d}",
+                        "airline": AIRLINES[code],
+                        "departure": f"{day}T{dep:02d}:{r.choice((0, 15, 30, 45)):02d}",
                         "duration_min": r.randint(55, 900),
                         "price": round(r.uniform(60, 900) * mult, 2), "stops": r.randint(0, 2)})
     return {"origin": origin, "destination": dest, "date": day.isoformat(), "cabin": cabin,
@@ -399,7 +408,7 @@ def get_flight_status(args: dict[str, Any], ctx: ToolContext) -> dict[str, Any]:
     airline = _FLIGHT_RE.match(fn).group(1)
     if airline not in AIRLINES:
         raise ToolError(f"unknown airline code {airline!r} in flight {fn!r}", kind="unknown_flight")
-    r = _rng(seeded_faker(ctx.seed, "get_flight_status", {"flight_number": fn}))
+    r = seeded_rng(ctx.seed, "get_flight_status", {"flight_number": fn})
     status = r.choice(("scheduled", "on time", "delayed", "boarding", "landed", "cancelled"))
     codes = sorted(AIRPORTS)
     a = r.choice(codes)
@@ -414,7 +423,7 @@ def get_airport_info(args: dict[str, Any], ctx: ToolContext) -> dict[str, Any]:
     code = _airport(args["code"])
     city = AIRPORTS[code]
     country, _, name = CITIES[city]
-    r = _rng(seeded_faker(ctx.seed, "get_airport_info", {"code": code}))
+    r = seeded_rng(ctx.seed, "get_airport_info", {"code": code})
     return {"code": code, "name": name, "city": city, "country": country,
             "terminals": r.randint(1, 5), "avg_security_wait_min": r.randint(5, 60)}
 
@@ -428,7 +437,7 @@ def _ensure_sandbox(ctx: ToolContext) -> None:
     st = ctx.state.setdefault("catalog", {})
     if st.get("files_ready"):
         return
-    fake = seeded_faker(ctx.seed, "_sandbox", {})
+    fake = seeded_faker(ctx.seed, "_sandbox", {}, slot="aux")
     r = _rng(fake)
     contents = {
         "notes.txt": "\n".join(fake.sentence() for _ in range(4)) + "\n",
@@ -451,12 +460,35 @@ def _ensure_sandbox(ctx: ToolContext) -> None:
     st["files_ready"] = True
 
 
+def _inside(ctx: ToolContext, path: str):
+    """A model-given path resolved by ``ctx.resolve_in_sandbox``, after rejecting values the
+    OS would choke on (NUL bytes, absurd lengths) with a ToolError instead of a crash."""
+    if not isinstance(path, str) or "\x00" in path or len(path) > 512:
+        raise ToolError(f"invalid path {str(path)[:80]!r}", kind="invalid_path")
+    try:
+        return ctx.resolve_in_sandbox(path)
+    except (OSError, ValueError) as e:
+        raise ToolError(f"invalid path {path[:80]!r}: {e}", kind="invalid_path") from None
+
+
+def _io(fn):
+    """Turn an OS error from a file tool (name too long, permission, ...) into a ToolError."""
+    def wrapped(args: dict[str, Any], ctx: ToolContext) -> dict[str, Any]:
+        try:
+            return fn(args, ctx)
+        except OSError as e:
+            raise ToolError(f"{fn.__name__}: {e.strerror or e}", kind="io_error") from None
+    wrapped.__name__ = fn.__name__
+    wrapped.__doc__ = fn.__doc__
+    return wrapped
+
+
 def _rel(ctx: ToolContext, p) -> str:
     return p.relative_to(ctx.sandbox.resolve()).as_posix() or "."
 
 
 def _existing_file(ctx: ToolContext, path: str):
-    p = ctx.resolve_in_sandbox(path)
+    p = _inside(ctx, path)
     if not p.exists():
         raise ToolError(f"file {path!r} does not exist", kind="file_not_found")
     if not p.is_file():
@@ -464,10 +496,11 @@ def _existing_file(ctx: ToolContext, path: str):
     return p
 
 
+@_io
 def list_files(args: dict[str, Any], ctx: ToolContext) -> dict[str, Any]:
     _ensure_sandbox(ctx)
     directory = args.get("directory", ".")
-    d = ctx.resolve_in_sandbox(directory)
+    d = _inside(ctx, directory)
     if not d.exists():
         raise ToolError(f"directory {directory!r} does not exist", kind="file_not_found")
     if not d.is_dir():
@@ -479,6 +512,7 @@ def list_files(args: dict[str, Any], ctx: ToolContext) -> dict[str, Any]:
     return {"directory": _rel(ctx, d), "entries": entries}
 
 
+@_io
 def read_file(args: dict[str, Any], ctx: ToolContext) -> dict[str, Any]:
     _ensure_sandbox(ctx)
     p = _existing_file(ctx, args["path"])
@@ -487,13 +521,14 @@ def read_file(args: dict[str, Any], ctx: ToolContext) -> dict[str, Any]:
             "truncated": len(text) > MAX_FILE_CHARS}
 
 
+@_io
 def write_file(args: dict[str, Any], ctx: ToolContext) -> dict[str, Any]:
     _ensure_sandbox(ctx)
     content = args["content"]
     if len(content) > MAX_FILE_CHARS:
         raise ToolError(f"content is {len(content)} chars, the limit is {MAX_FILE_CHARS}",
                         kind="too_large")
-    p = ctx.resolve_in_sandbox(args["path"])
+    p = _inside(ctx, args["path"])
     if p == ctx.sandbox.resolve() or p.is_dir():
         raise ToolError(f"{args['path']!r} is a directory", kind="not_a_file")
     if p.exists() and not args.get("overwrite", False):
@@ -503,6 +538,7 @@ def write_file(args: dict[str, Any], ctx: ToolContext) -> dict[str, Any]:
     return {"path": _rel(ctx, p), "bytes_written": len(content.encode("utf-8"))}
 
 
+@_io
 def delete_file(args: dict[str, Any], ctx: ToolContext) -> dict[str, Any]:
     _ensure_sandbox(ctx)
     p = _existing_file(ctx, args["path"])
@@ -510,13 +546,14 @@ def delete_file(args: dict[str, Any], ctx: ToolContext) -> dict[str, Any]:
     return {"path": _rel(ctx, p), "deleted": True}
 
 
+@_io
 def search_files(args: dict[str, Any], ctx: ToolContext) -> dict[str, Any]:
     _ensure_sandbox(ctx)
     needle = args["pattern"]
     if not needle:
         raise ToolError("pattern must not be empty", kind="invalid_value")
     directory = args.get("directory", ".")
-    d = ctx.resolve_in_sandbox(directory)
+    d = _inside(ctx, directory)
     if not d.is_dir():
         raise ToolError(f"directory {directory!r} does not exist", kind="file_not_found")
     matches = []
@@ -535,9 +572,10 @@ def search_files(args: dict[str, Any], ctx: ToolContext) -> dict[str, Any]:
     return {"pattern": needle, "matches": matches}
 
 
+@_io
 def get_file_info(args: dict[str, Any], ctx: ToolContext) -> dict[str, Any]:
     _ensure_sandbox(ctx)
-    p = ctx.resolve_in_sandbox(args["path"])
+    p = _inside(ctx, args["path"])
     if not p.exists():
         raise ToolError(f"{args['path']!r} does not exist", kind="file_not_found")
     text = p.read_text(encoding="utf-8", errors="replace") if p.is_file() else ""
@@ -554,7 +592,7 @@ def send_email(args: dict[str, Any], ctx: ToolContext) -> dict[str, Any]:
     to = _pattern(args["to"], _EMAIL_RE, "email", "ana@example.com")
     if not args["subject"].strip():
         raise ToolError("subject must not be empty", kind="invalid_value")
-    r = _rng(seeded_faker(ctx.seed, "send_email", args))
+    r = seeded_rng(ctx.seed, "send_email", args)
     mid = f"MSG-{r.randint(100000, 999999)}"
     ctx.state.setdefault("catalog", {}).setdefault("sent", []).append(
         {"id": mid, "to": to, "subject": args["subject"]})
@@ -566,7 +604,7 @@ def send_sms(args: dict[str, Any], ctx: ToolContext) -> dict[str, Any]:
     msg = args["message"]
     if not msg.strip():
         raise ToolError("message must not be empty", kind="invalid_value")
-    r = _rng(seeded_faker(ctx.seed, "send_sms", args))
+    r = seeded_rng(ctx.seed, "send_sms", args)
     return {"sms_id": f"SMS-{r.randint(100000, 999999)}", "phone": phone,
             "segments": max(1, -(-len(msg) // 160)), "status": "queued"}
 
@@ -614,7 +652,7 @@ def _cal(ctx: ToolContext) -> dict[str, Any]:
 
 
 def _seeded_events(ctx: ToolContext, day: _dt.date) -> list[dict[str, Any]]:
-    fake = seeded_faker(ctx.seed, "_events", {"date": day.isoformat()})
+    fake = seeded_faker(ctx.seed, "_events", {"date": day.isoformat()}, slot="aux")
     r = _rng(fake)
     out = []
     for _ in range(r.randint(0, 3)):
@@ -631,7 +669,7 @@ def create_event(args: dict[str, Any], ctx: ToolContext) -> dict[str, Any]:
     start = _pattern(args["start_time"], _TIME_RE, "time", "14:30")
     duration = _range(args.get("duration_minutes", 60), 5, 24 * 60, "duration_minutes")
     cal = _cal(ctx)
-    r = _rng(seeded_faker(ctx.seed, "create_event", args))
+    r = seeded_rng(ctx.seed, "create_event", args)
     eid = f"EVT-{r.randint(1000, 9999)}"
     while eid in cal["created"]:
         eid = f"EVT-{r.randint(1000, 9999)}"
@@ -682,9 +720,10 @@ def find_free_slot(args: dict[str, Any], ctx: ToolContext) -> dict[str, Any]:
 # ---------------------------------------------------------------------------------------------
 
 def _product(seed: int, pid: str) -> dict[str, Any]:
-    fake = seeded_faker(seed, "_product", {"id": pid})
+    fake = seeded_faker(seed, "_product", {"id": pid}, slot="aux")
     r = _rng(fake)
-    return {"product_id": pid, "name": f"{fake.color_name()} {r.choice(('Lamp', 'Backpack', 'Mug', 'Headphones', 'Chair', 'Jacket', 'Kettle', 'Watch'))}",
+    kind = r.choice(("Lamp", "Backpack", "Mug", "Headphones", "Chair", "Jacket", "Kettle", "Watch"))
+    return {"product_id": pid, "name": f"{fake.color_name()} {kind}",
             "price": round(r.uniform(5, 400), 2), "rating": round(r.uniform(2.5, 5), 1),
             "in_stock": r.random() < 0.85}
 
@@ -695,7 +734,7 @@ def search_products(args: dict[str, Any], ctx: ToolContext) -> dict[str, Any]:
         raise ToolError("query must not be empty", kind="invalid_value")
     sort_by = args.get("sort_by", "relevance")
     limit = _range(args.get("limit", 5), 1, 20, "limit")
-    r = _rng(seeded_faker(ctx.seed, "search_products", {"query": q.lower()}))
+    r = seeded_rng(ctx.seed, "search_products", {"query": q.lower()})
     items = [_product(ctx.seed, f"P-{r.randint(10000, 99999)}") for _ in range(12)]
     for it in items:
         it["name"] = f"{it['name'].split()[0]} {q}"
@@ -734,7 +773,7 @@ def add_to_cart(args: dict[str, Any], ctx: ToolContext) -> dict[str, Any]:
 
 def get_order_status(args: dict[str, Any], ctx: ToolContext) -> dict[str, Any]:
     oid = _pattern(args["order_id"], _ORDER_RE, "order id", "ORD-123456")
-    r = _rng(seeded_faker(ctx.seed, "get_order_status", {"order_id": oid}))
+    r = seeded_rng(ctx.seed, "get_order_status", {"order_id": oid})
     status = r.choice(("processing", "shipped", "delivered", "cancelled"))
     return {"order_id": oid, "status": status, "items": r.randint(1, 5),
             "total": round(r.uniform(10, 600), 2),
@@ -748,7 +787,8 @@ def track_package(args: dict[str, Any], ctx: ToolContext) -> dict[str, Any]:
     r = _rng(fake)
     steps = ("label created", "picked up", "in transit", "out for delivery", "delivered")
     k = r.randint(1, len(steps))
-    return {"tracking_number": tn, "status": steps[k - 1], "carrier": r.choice(("UPS", "DHL", "FedEx")),
+    return {"tracking_number": tn, "status": steps[k - 1],
+            "carrier": r.choice(("UPS", "DHL", "FedEx")),
             "history": [{"event": s, "location": r.choice(sorted(CITIES))} for s in steps[:k]]}
 
 

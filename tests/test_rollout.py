@@ -1,0 +1,210 @@
+"""Rollouts: batching, on-policy tokenization of actions vs observations, concurrency, env faults."""
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from reflrl import rollout as R
+from reflrl.engine import Sample
+from reflrl.envs.parsing import format_calls
+from reflrl.envs.types import Task, ToolCall
+
+
+# ----------------------------------------------------------------------------- test doubles
+class ScriptedEngine:
+    """Test double of the rollout engine: answers ``answer(prompt_text, sample_index)`` exactly,
+    with a fixed log-prob per token, ending with eos (finish_reason "stop")."""
+
+    def __init__(self, tokenizer, answer):
+        self.tok = tokenizer
+        self.answer = answer
+        self.calls: list[int] = []  # batch size of each generate call
+
+    def generate(self, prompts, n=1, max_new_tokens=256, temperature=1.0, top_p=1.0, stop_ids=None, seed=0):
+        self.calls.append(len(prompts) * n)
+        out = []
+        for i, p in enumerate(prompts):
+            text = self.tok.decode(p)
+            for j in range(n):
+                ids = self.tok(self.answer(text, j), add_special_tokens=False)["input_ids"][: max_new_tokens - 1]
+                ids = ids + [self.tok.eos_token_id]
+                out.append(Sample(i, list(p), ids, [-0.5] * len(ids), "stop"))
+        return out
+
+
+def gold_text(task: Task) -> str:
+    return format_calls(list(task.gold[0]), "hermes")
+
+
+def answer_by_task(tasks, wrong_every: int = 2):
+    """Gold call for samples j % wrong_every == 0, a wrong call otherwise (found by the query)."""
+    def answer(prompt_text: str, j: int) -> str:
+        task = next(t for t in tasks if t.query in prompt_text)
+        if j % wrong_every == 0:
+            return gold_text(task)
+        return format_calls([ToolCall(task.gold[0][0].name, {"nonsense": j})], "hermes")
+    return answer
+
+
+@pytest.fixture(scope="module")
+def tok():
+    from reflrl.models import load_tokenizer
+
+    return load_tokenizer("tiny-random")
+
+
+@pytest.fixture(scope="module")
+def tasks():
+    from reflrl.envs.datasets import synthetic_splits
+
+    sp = synthetic_splits(n_train=6, n_val=0, n_test=0, seed=3, kinds=("single",))
+    return sp["train"]
+
+
+def make_envs(count, tasks, faults=None, multi=False, **kw):
+    import gymnasium as gym
+
+    import reflrl.envs  # noqa: F401
+    from reflrl.envs.clock import VirtualClock
+
+    env_id = "reflrl/ToolCallMultiTurn-v0" if multi else "reflrl/ToolCall-v0"
+    return [gym.make(env_id, dataset=tasks, faults=faults, seed=k, clock=VirtualClock(), **kw).unwrapped
+            for k in range(count)]
+
+
+def run(coro):
+    return asyncio.new_event_loop().run_until_complete(coro)
+
+
+# ----------------------------------------------------------------------------- single turn
+def test_single_turn_one_batched_generate_and_group_order(tok, tasks):
+    eng = ScriptedEngine(tok, answer_by_task(tasks))
+    envs = make_envs(6, tasks)
+    trajs = run(R.arollout(eng, tok, envs, tasks[:2], 3, R.RolloutConfig(max_new_tokens=96), seed=5))
+    assert len(trajs) == 6
+    assert eng.calls == [6]  # all B x n samples from ONE engine call
+    assert [t.group for t in trajs] == [0, 0, 0, 1, 1, 1]
+    for t in trajs:
+        assert t.task is tasks[t.group]
+        assert len(t.response_ids) == len(t.loss_mask) == len(t.old_logprobs)
+        assert all(m == 1 for m in t.loss_mask)  # single turn: every response token was sampled
+        # the prompt is the chat template rendering of the env's messages + generation prompt
+        assert tok.decode(t.prompt_ids).endswith("<|im_start|>assistant\n")
+        assert t.task.query in tok.decode(t.prompt_ids)
+    # sample 0 and 2 of each group answer the gold call, sample 1 a wrong one
+    assert [t.correct for t in trajs] == [True, False, True, True, False, True]
+    assert [t.reward for t in trajs] == [1.0, 0.0, 1.0, 1.0, 0.0, 1.0]
+    assert not any(t.masked for t in trajs)
+
+
+def test_env_steps_run_concurrently():
+    """All envs must be in their step at the same time (a barrier that needs every one of them);
+    one-at-a-time mode never has two in flight."""
+
+    class BarrierEnv:
+        def __init__(self, barrier, counter):
+            self.barrier, self.counter = barrier, counter
+            self.unwrapped = self
+
+        async def areset(self, seed=None, options=None):
+            return "", {"messages": [{"role": "user", "content": options["task"].query}]}
+
+        async def astep(self, action):
+            self.counter["now"] += 1
+            self.counter["max"] = max(self.counter["max"], self.counter["now"])
+            if self.barrier is not None:
+                await self.barrier.wait()
+            await asyncio.sleep(0)
+            self.counter["now"] -= 1
+            return "", 0.0, True, False, {"correct": False, "parse_ok": True}
+
+    from reflrl.models import load_tokenizer
+
+    tk = load_tokenizer("tiny-random")
+    t = Task(id="t", query="hello", tools=[], gold=[[ToolCall("f", {})]])
+    eng = ScriptedEngine(tk, lambda text, j: "hi")
+
+    async def go(concurrent):
+        counter = {"now": 0, "max": 0}
+        barrier = asyncio.Barrier(8) if concurrent else None
+        envs = [BarrierEnv(barrier, counter) for _ in range(8)]
+        cfg = R.RolloutConfig(max_new_tokens=8, concurrent=concurrent)
+        await asyncio.wait_for(R.arollout(eng, tk, envs, [t, t], 4, cfg), timeout=20)
+        return counter["max"]
+
+    assert run(go(True)) == 8
+    assert run(go(False)) == 1
+
+
+# ----------------------------------------------------------------------------- multi turn
+def test_multi_turn_observation_tokens_are_separate_and_masked(tok, tasks):
+    """Turn 1 calls the gold tool, turn 2 answers in text: the response is
+    [action 1 ids] + [observation ids] + [action 2 ids], the action ids are EXACTLY the sampled ones,
+    observation tokens have loss_mask 0, and the whole sequence renders as the chat template's
+    rendering of the final conversation (VerlTool sec. 3.3 'Tokenization')."""
+    task = tasks[0]
+    sampled: dict[int, list[list[int]]] = {}
+
+    def answer(text, j):
+        return gold_text(task) if "<|im_start|>tool" not in text else "The result is in."
+
+    class Recording(ScriptedEngine):
+        def generate(self, prompts, n=1, **kw):
+            out = super().generate(prompts, n=n, **kw)
+            for s in out:
+                sampled.setdefault(len(sampled), []).append(s.token_ids)
+            return out
+
+    eng = Recording(tok, answer)
+    envs = make_envs(2, [task], multi=True)
+    cfg = R.RolloutConfig(max_new_tokens=96, max_turns=4, max_total_tokens=2048)
+    trajs = run(R.arollout(eng, tok, envs, [task], 2, cfg, seed=1))
+    for tr in trajs:
+        assert tr.turns == 2
+        a1 = tok(gold_text(task), add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+        a2 = tok("The result is in.", add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+        assert tr.response_ids[: len(a1)] == a1
+        assert tr.response_ids[-len(a2):] == a2
+        obs = tr.response_ids[len(a1): len(tr.response_ids) - len(a2)]
+        assert len(obs) > 0
+        assert tr.loss_mask == [1] * len(a1) + [0] * len(obs) + [1] * len(a2)
+        assert tr.old_logprobs[len(a1): len(a1) + len(obs)] == [0.0] * len(obs)
+        obs_text = tok.decode(obs)
+        assert "<|im_start|>tool" in obs_text and obs_text.endswith("<|im_start|>assistant\n")
+        # the concatenation is what the chat template renders for the final conversation
+        msgs = envs[0].episode.messages if tr is trajs[0] else envs[1].episode.messages
+        rendered = tok.apply_chat_template(msgs, tokenize=False)
+        assert tok.decode(tr.prompt_ids + tr.response_ids) + "\n" == rendered
+        assert tr.correct and tr.reward == 1.0
+
+
+# ----------------------------------------------------------------------------- env faults
+def test_faults_on_one_prompts_tools_mask_its_rollouts_without_penalty(tok, tasks):
+    """Group 0's envs fail every tool call (server_error at 100%, retries exhausted): its rollouts
+    are masked; their reward is computed on the calls only, so a correct answer keeps reward 1 —
+    the fault never becomes a negative reward. Group 1 (no faults) is untouched."""
+    eng = ScriptedEngine(tok, answer_by_task(tasks))
+    envs = make_envs(3, tasks, faults="server_error=1.0") + make_envs(3, tasks)
+    trajs = run(R.arollout(eng, tok, envs, tasks[:2], 3, R.RolloutConfig(max_new_tokens=96), seed=2))
+    g0, g1 = trajs[:3], trajs[3:]
+    assert all(t.masked for t in g0)
+    assert all(t.reward >= 0 for t in g0)
+    assert [t.reward for t in g0] == [1.0, 0.0, 1.0]  # same as without faults
+    assert all(len(t.info["fault_events"]) > 0 for t in g0)
+    assert not any(t.masked for t in g1)
+    assert [t.reward for t in g1] == [1.0, 0.0, 1.0]
+    stats = R.rollout_stats(trajs)
+    assert stats["masked_frac"] == 0.5
+    assert stats["reward_mean"] == pytest.approx(2 / 3)  # over the live rollouts only
+
+
+def test_retried_faults_are_recovered_not_masked(tok, tasks):
+    """rate_limit faults at 50% are retried by the client: rollouts finish unmasked and the
+    recovered faults are recorded."""
+    eng = ScriptedEngine(tok, lambda text, j: gold_text(next(t for t in tasks if t.query in text)))
+    envs = make_envs(8, tasks, faults="rate_limit=0.5", retry={"max_attempts": 12, "budget_s": 1e6})
+    trajs = run(R.arollout(eng, tok, envs, tasks[:2], 4, R.RolloutConfig(max_new_tokens=96), seed=9))
+    assert not any(t.masked for t in trajs)
+    assert all(t.reward == 1.0 for t in trajs)
+    assert sum(len(t.info["fault_events"]) for t in trajs) > 0

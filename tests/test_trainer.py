@@ -1,0 +1,234 @@
+"""The trainer: updates, masking, run folder, kill-and-resume (tiny random model, scripted answers)."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from reflrl import config as C
+from reflrl import rollout as R
+from reflrl import trainer as T
+from reflrl.algos import PreRolloutFilter
+from reflrl.envs.types import Task, ToolCall
+
+from test_rollout import ScriptedEngine, answer_by_task, gold_text
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def tiny_cfg(tmp_path: Path, **over) -> C.Config:
+    sets = [f"train.out_dir={tmp_path}", "train.run_name=run", "data.n_train=6", "data.n_test=4",
+            "data.n_val=0", "warmup.enabled=false", "rollout.max_new_tokens=200", "algo.downsample_m=0"]
+    sets += [f"{k}={v}" for k, v in over.items()]
+    return C.load_config(ROOT / "configs" / "tiny.yaml", sets)
+
+
+def scripted_trainer(cfg, run_dir, answer=None, resume=False) -> T.Trainer:
+    tr = T.Trainer(cfg, run_dir, resume=resume, progress=False, quiet=True)
+    tr.engine = ScriptedEngine(tr.tokenizer, answer or answer_by_task(tr.train_tasks + tr.splits["test"]))
+    return tr
+
+
+def trainable(model):
+    return {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+
+
+# ----------------------------------------------------------------------------- updates
+def test_a_few_steps_change_trainable_params_with_finite_loss(tmp_path):
+    cfg = tiny_cfg(tmp_path, **{"train.steps": 2, "train.save_every": 0})
+    tr = scripted_trainer(cfg, tmp_path / "run")
+    try:
+        before = trainable(tr.model)
+        frozen_before = {n: p.detach().clone() for n, p in tr.model.named_parameters() if not p.requires_grad}
+        summary = tr.run()
+    finally:
+        tr.close()
+    after = trainable(tr.model)
+    assert any(not torch.equal(before[n], after[n]) for n in before), "no trainable parameter changed"
+    for n, p in tr.model.named_parameters():
+        if not p.requires_grad:
+            assert torch.equal(frozen_before[n], p)
+    rows = [r for r in tr.log.read_metrics() if r["phase"] == "train"]
+    assert len(rows) == 2
+    for r in rows:
+        assert r["update_skipped"] == 0.0
+        assert r["loss"] is not None and abs(r["loss"]) < 1e3
+        assert r["grad_norm"] is not None and r["grad_norm"] > 0
+        assert r["zero_var_ratio"] == 0.0  # every group mixes right and wrong answers
+    # the run folder has everything the issue lists
+    run = tmp_path / "run"
+    for f in ("config.yaml", "versions.json", "metrics.jsonl", "summary.json"):
+        assert (run / f).is_file(), f
+    assert list(run.glob("events.out.tfevents.*"))
+    ck = sorted((run / "checkpoints").iterdir())[-1]
+    assert (ck / "model" / "config.json").is_file() and (ck / "optimizer.pt").is_file()
+    s = json.loads((run / "summary.json").read_text())
+    assert s["accuracy_before"] == 1.0 and s["steps"] == 2  # the scripted sample 0 is always right
+    assert len(s["zero_var_ratio_per_step"]) == 2
+    assert set(s["time_s"]) >= {"rollout_s", "update_s", "eval_s", "total_s"}
+    assert summary["faults"]["calls"] > 0
+    assert C.load_config(run / "config.yaml") == cfg  # the resolved config reloads to the same
+
+
+def test_observation_tokens_get_no_gradient(tmp_path):
+    """Advantages/old log-probs at observation positions (loss_mask 0) cannot change the loss or the
+    gradient: garbage there gives exactly the same update as zeros."""
+    from reflrl.models import load_model
+
+    model, tok = load_model("tiny-random", dtype="float32", trainable="all", seed=1)
+    t = R.Trajectory(task=None, group=0, prompt_ids=[5, 6, 7, 8])
+    t.append_action([10, 11, 12], [-1.0, -1.0, -1.0])
+    t.append_observation([20, 21, 22, 23])
+    t.append_action([13, 14], [-1.0, -1.0])
+    batch = T.make_batch([t], [1.5], pad_id=0)
+    assert batch.response_mask[0].tolist() == [0, 0, 0, 0, 1, 1, 1, 0, 0, 0, 0, 1, 1]
+    assert batch.advantages[0, 7:11].tolist() == [0.0] * 4  # no advantage on observations
+
+    from reflrl.algos import clipped_policy_loss
+    from reflrl.logprobs import sequence_logprobs
+
+    def grads(poison: bool):
+        model.zero_grad(set_to_none=True)
+        lp = sequence_logprobs(model, batch.input_ids, batch.attention_mask, batch.response_mask)
+        adv, old = batch.advantages.clone(), lp.detach().clone()
+        if poison:
+            obs = batch.response_mask == 0
+            adv[obs] = 1e6
+            old[obs] = -50.0
+        loss, _ = clipped_policy_loss(lp, old, adv, batch.response_mask)
+        loss.backward()
+        return float(loss.detach()), [p.grad.clone() for p in model.parameters() if p.grad is not None]
+
+    l0, g0 = grads(False)
+    l1, g1 = grads(True)
+    assert l0 == l1
+    assert all(torch.equal(a, b) for a, b in zip(g0, g1))
+    # and observation positions carry no log-prob term at all
+    lp = sequence_logprobs(model, batch.input_ids, batch.attention_mask, batch.response_mask)
+    assert lp[0, 7:11].tolist() == [0.0] * 4
+
+
+def test_masked_rollouts_get_no_advantage_and_no_baseline_shift():
+    task = Task(id="a", query="q", tools=[], gold=[[ToolCall("f", {})]])
+
+    def traj(reward, masked):
+        t = R.Trajectory(task=task, group=0, prompt_ids=[1], reward=reward, masked=masked)
+        t.append_action([2, 3], [-1.0, -1.0])
+        return t
+
+    grp = [traj(1.0, False), traj(0.0, False), traj(0.0, True), traj(0.0, True)]
+    a = C.AlgoConfig()
+    trajs, adv, gids = T.select_and_score([grp], a)
+    assert trajs == grp[:2]  # the masked rollouts are out
+    assert adv[0] > 0 > adv[1] and adv[0] == pytest.approx(-adv[1])
+    # a group whose only live rollout is right: zero variance, zero advantage (never negative)
+    trajs, adv, _ = T.select_and_score([[traj(1.0, False), traj(0.0, True)]], a)
+    assert adv == [0.0]
+    # down-sampling m=2 keeps one of each class (eq. 7)
+    grp = [traj(r, False) for r in (1.0, 1.0, 1.0, 0.0)]
+    trajs, adv, _ = T.select_and_score([grp], C.AlgoConfig(downsample_m=2))
+    assert sorted(t.reward for t in trajs) == [0.0, 1.0]
+
+
+def test_env_faults_on_one_prompt_are_masked_not_penalised_in_a_training_step(tmp_path):
+    """100% server errors on the tools of every episode: all rollouts masked, none trained on,
+    no negative advantage anywhere, and the step still completes."""
+    cfg = tiny_cfg(tmp_path, **{"train.steps": 1, "train.save_every": 0, "env.faults": "server_error=1.0",
+                                "env.retry.max_attempts": 1})
+    tr = scripted_trainer(cfg, tmp_path / "run")
+    try:
+        m = tr.train_step()
+    finally:
+        tr.close()
+    assert m["masked"] == m["groups"] * cfg.rollout.n
+    assert m["trained_rollouts"] == 0 and m["update_skipped"] == 1.0
+    assert tr.ledger_totals()["given_up"] > 0
+
+
+# ----------------------------------------------------------------------------- data order + filter
+def test_prompt_sampler_is_seeded_and_filter_skips_all_correct_prompts():
+    ids = [f"t{i}" for i in range(5)]
+    s1, s2 = T.PromptSampler(ids, 3, PreRolloutFilter(1)), T.PromptSampler(ids, 3, PreRolloutFilter(1))
+    assert s1.next(7) == s2.next(7)
+    f = PreRolloutFilter(1)
+    s = T.PromptSampler(ids, 0, f)
+    first = s.next(5)
+    assert sorted(first) == list(range(5))
+    for i in first:
+        f.update(ids[i], [1.0] * 4 if i in (0, 1) else [1.0, 0.0, 0.0, 0.0])
+    second = s.next(3)
+    assert 0 not in second and 1 not in second and s.skipped[1] == 2
+
+
+def test_kill_and_resume_gives_the_same_next_batches_and_filter_state(tmp_path):
+    """An uninterrupted 7-step run vs a run killed in step 5 (after the step-4 checkpoint) and
+    resumed in a fresh Trainer: the same prompts in steps 5-7 and the same filter streaks.
+    Tasks 0, 2, 4 of the train split are always answered right (all-correct groups, skipped by the
+    filter next epoch); the others are mixed."""
+    over = {"train.steps": 7, "train.save_every": 1, "rollout.batch_prompts": 2, "rollout.n": 2,
+            "algo.prefilter_k": 1}
+
+    def answer_for(trainer):
+        tasks = trainer.train_tasks + trainer.splits["test"]
+        easy = {t.query for t in trainer.train_tasks[::2]}
+        mixed = answer_by_task(tasks)
+
+        def answer(text, j):
+            task = next(t for t in tasks if t.query in text)
+            return gold_text(task) if task.query in easy else mixed(text, j)
+        return answer
+
+    # A: uninterrupted
+    cfg_a = tiny_cfg(tmp_path / "a", **over)
+    a = T.Trainer(cfg_a, tmp_path / "a" / "run", progress=False, quiet=True)
+    a.engine = ScriptedEngine(a.tokenizer, answer_for(a))
+    try:
+        a.run()
+    finally:
+        a.close()
+    rows_a = {r["step"]: r["task_ids"] for r in a.log.read_metrics() if r["phase"] == "train"}
+    assert sum(a.sampler.skipped.values()) > 0  # the filter did skip prompts
+
+    # B: killed in step 5
+    cfg_b = tiny_cfg(tmp_path / "b", **over)
+    b = T.Trainer(cfg_b, tmp_path / "b" / "run", progress=False, quiet=True)
+    b.engine = ScriptedEngine(b.tokenizer, answer_for(b))
+    real_step = b.train_step
+
+    def dying_step():
+        if b.step == 4:
+            raise KeyboardInterrupt("killed")
+        return real_step()
+
+    b.train_step = dying_step
+    with pytest.raises(KeyboardInterrupt):
+        b.run()
+    b.close()
+    assert (tmp_path / "b" / "run" / "checkpoints" / "step_000004").is_dir()
+
+    # resume in a fresh Trainer (reads config.yaml + the last checkpoint)
+    cfg_r, run_dir, resume = T.resolve_config(T.build_arg_parser().parse_args(
+        ["--resume", str(tmp_path / "b" / "run")]))
+    assert resume and cfg_r == cfg_b
+    r = T.Trainer(cfg_r, run_dir, resume=True, progress=False, quiet=True)
+    r.engine = ScriptedEngine(r.tokenizer, answer_for(r))
+    assert r.step == 4
+    try:
+        r.run()
+    finally:
+        r.close()
+    rows_b = {}
+    for row in r.log.read_metrics():
+        if row["phase"] == "train":
+            rows_b[row["step"]] = row["task_ids"]
+    assert [rows_b[s] for s in (5, 6, 7)] == [rows_a[s] for s in (5, 6, 7)]
+    assert r.prefilter.state_dict() == a.prefilter.state_dict()
+    assert r.sampler.state_dict() == a.sampler.state_dict()
+
+
+def test_cli_rejects_bad_config_with_status_2(tmp_path, capsys):
+    assert T.main(["--config", str(ROOT / "configs" / "tiny.yaml"), "--set", "algo.clip_hihg=0.3"]) == 2
+    assert "clip_high" in capsys.readouterr().err
+    assert T.main(["--faults", "rate_limit=2"]) == 2
