@@ -5,6 +5,7 @@ Importing this package registers the Gymnasium ids (the env classes themselves l
     import gymnasium, reflrl.envs
     env = gymnasium.make("reflrl/ToolCall-v0", faults="rate_limit=0.1", seed=0)
     env = gymnasium.make("reflrl/ToolCallMultiTurn-v0", dataset="synthetic", seed=0)
+    # without importing first: gymnasium.make("reflrl.envs:reflrl/ToolCall-v0", ...)
 
 Kept light on purpose: no torch, and the server/client/datasets modules import on first use.
 """

@@ -39,7 +39,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from email.utils import parsedate_to_datetime
 from hashlib import blake2b
 from typing import Any
@@ -317,7 +317,8 @@ class ToolClient:
     http: an httpx.AsyncClient whose base_url points at the server; retry: RetryPolicy;
     clock: for waits, budgets and elapsed times; ledger: receives observed attempts and call
     records (in-process the server's ledger is shared, so injected and observed meet there);
-    timeout: read timeout per attempt in seconds; identity: X-Reflrl-Client base;
+    timeout: read timeout per tool-call attempt in seconds; control_timeout: for the
+    episode/ledger/tools requests (never fault-injected); identity: X-Reflrl-Client base;
     slow_threshold_s: an ok answer slower than this is recorded with kind "latency";
     validate_returns: check results against the tools' ``returns`` schemas (schema_drift).
     """
@@ -325,12 +326,13 @@ class ToolClient:
     def __init__(self, http: httpx.AsyncClient, *, retry: RetryPolicy | None = None, clock=None,
                  ledger: Ledger | None = None, timeout: float = 10.0, identity: str = "client",
                  slow_threshold_s: float | None = 0.25, validate_returns: bool = True,
-                 shared_ledger: bool = False) -> None:
+                 shared_ledger: bool = False, control_timeout: float = 30.0) -> None:
         self.http = http
         self.retry = retry or RetryPolicy()
         self.clock = clock or SystemClock()
         self.ledger = ledger if ledger is not None else Ledger()
         self.timeout = timeout
+        self.control_timeout = control_timeout
         self.identity = identity
         self.slow_threshold_s = slow_threshold_s
         self.validate_returns = validate_returns
@@ -370,7 +372,7 @@ class ToolClient:
     # ---- episodes --------------------------------------------------------------------------
     async def tools(self, detail: bool = False) -> list[dict]:
         r = await self.http.get("/v1/tools", params={"detail": "1"} if detail else None,
-                                timeout=self.timeout)
+                                timeout=self.control_timeout)
         r.raise_for_status()
         return r.json()["tools"]
 
@@ -382,7 +384,7 @@ class ToolClient:
         body = {"episode_id": episode_id, "seed": seed, "faults": str(plan),
                 "fault_seed": seed if fault_seed is None else fault_seed, "tools": tools,
                 "initial_config": initial_config}
-        r = await self.http.post("/v1/episodes", json=body, timeout=self.timeout)
+        r = await self.http.post("/v1/episodes", json=body, timeout=self.control_timeout)
         if r.status_code != 201:
             raise ToolClientError(f"open_episode {episode_id!r}: HTTP {r.status_code}: "
                                   f"{_error_message(r.content)}")
@@ -392,14 +394,15 @@ class ToolClient:
         """Fetch the server's injected events for the episode (remote servers) and close it."""
         if fetch_ledger and not self._shared_ledger:
             await self.fetch_injected(episode_id)
-        r = await self.http.delete(f"/v1/episodes/{episode_id}", timeout=self.timeout)
+        r = await self.http.delete(f"/v1/episodes/{episode_id}", timeout=self.control_timeout)
         if r.status_code not in (204, 404):
             raise ToolClientError(f"close_episode {episode_id!r}: HTTP {r.status_code}")
         self._identity_n.pop(episode_id, None)
 
     async def fetch_injected(self, episode_id: str) -> list[FaultEvent]:
         """GET /v1/ledger?episode=... and merge the injected events into this client's ledger."""
-        r = await self.http.get("/v1/ledger", params={"episode": episode_id}, timeout=self.timeout)
+        r = await self.http.get("/v1/ledger", params={"episode": episode_id},
+                                timeout=self.control_timeout)
         r.raise_for_status()
         events = [FaultEvent.from_dict(d) for d in r.json()["events"]]
         self.ledger.merge_injected(events)

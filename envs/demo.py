@@ -17,7 +17,7 @@ import json
 import time
 from typing import Any, Callable, TextIO
 
-from .types import Task, ToolCall
+from .types import Task
 
 Generate = Callable[[list[dict[str, Any]]], str]
 

@@ -2,8 +2,9 @@
 
 HTTP protocol (see /work/design.md; JSON in and out):
 
-- ``GET  /v1/tools[?detail=1]``   -> ``{"tools": [schema, ...]}`` (detail adds "domain" and "returns")
-- ``POST /v1/episodes``  ``{"episode_id", "seed", "faults", "fault_seed", "tools", "initial_config"}``
+- ``GET  /v1/tools[?detail=1]`` -> ``{"tools": [schema, ...]}`` (detail adds "domain", "returns")
+- ``POST /v1/episodes`` ``{"episode_id", "seed", "faults", "fault_seed", "tools",
+  "initial_config"}``
   -> 201 ``{"episode_id", "tools": [names], "faults": canonical spec}``; 409 if it exists; 422 on a
   bad body (e.g. a bad fault spec, message from FaultSpecError).
 - ``DELETE /v1/episodes/{id}``   -> 204 and the episode's sandbox folder is deleted; 404 if unknown.
@@ -27,7 +28,6 @@ import tempfile
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import jsonschema
 from starlette.applications import Starlette

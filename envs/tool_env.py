@@ -199,9 +199,16 @@ class ToolCallEnv(gym.Env[str, str]):
         server_seed: seed of the in-process server's catalogue.
         dataset_seed: seed of the synthetic dataset generator (fixed so splits stay stable).
         synthetic_sizes: (train, val, test) sizes of the synthetic splits.
-        episode_prefix: prefix of server-side episode ids (``<prefix>-<fault seed hex>-<n>``).
+        episode_prefix: prefix of server-side episode ids (``<prefix>-<fault seed hex>-<n>``); give
+            envs sharing one server distinct prefixes. The episode id enters the fault decision
+            (``reflrl.faults.decide``), so a replay needs the same seed, fault plan and prefix.
         max_action_chars / max_obs_chars: length bounds of the text spaces.
         render_mode: ``"ansi"`` (render returns the conversation) or ``"human"`` (prints it).
+
+    Attributes: ``ledger`` (a ``reflrl.faults.Ledger``: every attempt the client observed and, with
+    the env's own in-process server, every injected fault at once; with a shared app or a remote
+    server the injected faults arrive when an episode closes, i.e. at the next reset or close),
+    ``tasks``, ``episode_id``, ``episode_task``, ``fault_plan``.
     """
 
     metadata = {"render_modes": ["ansi", "human"], "render_fps": 1}
@@ -363,9 +370,12 @@ class ToolCallEnv(gym.Env[str, str]):
         fault_seed = (derive_seed(self.fault_seed, self._counter, 1) if self.fault_seed is not None
                       else derive_seed(self._base_seed, self._counter, 1))
         episode_id = f"{self.episode_prefix}-{fault_seed:x}-{self._counter}"
-        if episode_id in self._opened_ids and self.ledger is not None:
-            # a replay of an earlier episode (same seed): it supersedes the earlier records
-            self.ledger.forget_episode(episode_id)
+        if episode_id in self._opened_ids:
+            # a replay of an earlier episode (same seed): it supersedes the earlier records, in
+            # the env's ledger and in an in-process server's own ledger (a shared app)
+            server_ledger = getattr(getattr(self._app, "server", None), "ledger", None)
+            for ledger in {id(x): x for x in (self.ledger, server_ledger) if x is not None}.values():
+                ledger.forget_episode(episode_id)
         self._opened_ids.add(episode_id)
         try:
             await client.open_episode(
@@ -397,12 +407,19 @@ class ToolCallEnv(gym.Env[str, str]):
     async def astep(self, action: str):
         """One assistant message -> (observation, reward, terminated, truncated, info).
 
-        info: "task_id", "calls" (parsed, as dicts), "parse_ok", "parse_error", "tool_results" (per
-        call: ok, result or error, triage, fault_kind, attempts, elapsed_s), "fault_events" (per injected fault observed: call
-        index, tool, kind, attempt, recovered), "triage" (per call: ok / env_fault /
-        policy_error), "env_fault_treatment" ("none" / "retried-recovered" / "masked"),
-        "masked", "reward_parts", "correct", "billed_calls" (this step), "episode_billed_calls",
-        "skipped_calls", "messages", "turn", "turn_ended".
+        info:
+          task_id; calls (parsed, as dicts); parse_ok; parse_error;
+          tool_results: per call {call_index, name, ok, result, error, triage, fault_kind,
+              attempts, elapsed_s (on the env's clock)};
+          fault_events: per env fault the client observed {call_index, tool, attempt, kind,
+              status, detail, triage, retried, recovered};
+          triage: per call "ok" | "env_fault" (retries gave up) | "policy_error";
+          env_fault_treatment: "none" | "retried-recovered" | "masked";
+          masked: an env fault was not recovered in this episode (sticky): the trainer drops the
+              rollout from the loss; the reward is still what the calls deserve against the gold;
+          reward_parts; correct (exact match with format; multi-turn: every turn, at the end);
+          billed_calls (attempts this step); episode_billed_calls; skipped_calls; messages (the
+          whole conversation); turn (user turn of this step); turn_ended; turn_rewards.
         """
         ep = self._episode
         if ep is None:
@@ -607,9 +624,13 @@ class ToolCallMultiTurnEnv(ToolCallEnv):
     Each step is one assistant message. With calls, they run (in order by default) and their
     results are appended as tool messages; the user turn continues. Without calls (a final
     answer, or a message that does not parse), the user turn ends and is scored against its gold
-    calls (all calls of the turn, with the format check over all its messages); the reward of a
-    turn is its score divided by the number of user turns, so the episode return is the mean
-    turn score (same scale as the single-turn env). Then the next user message follows, if any.
+    calls: all calls of the turn as one prediction, format-checked over all its messages
+    (``info["turn_rewards"]``). Then the next user message follows, if any.
+
+    The reward is sparse: 0 on every step but the last; at termination (or truncation) it is
+    the mean turn score, turns never reached scoring the reward's minimum, so the episode return
+    has the single-turn env's scale (binary: [0, 1]; fine: [-3, 4]) and the last step's reward is
+    the return. ``info["correct"]`` at the end: every turn exactly right.
     """
 
     multi_turn = True
@@ -801,7 +822,6 @@ def _make_client(env: ToolCallEnv):
     clock (a VirtualClock makes latency faults and Retry-After waits cost no wall time).
     """
     from .client import ToolClient
-
     from .clock import SystemClock, VirtualClock
 
     clock = env._clock
@@ -822,8 +842,11 @@ def _make_client(env: ToolCallEnv):
     if env._app is None:
         from .server import create_app
 
-        env._app = create_app(clock=env._clock, ledger=env.ledger, default_seed=env.server_seed)
+        env._app = create_app(clock=clock, ledger=env.ledger, default_seed=env.server_seed)
         env._owns_app = True
+        server = getattr(env._app, "server", None)
+        if server is not None:  # an env dropped without close() must not leave sandboxes behind
+            weakref.finalize(env, server.shutdown)
     return ToolClient.in_process(env._app, **kwargs)
 
 

@@ -24,7 +24,7 @@ class FaultDecision:
     """The fault drawn for one attempt.
 
     kind:  fault kind name.
-    param: effective parameter in seconds (explicit or the kind's default), None if the kind has none.
+    param: effective parameter in seconds (explicit or the kind's default); None if it has none.
     u:     the uniform draw in [0, 1) that selected the kind.
     sub:   64 deterministic bits for sub-choices (use ``choose``).
     """
@@ -35,7 +35,7 @@ class FaultDecision:
     sub: int
 
     def choose(self, options, salt: int = 0):
-        """A deterministic element of ``options`` (a sequence); ``salt`` selects independent choices."""
+        """A deterministic element of the sequence ``options``; ``salt`` picks independent choices."""
         bits = (self.sub >> (salt * 13 % 51)) ^ (salt * 0x9E3779B97F4A7C15)
         return options[bits % len(options)]
 

@@ -11,10 +11,10 @@ and makes the client see it exactly as a real HTTP client would:
   (TCP reset).
 - post-dispatch (the tool ran, its side effects happened): truncated (Content-Length N, fewer bytes,
   close), malformed (200 with an invalid JSON body), latency (delay, then the correct answer),
-  schema_drift (one field of a 200 result renamed or dropped), invalid_file (file tools only: corrupt
-  content, or 404 file_missing). schema_drift and invalid_file only apply to 200 answers; when they
-  cannot apply (error answer, no dict in the result, not a file tool) nothing is injected and nothing
-  is recorded, so the ledger stays exact.
+  schema_drift (one field of a 200 result renamed or dropped), invalid_file (file tools only:
+  corrupt content, or 404 file_missing). schema_drift and invalid_file only apply to 200 answers; when they
+  cannot apply (error answer, no dict in the result, not a file tool) nothing is injected and
+  nothing is recorded, so the ledger stays exact.
 
 Connection-level effects go through a *net control* found in ``scope["extensions"]["reflrl.net"]``:
 the uvicorn protocol in ``reflrl.envs.serve`` provides one that really resets / closes the socket;
@@ -27,7 +27,7 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import dataclass, field
-from typing import Any, Awaitable, Callable, Protocol
+from typing import Any, Callable, Protocol
 
 from .decide import FaultDecision, decide
 from .ledger import FaultEvent, Ledger

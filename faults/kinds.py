@@ -1,12 +1,12 @@
 """The fault kinds: what each one is, its parameter, and what a real HTTP client sees.
 
 The catalogue follows the failure modes that waste tool-use RL rollouts in practice (Tool-ReRL,
-``003_febfc96bcceb98f2.txt`` sec. 1 and 3.2, Fig. 1: rate limits, timeouts, network resets, bad files,
-banned IPs), extended with the other faults a client of a real HTTP API meets (5xx, truncated or
+``003_febfc96bcceb98f2.txt`` sec. 1 and 3.2, Fig. 1: rate limits, timeouts, network resets, bad
+files, banned IPs), extended with the other faults a client of a real HTTP API meets (5xx, truncated or
 malformed bodies, slow answers, schema drift).
 
-This module is pure data: ``KINDS`` (name -> FaultKind), ``kinds_rows()`` and ``format_kinds_table()``
-(what ``reflrl faults list`` prints). It imports nothing outside the standard library.
+This module is pure data: ``KINDS`` (name -> FaultKind), ``kinds_rows()`` and
+``format_kinds_table()`` (what ``reflrl faults list`` prints). It imports nothing outside the standard library.
 """
 from __future__ import annotations
 
@@ -30,7 +30,7 @@ class FaultKind:
     stage:         PRE_DISPATCH or POST_DISPATCH (whether the tool ran).
     applies_to:    "any" or "files" (only file tools: domain "files" or a bfcl file system).
     observed_as:   client-side classifications that count as a faithful observation of this kind
-                   in ``Ledger.reconcile`` ("ok" = undetectable by transport, counted as undetected).
+                   in ``Ledger.reconcile`` ("ok" = undetectable by transport: "undetected").
     """
 
     name: str

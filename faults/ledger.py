@@ -12,7 +12,9 @@ transport-level client and the client saw a valid answer (``schema_drift`` witho
 ``returns`` schema, ``latency`` under the client's slow threshold); *observed as other* when the
 kind's documented alternative symptom occurred (``latency`` longer than the read timeout ->
 ``timeout``). Anything else is a mismatch, including an env fault the client saw with nothing
-injected (a real server bug or real network trouble). ``report.exact`` means no mismatch.
+injected (a real server bug or real network trouble). ``report.exact`` means no mismatch. A slow
+but correct answer with nothing injected (a loaded machine) is not a fault: it is counted in
+``report.slow_not_injected``.
 
 Each attempt is one billed tool call (tools may be paid): ``totals().attempts`` is the bill.
 """
@@ -116,6 +118,7 @@ class ReconcileReport:
     per_kind: dict[str, KindCounts]
     mismatches: list[Mismatch]
     attempts: int
+    slow_not_injected: int = 0   # ok answers slower than the client's threshold, none injected
 
     @property
     def exact(self) -> bool:
@@ -128,10 +131,13 @@ class ReconcileReport:
             if c.injected or c.observed:
                 lines.append(f"{k:<14}{c.injected:>9}{c.observed:>9}{c.matched:>9}"
                              f"{c.undetected:>9}{c.as_other:>9}")
+        if self.slow_not_injected:
+            lines.append(f"slow answers without an injected latency: {self.slow_not_injected}")
         lines.append(f"attempts {self.attempts}; reconciled "
                      f"{'exactly' if self.exact else f'with {len(self.mismatches)} mismatches'}")
         for m in self.mismatches[:10]:
-            lines.append(f"  mismatch {m.key}: injected={m.injected} observed={m.observed}: {m.reason}")
+            lines.append(f"  mismatch {m.key}: injected={m.injected} observed={m.observed}: "
+                         f"{m.reason}")
         return "\n".join(lines)
 
 
@@ -240,6 +246,7 @@ class Ledger:
         obs = {e.key: e for e in self.observed(episode)}
         per = {k: KindCounts() for k in KIND_NAMES}
         mism: list[Mismatch] = []
+        slow = 0
         for o in obs.values():
             if o.kind in per and (o.triage == "env_fault" or o.kind == "latency"):
                 per[o.kind].observed += 1
@@ -261,6 +268,8 @@ class Ledger:
                     c.as_other += 1
                 else:
                     mism.append(Mismatch(key, i.kind, ocls, "client saw a different outcome"))
-            elif o is not None and (o.triage == "env_fault" or o.kind == "latency"):
+            elif o is not None and o.triage == "env_fault":
                 mism.append(Mismatch(key, None, ocls, "client saw a fault that was not injected"))
-        return ReconcileReport(per, mism, attempts=len(obs))
+            elif o is not None and o.kind == "latency":
+                slow += 1
+        return ReconcileReport(per, mism, attempts=len(obs), slow_not_injected=slow)

@@ -31,7 +31,7 @@ class FaultSpecError(ValueError):
 
 @dataclass(frozen=True)
 class FaultEntry:
-    """One ``kind=prob[:param]`` entry; ``param`` is in seconds (None = the kind's default / none)."""
+    """One ``kind=prob[:param]`` entry; ``param`` in seconds (None = the kind's default / none)."""
 
     kind: str
     prob: float

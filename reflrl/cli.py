@@ -218,8 +218,13 @@ def cmd_env_demo(args: argparse.Namespace) -> int:
 
 def cmd_train(args: argparse.Namespace) -> int:
     """Hand over to the trainer (imported only now: it loads torch)."""
-    from reflrl import trainer
-
+    try:
+        from reflrl import trainer
+    except ModuleNotFoundError as e:
+        if e.name != "reflrl.trainer":
+            raise
+        raise UsageError("'reflrl train' needs reflrl.trainer, which this install does not have "
+                         "yet; try 'reflrl env demo'") from None
     return int(trainer.main(list(args.train_args)) or 0)
 
 
@@ -235,7 +240,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``reflrl`` console script; returns the exit status."""
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
-    args = parser.parse_args(argv)
+    if argv[:1] == ["train"]:  # the trainer parses its own flags (including --help)
+        args = argparse.Namespace(command="train", train_args=argv[1:])
+    else:
+        args = parser.parse_args(argv)
     try:
         if args.command == "train":
             return cmd_train(args)

@@ -46,12 +46,15 @@ class EvalResult:
 
 def _generate_texts(engine: Any, tokenizer: Any, prompts: list[list[int]], *, batch_size: int,
                     max_new_tokens: int, temperature: float, seed: int = 0) -> list[str]:
-    out: list[str] = []
-    for i in range(0, len(prompts), batch_size):
-        chunk = prompts[i: i + batch_size]
-        samples = engine.generate(chunk, n=1, max_new_tokens=max_new_tokens, temperature=temperature,
-                                  seed=seed + i)
-        out.extend(tokenizer.decode(list(s.token_ids), skip_special_tokens=True) for s in samples)
+    """Decoded completions, in the order of ``prompts``; batches group prompts of similar length."""
+    order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
+    out: list[str] = [""] * len(prompts)
+    for s in range(0, len(order), batch_size):
+        chunk = order[s: s + batch_size]
+        samples = engine.generate([prompts[i] for i in chunk], n=1, max_new_tokens=max_new_tokens,
+                                  temperature=temperature, seed=seed + s)
+        for i, smp in zip(chunk, samples):
+            out[i] = tokenizer.decode(list(smp.token_ids), skip_special_tokens=True)
     return out
 
 

@@ -148,6 +148,10 @@ def _atomic_dir(final: Path):
     created ``final`` meanwhile, ours is discarded.
     """
     final.parent.mkdir(parents=True, exist_ok=True)
+    for stale in final.parent.glob(f".tmp-{final.name}-*"):  # left by a crashed earlier run
+        with contextlib.suppress(OSError):
+            if time.time() - stale.stat().st_mtime > 3600:
+                shutil.rmtree(stale, ignore_errors=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{final.name}-", dir=final.parent))
     try:
         yield tmp
@@ -251,7 +255,11 @@ def _convert_embedded() -> Path:
 
 
 def _apply_token_ids(model: nn.Module, tokenizer: Any) -> None:
-    """Make the model's config and generation config agree with the tokenizer's eos/pad/bos."""
+    """Make the model's config and generation config agree with the tokenizer's eos/pad/bos
+    (and give the tokenizer the model's context length when it has none)."""
+    max_pos = getattr(model.config, "max_position_embeddings", None)
+    if max_pos and getattr(tokenizer, "model_max_length", 0) > 10**9:
+        tokenizer.model_max_length = max_pos
     for cfg in (model.config, getattr(model, "generation_config", None)):
         if cfg is None:
             continue
@@ -349,48 +357,60 @@ def _decoder_layers(model: nn.Module) -> nn.ModuleList:
 
 
 def apply_trainable(
-    model: nn.Module, trainable: str, trainable_dtype: torch.dtype | None = torch.float32
+    model: nn.Module,
+    trainable: str,
+    dtype: torch.dtype | None = None,
+    trainable_dtype: torch.dtype | None = torch.float32,
 ) -> nn.Module:
-    """Freeze all but the ``top_layers:K`` subset (or nothing for ``all``); returns ``model``.
+    """Set ``requires_grad`` and precisions for ``all`` / ``none`` / ``top_layers:K``; returns model.
 
-    For ``top_layers:K``, the trainable layers and final norm are cast to ``trainable_dtype``
-    (None = leave as is) and dtype-casting hooks are installed at the two boundaries (into the
-    first trainable layer; into the output head). ``lora`` is handled by :func:`apply_lora`.
+    Frozen parameters are cast to ``dtype`` (None = leave), trainable ones to ``trainable_dtype``
+    (None = same as ``dtype``). Trainable layers are cast from the values the model holds when
+    called (load in float32 first so float32 master weights are not bfloat16-rounded). For
+    ``top_layers:K`` with differing precisions, forward pre-hooks cast at the two boundaries (into
+    the first trainable layer; into the output head). ``lora`` is :func:`apply_lora`'s job.
     """
     kind, k = parse_trainable(trainable)
+    t_dtype = trainable_dtype if trainable_dtype is not None else dtype
     if kind == "none":
+        if dtype is not None:
+            model.to(dtype)
         for p in model.parameters():
             p.requires_grad_(False)
         return model
     if kind == "all":
+        if t_dtype is not None:
+            model.to(t_dtype)
         for p in model.parameters():
             p.requires_grad_(True)
-        if trainable_dtype is not None:
-            model.to(trainable_dtype)
         return model
     if kind != "top_layers":
-        raise ValueError(f"apply_trainable handles 'all' and 'top_layers:K', not {trainable!r}")
+        raise ValueError(f"apply_trainable handles 'all', 'none', 'top_layers:K', not {trainable!r}")
     layers = _decoder_layers(model)
     if k > len(layers):
         raise ValueError(f"trainable={trainable!r}: the model has only {len(layers)} layers")
+    top = [*list(layers)[len(layers) - k :], model.get_decoder().norm]
+    # keep the trainable part's current (full-precision) values across the frozen-part cast
+    kept = None
+    if t_dtype is not None:
+        kept = [{n: v.detach().to(t_dtype, copy=True) for n, v in m.state_dict().items()} for m in top]
+    if dtype is not None:
+        model.to(dtype)
     for p in model.parameters():
         p.requires_grad_(False)
-    top = list(layers)[len(layers) - k :]
-    norm = model.get_decoder().norm
-    for m in [*top, norm]:
-        if trainable_dtype is not None:
-            m.to(trainable_dtype)
+    for i, m in enumerate(top):
+        if kept is not None:
+            m.to(t_dtype)
+            m.load_state_dict(kept[i])
         for p in m.parameters():
             p.requires_grad_(True)
     first_dtype = next(top[0].parameters()).dtype
-    below_dtype = next(model.get_input_embeddings().parameters()).dtype
+    below_dtype = model.get_input_embeddings().weight.dtype
     if first_dtype != below_dtype:
         top[0].register_forward_pre_hook(_boundary_pre_hook(first_dtype), with_kwargs=True)
     head = model.get_output_embeddings()
-    head_dtype = head.weight.dtype
-    if head_dtype != first_dtype:
-        head.register_forward_pre_hook(_boundary_pre_hook(head_dtype), with_kwargs=True)
-    model.config.reflrl_trainable = trainable
+    if head.weight.dtype != first_dtype:
+        head.register_forward_pre_hook(_boundary_pre_hook(head.weight.dtype), with_kwargs=True)
     return model
 
 
@@ -512,11 +532,11 @@ def load_model(
                 src, dtype=torch.float32, local_files_only=_offline() or path.exists()
             )
     _apply_token_ids(model, tokenizer)
-    model.to(torch_dtype)
     if kind == "lora":
+        model.to(torch_dtype)
         model = apply_lora(model, r=lora_r, alpha=lora_alpha, dropout=lora_dropout)
     else:
-        apply_trainable(model, trainable, t_dtype)
+        apply_trainable(model, trainable, dtype=torch_dtype, trainable_dtype=t_dtype)
     model.train()
     return model, tokenizer
 

@@ -320,11 +320,17 @@ async def _multi_turn(engine, tokenizer, envs, trajs: list[Trajectory], messages
                     tr.texts.append(text)
                     if not fin:
                         tr.truncated = True
-                    fut = asyncio.ensure_future(_timed_step(envs[k], text))
+                    if cfg.concurrent:
+                        fut = asyncio.ensure_future(_timed_step(envs[k], text))
+                    else:  # one tool step at a time (the baseline): finish it before the next starts
+                        fut = loop.create_future()
+                        fut.set_result(await _timed_step(envs[k], text))
                     pending[fut] = (k, text, ids)
         if not pending:
             continue
         done, _ = await asyncio.wait(list(pending), return_when=asyncio.FIRST_COMPLETED)
+        if not cfg.concurrent:
+            done = sorted(done, key=lambda f: pending[f][0])
         for fut in done:
             k, text, ids = pending.pop(fut)
             (_obs, reward, term, trunc, info), dt = fut.result()

@@ -337,7 +337,8 @@ class Trainer:
         self.load_s = time.perf_counter() - t0
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
         self.engine = TransformersEngine(self.model, self.tokenizer,
-                                         max_batch_size=max(cfg.rollout.n, cfg.rollout.n * cfg.rollout.batch_prompts))
+                                         max_batch_size=max(64, cfg.rollout.n * cfg.rollout.batch_prompts))
+        self.eval_batch = 32  # greedy evaluation: prompts decoded together (sorted by length)
         params = [p for p in self.model.parameters() if p.requires_grad]
         if not params:
             raise C.ConfigError(f"model.trainable={m.trainable!r} leaves no trainable parameter")
@@ -412,7 +413,7 @@ class Trainer:
 
         t0 = time.perf_counter()
         res = evaluate(self.engine, self.tokenizer, self.splits[split], self.messages, fmt=self._fmt(),
-                       batch_size=16, max_new_tokens=self.cfg.rollout.max_new_tokens)
+                       batch_size=self.eval_batch, max_new_tokens=self.cfg.rollout.max_new_tokens)
         self.state["timers"]["eval_s"] += time.perf_counter() - t0
         return res.to_dict()
 
@@ -423,7 +424,7 @@ class Trainer:
         pool = self.splits["val"] or self.train_tasks
         tasks = [pool[i % len(pool)] for i in range(w.probe_n)]
         t0 = time.perf_counter()
-        r = format_rate(self.engine, self.tokenizer, tasks, self.messages, fmt=self._fmt(),
+        r = format_rate(self.engine, self.tokenizer, tasks, self.messages, fmt=self._fmt(), batch_size=self.eval_batch,
                         temperature=self.cfg.rollout.temperature, max_new_tokens=self.cfg.rollout.max_new_tokens,
                         seed=derive_seed(self.cfg.train.seed, 77))
         self.state["timers"]["eval_s"] += time.perf_counter() - t0

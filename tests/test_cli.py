@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import argparse
 import io
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -144,3 +143,17 @@ def test_demo_with_embedded_model(capsys):
     assert rc == 0
     out = capsys.readouterr().out
     assert "smollm2" in out and "task 1/1" in out and "fault ledger totals" in out
+
+
+def test_train_hands_its_arguments_to_the_trainer(monkeypatch):
+    import types
+
+    seen = {}
+    stub = types.ModuleType("reflrl.trainer")
+    stub.main = lambda argv: seen.setdefault("argv", argv) and 0
+    monkeypatch.setitem(sys.modules, "reflrl.trainer", stub)
+    import reflrl
+
+    monkeypatch.setattr(reflrl, "trainer", stub, raising=False)
+    assert main(["train", "--help", "--set", "a=1"]) == 0
+    assert seen["argv"] == ["--help", "--set", "a=1"]

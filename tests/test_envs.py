@@ -196,6 +196,20 @@ def test_faults_at_100_percent_mask_and_never_penalise(faults):
         env.close()
 
 
+def test_multi_turn_faults_at_100_percent_mask_and_keep_gold_reward():
+    task = _file_task()
+    env = _make(reflrl.envs.MULTI_TURN_ID, faults="server_error=1", seed=0)
+    try:
+        env.reset(seed=0, options={"task": task})
+        for a in gold_actions(task, multi_turn=True):
+            _, r, term, trunc, info = env.step(a)
+        assert term and r == 1.0 and info["correct"] and info["masked"]
+        assert info["turn_rewards"] == [1.0, 1.0]
+        assert env.unwrapped.ledger.totals().given_up == 2
+    finally:
+        env.close()
+
+
 def test_partial_faults_are_retried_and_recovered():
     env = _make(faults="rate_limit=0.5", seed=0)
     try:
@@ -285,6 +299,21 @@ def test_multi_turn_scripted_gold_synthetic_file_task():
         env.close()
 
 
+def test_multi_turn_scripted_gold_generated_synthetic_tasks():
+    from reflrl.envs.datasets import generate_synthetic
+
+    tasks = generate_synthetic(4, seed=3, kinds=("multi_turn",))
+    env = gymnasium.make(reflrl.envs.MULTI_TURN_ID, dataset=tasks, seed=0)
+    try:
+        for i, task in enumerate(tasks):
+            assert task.turns, "a generated multi-turn task has follow-up user turns"
+            steps = _play(env, i, task_index=i)
+            _, r, info = steps[-1]
+            assert r == 1.0 and info["correct"] and info["turn_rewards"] == [1.0] * (1 + len(task.turns))
+    finally:
+        env.close()
+
+
 def test_multi_turn_wrong_turn_and_truncation():
     task = _file_task()
     env = _make(reflrl.envs.MULTI_TURN_ID, seed=0, max_steps=3)
@@ -351,3 +380,23 @@ async def test_env_bound_to_one_loop_says_so():
             env.reset(seed=0)  # the sync API uses the env's private loop: refused with a reason
     finally:
         await env.aclose()
+
+
+def test_shared_app_replays_and_reconciles_after_close():
+    """The trainer's set-up: one in-process app shared by envs with their own episode prefixes."""
+    from reflrl.envs.server import create_app
+
+    app = create_app()
+    envs = [_make(faults="rate_limit=0.5", seed=0, app=app, episode_prefix=f"w{k}") for k in range(2)]
+    try:
+        runs = []
+        for env in envs:
+            for seed in (5, 5, 6):  # the replay of seed 5 reuses its episode id
+                runs.append([(e["attempt"], e["kind"]) for e in _play(env, seed, task_index=1)[-1][2]["fault_events"]])
+        assert runs[0] == runs[1] and runs[3] == runs[4]  # same seed (and prefix): same faults
+    finally:
+        for env in envs:
+            env.close()
+    for env in envs:  # injected events were fetched from the shared server when episodes closed
+        rep = env.unwrapped.ledger.reconcile()
+        assert rep.exact and rep.attempts > 0

@@ -208,11 +208,13 @@ def test_reconcile_pairs_and_flags_mismatches():
     led.record_injected(_ev("injected", "latency", 2))
     led.record_observed(_ev("observed", "timeout", 2))               # slower than read timeout
     led.record_observed(_ev("observed", None, 3, triage="policy_error"))
+    led.record_observed(_ev("observed", "latency", 6, triage="ok"))    # real slowness: not a fault
     rep = led.reconcile()
     assert rep.exact, rep.format()
     assert rep.per_kind["rate_limit"].matched == 1
     assert rep.per_kind["schema_drift"].undetected == 1
     assert rep.per_kind["latency"].as_other == 1
+    assert rep.slow_not_injected == 1 and "without an injected latency: 1" in rep.format()
     # a fault observed with nothing injected, and an injected fault seen as ok
     led.record_observed(_ev("observed", "server_error", 4))
     led.record_injected(_ev("injected", "truncated", 5))

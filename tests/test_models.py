@@ -193,3 +193,14 @@ def test_embedded_model_loads_chats_and_stops_at_im_end():
     assert torch.equal(_logits(model, x), _logits(again, x))
     assert M.embedded_cache_dir().is_dir()
     print(f"cached reload {reload_s:.1f}s")
+
+
+def test_top_layers_keep_float32_values_not_bf16_rounded():
+    full, _ = M.load_model("tiny-random", dtype="float32", seed=2)
+    mixed, _ = M.load_model("tiny-random", dtype="bfloat16", trainable="top_layers:1", seed=2)
+    a = full.model.layers[1].mlp.up_proj.weight
+    b = mixed.model.layers[1].mlp.up_proj.weight
+    assert b.dtype == torch.float32 and torch.equal(a, b)
+    c = mixed.model.layers[0].mlp.up_proj.weight
+    assert c.dtype == torch.bfloat16
+    assert torch.equal(full.model.layers[0].mlp.up_proj.weight.to(torch.bfloat16), c)

@@ -5,6 +5,8 @@ import math
 from pathlib import Path
 
 import httpx
+from hypothesis import given, settings
+from hypothesis import strategies as st
 import pytest
 
 from reflrl.envs.client import (CallOutcome, RetryPolicy, ToolClient, ToolClientError,
@@ -376,3 +378,19 @@ def test_classification_helpers():
         "invalid_file"
     assert classify_response(422, {}, b'{"error": {"type": "x"}}').triage == "policy_error"
     assert FaultPlan.parse(str(FaultPlan.parse("latency=1:2s"))).entry("latency").param == 2.0
+
+
+@settings(max_examples=300, deadline=None)
+@given(status=st.integers(100, 599), body=st.binary(max_size=80) | st.sampled_from(
+    [b'{"result": {"a": 1}}', b'{"error": {"type": "unknown_episode"}}', b'{"result": "\\u0000"}',
+     b'{"error": "x"}', b"[]", b"null"]),
+       retry_after=st.none() | st.text(max_size=12))
+def test_fuzz_classification_never_crashes(status, body, retry_after):
+    headers = {} if retry_after is None else {"retry-after": retry_after}
+    try:
+        obs = classify_response(status, headers, body)
+    except ToolClientError:
+        assert status in (400, 404)
+        return
+    assert obs.triage in ("ok", "env_fault", "policy_error")
+    assert (obs.kind in KIND_NAMES) == (obs.triage == "env_fault")
