@@ -14,6 +14,7 @@ The module imports no torch at import time: the model and engine load inside :fu
 from __future__ import annotations
 
 import json
+import sys
 import time
 from typing import Any, Callable, TextIO
 
@@ -168,7 +169,11 @@ def main_demo(args: Any, *, faults: str, out: TextIO | None = None,
         kwargs["max_steps"] = args.max_steps
     if args.retries is not None:
         kwargs["retry"] = {"max_attempts": int(args.retries)}
-    env = gymnasium.make(env_id, **kwargs)
+    try:
+        env = gymnasium.make(env_id, **kwargs)
+    except (ValueError, TypeError, FileNotFoundError) as e:  # a bad flag value: say which
+        _print(sys.stderr, f"reflrl: error: {e}")
+        return 2
     u = env.unwrapped
     _print(out, f"reflrl env demo: {env_id}, faults={faults}, seed={args.seed}, "
                 f"dataset={args.dataset}/{args.split} ({len(u.tasks)} tasks), parser={args.parser}, "
@@ -206,6 +211,7 @@ def main_demo(args: Any, *, faults: str, out: TextIO | None = None,
                 g = run_episode(env, gold_policy(task, args.parser, args.multi_turn), task=task,
                                 out=out, label="gold replay")
                 gold_results.append(g)
+        env.close()  # closing the last episode brings a remote server's injected faults home
         _print(out, "")
         _summary(out, "model", results)
         if gold_results:
