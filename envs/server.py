@@ -178,6 +178,9 @@ class ToolServer:
         with self._lock:
             if eid in self.episodes:
                 return _error(409, "episode_exists", f"episode {eid!r} is already open")
+            # Re-opening an id (a replay with the same seed) starts its injected record afresh,
+            # so the replay's faults are not refused as recorded twice.
+            self.ledger.forget_injected(eid)
             sandbox = Path(tempfile.mkdtemp(prefix="ep-", dir=self.sandbox_root))
             ctx = ToolContext(seed=seed, episode_id=eid, sandbox=sandbox)
             if body.get("initial_config") is not None:

@@ -215,6 +215,15 @@ class Ledger:
             for k in [k for k in self._calls if k[0] == episode]:
                 del self._calls[k]
 
+    def forget_injected(self, episode: str) -> int:
+        """Drop the injected records of one episode (a server re-opening a replayed episode id
+        starts its record afresh); returns how many were dropped."""
+        with self._lock:
+            keys = [k for k in self._injected if k[0] == episode]
+            for k in keys:
+                del self._injected[k]
+            return len(keys)
+
     # queries ---------------------------------------------------------------------------------
     def injected(self, episode: str | None = None) -> list[FaultEvent]:
         with self._lock:

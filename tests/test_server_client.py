@@ -15,6 +15,7 @@ from reflrl.envs.clock import VirtualClock
 from reflrl.envs.server import create_app
 from reflrl.envs.tools.base import ToolError, ToolSpec
 from reflrl.faults import KIND_NAMES, FaultPlan
+from reflrl.faults.ledger import Ledger
 
 FILE_RETURNS = {
     "type": "object",
@@ -394,3 +395,21 @@ def test_fuzz_classification_never_crashes(status, body, retry_after):
         return
     assert obs.triage in ("ok", "env_fault", "policy_error")
     assert (obs.kind in KIND_NAMES) == (obs.triage == "env_fault")
+
+
+async def test_reopening_an_episode_id_on_one_server_replays_its_faults(tmp_path):
+    """A replay re-opens the same episode id on the same (long-lived) server: the server starts
+    that episode's injected record afresh instead of refusing the faults as recorded twice."""
+    app = create_app(make_tools(), sandbox_root=tmp_path / "s")
+    runs = []
+    for _ in range(2):
+        # its own client ledger, as a client of a remote server has
+        c = ToolClient.in_process(app, clock=VirtualClock(), timeout=1.0, ledger=Ledger())
+        await c.open_episode("ep", seed=1, faults="rate_limit=0.3,server_error=0.3", fault_seed=7)
+        outs = [await _call(c, "ep", s) for s in range(12)]
+        await c.close_episode("ep")
+        await c.aclose()
+        runs.append(([(o.triage, o.attempts) for o in outs],
+                     [(e.key, e.kind) for e in app.server.ledger.injected("ep")]))
+    assert runs[0] == runs[1]
+    assert runs[0][1], "the plan injected faults"
