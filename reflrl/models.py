@@ -527,10 +527,26 @@ def load_model(
         if path.exists() and (path / "adapter_config.json").is_file():
             model, tokenizer = _load_adapter_checkpoint(path)
         else:
-            tokenizer = fix_chat_tokenizer(_load_tok_folder(src))
-            model = AutoModelForCausalLM.from_pretrained(
-                src, dtype=torch.float32, local_files_only=_offline() or path.exists()
-            )
+            if path.is_dir() and not (path / "config.json").is_file():
+                raise ValueError(
+                    f"model {name!r}: the folder has no config.json (not a Hugging Face model "
+                    f"folder, nor a registry name: {', '.join(REGISTRY)})"
+                )
+            try:
+                tokenizer = fix_chat_tokenizer(_load_tok_folder(src))
+                model = AutoModelForCausalLM.from_pretrained(
+                    src, dtype=torch.float32, local_files_only=_offline() or path.exists()
+                )
+            except OSError as e:
+                where = "folder" if path.exists() else "Hugging Face id"
+                hint = (
+                    " (HF_HUB_OFFLINE=1: only models already in the local Hub cache load; set "
+                    "HF_HUB_OFFLINE=0 to download)" if _offline() and not path.exists() else ""
+                )
+                raise ValueError(
+                    f"model {name!r}: not a registry name ({', '.join(REGISTRY)}) and could not "
+                    f"be loaded as a {where}{hint}: {e}"
+                ) from e
     _apply_token_ids(model, tokenizer)
     if kind == "lora":
         model.to(torch_dtype)

@@ -136,19 +136,19 @@ def train_sft(model: torch.nn.Module, tokenizer: Any, examples: Sequence[SFTExam
             g["lr"] = lr_at(s)
         loss = sft_loss(model, batch)
         if not torch.isfinite(loss):
-            raise FloatingPointError(f"SFT loss is {loss.item()} at step {s}")
+            raise FloatingPointError(f"SFT loss is {float(loss.detach())} at step {s}")
         opt.zero_grad(set_to_none=True)
         loss.backward()
         gn = torch.nn.utils.clip_grad_norm_(params, grad_clip)
         opt.step()
-        losses.append(float(loss))
+        losses.append(float(loss.detach()))
         done += 1
         if log is not None:
-            log(s, {"sft_loss": float(loss), "grad_norm": float(gn), "lr": lr_at(s),
+            log(s, {"sft_loss": losses[-1], "grad_norm": float(gn), "lr": lr_at(s),
                     "tokens": int(batch["attention_mask"].sum())})
         if bar is not None:
             bar.update(1)
-            bar.set_postfix(loss=f"{float(loss):.3f}")
+            bar.set_postfix(loss=f"{losses[-1]:.3f}")
     if bar is not None:
         bar.close()
     model.eval()

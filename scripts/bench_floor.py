@@ -5,8 +5,9 @@ Prints, for SmolLM2-135M-Instruct (the embedded GGUF) in several precision / tra
   (8 distinct prompts, and 2 prompts x n=4 sharing their prefill), plus transformers'
   ``model.generate`` on the same 8 prompts for reference (bfloat16 only);
 - forward+backward ms/token over a batch of 8 x 256 tokens (last 64 of each row are the
-  "response" whose log-probs enter the loss, via reflrl.logprobs.sequence_logprobs), and the
-  forward alone (no grad).
+  "response" whose log-probs enter the loss, via reflrl.logprobs.sequence_logprobs), the
+  forward alone (no grad), and the same batch as 2 prompts x n=4 with the shared 192-token
+  prompt run once (reflrl.logprobs.shared_prefix_logprobs).
 
 Usage: .venv/bin/python scripts/bench_floor.py [--threads 2] [--skip-generate] [--skip-train]
 It is CPU-heavy (about 2-4 minutes on 2 cores); run it alone.
@@ -21,7 +22,7 @@ import time
 import torch
 
 from reflrl.engine import TransformersEngine
-from reflrl.logprobs import sequence_logprobs
+from reflrl.logprobs import sequence_logprobs, shared_prefix_logprobs
 from reflrl.models import count_parameters, load_model
 
 NAME = "smollm2-135m-instruct"
@@ -77,7 +78,7 @@ def bench_train(model, label: str, batch: int = 8, seqlen: int = 256, response: 
     rm = torch.zeros_like(ids)
     rm[:, seqlen - response :] = 1
     # warm-up on a small slice
-    sequence_logprobs(model, ids[:2, :32], am[:2, :32], rm[:2, :32]).sum().backward()
+    sequence_logprobs(model, ids[:2, :32], am[:2, :32], am[:2, :32]).sum().backward()
     model.zero_grad(set_to_none=True)
     with torch.no_grad():
         t = time.perf_counter()
@@ -89,8 +90,19 @@ def bench_train(model, label: str, batch: int = 8, seqlen: int = 256, response: 
     fb = time.perf_counter() - t
     model.zero_grad(set_to_none=True)
     ntok = batch * seqlen
+    # the same 8 rows as 2 prompts x n=4 sharing their first seqlen-response tokens
+    n, groups, plen = 4, batch // 4, seqlen - response
+    pid, pm = ids[::n, :plen], am[::n, :plen]
+    sid, sm = ids[:, plen:], am[:, plen:]
+    t = time.perf_counter()
+    lp = shared_prefix_logprobs(model, pid, pm, sid, sm, sm, n)
+    (-lp.sum() / sm.sum()).backward()
+    fb_shared = time.perf_counter() - t
+    model.zero_grad(set_to_none=True)
     print(f"forward+backward {batch}x{seqlen} [{label}]: {1000 * fb / ntok:.2f} ms/token "
-          f"({fb:.1f}s; forward alone {1000 * fwd / ntok:.2f} ms/token)", flush=True)
+          f"({fb:.1f}s; forward alone {1000 * fwd / ntok:.2f} ms/token); as {groups} prompts x "
+          f"n={n} with the prompt run once: {fb_shared:.1f}s ({fb / fb_shared:.2f}x faster)",
+          flush=True)
 
 
 def main() -> None:
@@ -98,22 +110,26 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--skip-generate", action="store_true")
     ap.add_argument("--skip-train", action="store_true")
+    ap.add_argument("--model", default=NAME, help="registry name / HF id / folder")
+    ap.add_argument("--top", type=int, default=6, help="K of the top_layers:K settings")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     t = time.perf_counter()
-    load_model(NAME, dtype="bfloat16", trainable="none")  # converts + caches on first use
+    load_model(args.model, dtype="bfloat16", trainable="none")  # converts + caches on first use
     print(f"load (cache warm after the first run): {time.perf_counter() - t:.1f}s", flush=True)
+    k = args.top
     settings = [
         ("bfloat16, all trainable (pure bf16)", dict(dtype="bfloat16", trainable="all",
                                                      trainable_dtype=None), True, True),
         ("float32, all trainable", dict(dtype="float32", trainable="all"), True, True),
-        ("float32, top 6 trainable", dict(dtype="float32", trainable="top_layers:6"), False, True),
-        ("bfloat16 frozen + float32 top 6 (default)", dict(dtype="bfloat16",
-                                                           trainable="top_layers:6"), True, True),
+        (f"float32, top {k} trainable", dict(dtype="float32", trainable=f"top_layers:{k}"),
+         False, True),
+        (f"bfloat16 frozen + float32 top {k} (default)", dict(dtype="bfloat16",
+                                                              trainable=f"top_layers:{k}"), True, True),
         ("bfloat16 + LoRA r=16", dict(dtype="bfloat16", trainable="lora"), False, True),
     ]
     for label, kw, gen, train in settings:
-        model, tok = load_model(NAME, **kw)
+        model, tok = load_model(args.model, **kw)
         c = count_parameters(model)
         print(f"-- {label}: trainable {c['trainable'] / 1e6:.1f}M of {c['total'] / 1e6:.1f}M",
               flush=True)

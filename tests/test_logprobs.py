@@ -153,3 +153,68 @@ def test_value_head_starts_at_zero():
     from reflrl.logprobs import ValueHead
 
     assert torch.equal(ValueHead(8)(torch.randn(3, 5, 8)), torch.zeros(3, 5))
+
+
+def test_activation_checkpointing_with_mixed_top_layers_gives_same_grads():
+    ids, am, rm = _batch("right")
+    grads = []
+    for ckpt in (False, True):
+        model, _ = load_model("tiny-random", dtype="bfloat16", trainable="top_layers:1", seed=0)
+        if ckpt:
+            model.gradient_checkpointing_enable()
+        sequence_logprobs(model, ids, am, rm).sum().backward()
+        grads.append({n: p.grad for n, p in model.named_parameters() if p.requires_grad})
+    assert grads[0].keys() == grads[1].keys()
+    for n in grads[0]:
+        assert grads[1][n] is not None and torch.allclose(grads[0][n], grads[1][n], atol=1e-5), n
+
+
+def _grouped(n: int = 3):
+    """Two prompts (lengths 5 and 8) x n suffixes of different lengths, as grouped + flat batches."""
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(3, 49152, (k,), generator=g).tolist() for k in (5, 8)]
+    sufs = [torch.randint(3, 49152, (2 + (i % 3) * 2,), generator=g).tolist() for i in range(2 * n)]
+    P, S = 8, max(map(len, sufs))
+    pid, pm = torch.zeros(2, P, dtype=torch.long), torch.zeros(2, P, dtype=torch.long)
+    for i, p in enumerate(prompts):
+        pid[i, P - len(p):] = torch.tensor(p)
+        pm[i, P - len(p):] = 1
+    sid, sm = torch.zeros(2 * n, S, dtype=torch.long), torch.zeros(2 * n, S, dtype=torch.long)
+    for i, q in enumerate(sufs):
+        sid[i, : len(q)] = torch.tensor(q)
+        sm[i, : len(q)] = 1
+    rmask = sm.clone()
+    rmask[:, 1] = 0  # an observation token inside the suffix
+    full = [prompts[i // n] + sufs[i] for i in range(2 * n)]
+    W = max(map(len, full))
+    fid, fam, frm = (torch.zeros(2 * n, W, dtype=torch.long) for _ in range(3))
+    for i, q in enumerate(full):
+        pl = len(prompts[i // n])
+        fid[i, : len(q)] = torch.tensor(q)
+        fam[i, : len(q)] = 1
+        frm[i, pl : len(q)] = rmask[i, : len(sufs[i])]
+    return (pid, pm, sid, sm, rmask), (fid, fam, frm), [len(prompts[i // n]) for i in range(2 * n)]
+
+
+def test_shared_prefix_equals_full_sequences_values_and_grads():
+    from reflrl.logprobs import shared_prefix_logprobs
+
+    n = 3
+    (pid, pm, sid, sm, rmask), (fid, fam, frm), plens = _grouped(n)
+    model, _ = load_model("tiny-random", dtype="float32", trainable="top_layers:1", seed=0)
+    a = shared_prefix_logprobs(model, pid, pm, sid, sm, rmask, n, temperature=0.8)
+    a.sum().backward()
+    ga = {k: p.grad.clone() for k, p in model.named_parameters() if p.requires_grad}
+    model.zero_grad(set_to_none=True)
+    b = sequence_logprobs(model, fid, fam, frm, temperature=0.8)
+    b.sum().backward()
+    for i, pl in enumerate(plens):
+        k = int(sm[i].sum())
+        assert torch.allclose(a[i, :k], b[i, pl : pl + k], atol=1e-5)
+        assert (a[i, k:] == 0).all()
+    assert (a[rmask == 0] == 0).all() and (a[rmask == 1] < 0).all()
+    for k, p in model.named_parameters():
+        if p.requires_grad:
+            assert torch.allclose(ga[k], p.grad, atol=1e-5), k
+    with pytest.raises(ValueError, match="shape mismatch"):
+        shared_prefix_logprobs(model, pid, pm, sid, sm, rmask, n + 1)

@@ -164,9 +164,12 @@ def test_cache_root_env_override(monkeypatch, tmp_path):
     assert M.embedded_cache_dir().name.startswith("smollm2-135m-instruct-v")
 
 
-def test_unknown_local_name_raises():
-    with pytest.raises(Exception):
-        M.load_model("/nonexistent/folder/for/reflrl")
+def test_unknown_names_raise_clear_errors(tmp_path):
+    with pytest.raises(ValueError, match="not a registry name"):
+        M.load_model("no-such-org/no-such-model-reflrl")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ValueError, match="no config.json"):
+        M.load_model(str(tmp_path / "empty"))
 
 
 @pytest.mark.slow

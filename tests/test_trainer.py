@@ -72,26 +72,32 @@ def test_a_few_steps_change_trainable_params_with_finite_loss(tmp_path):
     assert C.load_config(run / "config.yaml") == cfg  # the resolved config reloads to the same
 
 
+def _traj(prompt, pieces, adv_group=0):
+    t = R.Trajectory(task=None, group=adv_group, prompt_ids=list(prompt))
+    for kind, ids in pieces:
+        if kind == "act":
+            t.append_action(ids, [-1.0] * len(ids))
+        else:
+            t.append_observation(ids)
+    return t
+
+
 def test_observation_tokens_get_no_gradient(tmp_path):
     """Advantages/old log-probs at observation positions (loss_mask 0) cannot change the loss or the
     gradient: garbage there gives exactly the same update as zeros."""
     from reflrl.models import load_model
 
     model, tok = load_model("tiny-random", dtype="float32", trainable="all", seed=1)
-    t = R.Trajectory(task=None, group=0, prompt_ids=[5, 6, 7, 8])
-    t.append_action([10, 11, 12], [-1.0, -1.0, -1.0])
-    t.append_observation([20, 21, 22, 23])
-    t.append_action([13, 14], [-1.0, -1.0])
+    t = _traj([5, 6, 7, 8], [("act", [10, 11, 12]), ("obs", [20, 21, 22, 23]), ("act", [13, 14])])
     batch = T.make_batch([t], [1.5], pad_id=0)
-    assert batch.response_mask[0].tolist() == [0, 0, 0, 0, 1, 1, 1, 0, 0, 0, 0, 1, 1]
-    assert batch.advantages[0, 7:11].tolist() == [0.0] * 4  # no advantage on observations
+    assert batch.response_mask[0].tolist() == [1, 1, 1, 0, 0, 0, 0, 1, 1]
+    assert batch.advantages[0, 3:7].tolist() == [0.0] * 4  # no advantage on observations
 
     from reflrl.algos import clipped_policy_loss
-    from reflrl.logprobs import sequence_logprobs
 
     def grads(poison: bool):
         model.zero_grad(set_to_none=True)
-        lp = sequence_logprobs(model, batch.input_ids, batch.attention_mask, batch.response_mask)
+        lp = T.batch_logprobs(model, batch)
         adv, old = batch.advantages.clone(), lp.detach().clone()
         if poison:
             obs = batch.response_mask == 0
@@ -106,8 +112,34 @@ def test_observation_tokens_get_no_gradient(tmp_path):
     assert l0 == l1
     assert all(torch.equal(a, b) for a, b in zip(g0, g1))
     # and observation positions carry no log-prob term at all
-    lp = sequence_logprobs(model, batch.input_ids, batch.attention_mask, batch.response_mask)
-    assert lp[0, 7:11].tolist() == [0.0] * 4
+    lp = T.batch_logprobs(model, batch)
+    assert lp[0, 3:7].tolist() == [0.0] * 4
+
+
+def test_prompt_sharing_gives_the_full_sequence_logprobs_and_gradients():
+    """The prompt-once path (one prefill per prompt, cache copied to its rollouts) computes the same
+    log-probs and gradients as full-sequence forwards, with prompts of different lengths."""
+    from reflrl.models import load_model
+
+    model, tok = load_model("tiny-random", dtype="float32", trainable="all", seed=2)
+    trajs = [_traj([5, 6, 7, 8, 9], [("act", [10, 11, 12])]),
+             _traj([5, 6, 7, 8, 9], [("act", [13]), ("obs", [30, 31]), ("act", [14, 15])]),
+             _traj([40, 41], [("act", [16, 17, 18, 19])]),
+             _traj([40, 41], [("act", [20])])]
+    batch = T.make_batch(trajs, [1.0, -1.0, 0.5, -0.5], pad_id=0)
+    assert len(batch.prompts) == 2 and batch.owner.tolist() == [0, 0, 1, 1]
+
+    def run(share):
+        model.zero_grad(set_to_none=True)
+        lp = T.batch_logprobs(model, batch, share_prompt=share)
+        (lp * batch.advantages).sum().backward()
+        return lp.detach(), [p.grad.clone() for p in model.parameters() if p.grad is not None]
+
+    lp_s, g_s = run(True)
+    lp_f, g_f = run(False)
+    assert torch.allclose(lp_s, lp_f, atol=1e-5)
+    assert (lp_s[batch.response_mask.bool()] < 0).all()
+    assert all(torch.allclose(a, b, atol=1e-5) for a, b in zip(g_s, g_f))
 
 
 def test_masked_rollouts_get_no_advantage_and_no_baseline_shift():
@@ -228,7 +260,49 @@ def test_kill_and_resume_gives_the_same_next_batches_and_filter_state(tmp_path):
     assert r.sampler.state_dict() == a.sampler.state_dict()
 
 
+def test_dynamic_sampling_refills_zero_variance_groups(tmp_path):
+    """DAPO dynamic sampling: groups whose rollouts are all right are dropped and more prompts are
+    sampled; only groups with reward variance are trained."""
+    cfg = tiny_cfg(tmp_path, **{"train.steps": 1, "train.save_every": 0, "algo.dynamic_sampling": True,
+                                "algo.max_refill_rounds": 3, "rollout.batch_prompts": 2, "rollout.n": 2})
+    tr = T.Trainer(cfg, tmp_path / "run", progress=False, quiet=True)
+    try:
+        tasks = tr.train_tasks + tr.splits["test"]
+        easy = {t.query for t in tr.train_tasks[:4]}
+        mixed = answer_by_task(tasks)
+
+        def answer(text, j):
+            task = next(t for t in tasks if t.query in text)
+            return gold_text(task) if task.query in easy else mixed(text, j)
+
+        tr.engine = ScriptedEngine(tr.tokenizer, answer)
+        m = tr.train_step()
+    finally:
+        tr.close()
+    order = tr.sampler.state_dict()["order"]
+    n_easy_first = sum(1 for i in order[: m["groups"]] if i < 4)
+    assert m["sampling_rounds"] > 1 or n_easy_first == 0
+    assert m["groups_trained"] == min(2, m["groups"] - n_easy_first)
+    assert m["zero_var_ratio"] == pytest.approx(n_easy_first / m["groups"])
+
+
 def test_cli_rejects_bad_config_with_status_2(tmp_path, capsys):
     assert T.main(["--config", str(ROOT / "configs" / "tiny.yaml"), "--set", "algo.clip_hihg=0.3"]) == 2
     assert "clip_high" in capsys.readouterr().err
     assert T.main(["--faults", "rate_limit=2"]) == 2
+
+
+@pytest.mark.slow
+def test_tiny_recipe_on_the_real_model(tmp_path):
+    """The default recipe shrunk to seconds of work on the embedded SmolLM2: warm-up, two GRPO
+    steps with faults, both evaluations; everything finite, the run folder complete."""
+    cfg = C.load_config(ROOT / "configs" / "default.yaml", [
+        f"train.out_dir={tmp_path}", "train.run_name=real", "data.n_train=16", "data.n_val=4",
+        "data.n_test=4", "warmup.enabled=true", "warmup.steps=3", "warmup.probe_n=4", "warmup.batch_size=2",
+        "rollout.batch_prompts=2", "rollout.n=2", "rollout.max_new_tokens=48", "train.steps=2",
+        "train.time_budget_min=null", "env.faults=rate_limit=0.2"])
+    summary = T.train(cfg, tmp_path / "real", progress=False, quiet=True)
+    assert summary["steps"] == 2
+    assert summary["warmup"]["ran"] and summary["warmup"]["sft_loss_last"] < summary["warmup"]["sft_loss_first"]
+    assert 0.0 <= summary["accuracy_after"] <= 1.0
+    assert (tmp_path / "real" / "summary.json").is_file()

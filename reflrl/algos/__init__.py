@@ -36,6 +36,7 @@ from .losses import (
     kl_penalty,
     value_loss,
 )
+from .importance import rerl_importance_ratio, rerl_log_ratio, tool_rerl_policy_loss  # registers "tool_rerl"
 from .masked import LOSS_AGG_MODES, agg_loss, masked_mean, masked_sum, masked_var, masked_whiten
 from .registry import (
     advantage_needs_critic,

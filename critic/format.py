@@ -1,0 +1,224 @@
+"""The critic prompt and answer format of Tool-ReRL, appendix C (``003_febfc96bcceb98f2.txt``).
+
+- :data:`CRITIC_INSTRUCTION`: "The full critic instruction" of appendix C, verbatim (the PDF's
+  line wraps inside sentences are joined; the two format lines are kept as lines).
+- :data:`EVALUATION_TEMPLATE`: appendix C's "Evaluation Prompt" template, verbatim.
+- :func:`render_evaluation`: fills it with the response and the ground truth.
+- :func:`parse_critique`: a STRICT parser of the ``Score: ...`` / ``Analysis: ...`` answer. It never
+  raises; anything that is not in the format gives ``ok=False`` and an error saying why.
+- :func:`describe_env_fault`: the one-sentence analysis of an environment fault (all critics use
+  it: an env fault is not the policy's error, and its description needs no model).
+
+Parser rules (what "strict" means here):
+
+1. An optional leading ``<think>...</think>`` block is removed (reasoning models such as
+   DeepSeek-R1, the paper's "external" reasoner, emit one); nothing else is skipped.
+2. The first non-empty line must be ``Score: positive`` or ``Score: negative``. The label is
+   exactly ``Score:``; the value is case-insensitive (the paper's own example writes
+   ``Score: Positive``) and may end with one period. Markdown (``**Score:**``), bullets or a
+   preamble before the Score line make the answer unparseable.
+3. The next non-empty line must start with ``Analysis:``; the analysis is the rest of that line
+   plus any following lines (the paper's example wraps it), whitespace collapsed. It must be
+   non-empty, contain no second ``Score:``/``Analysis:`` line, and be at most
+   :data:`MAX_ANALYSIS_CHARS` characters.
+4. Inputs longer than :data:`MAX_CHARS` are refused without scanning; non-strings are refused.
+"""
+from __future__ import annotations
+
+import json
+import math
+import re
+from dataclasses import dataclass
+from typing import Any
+
+from reflrl.envs.types import ToolCall
+
+from .base import EnvFault, Score
+
+# Appendix C, "The full critic instruction is shown below".
+CRITIC_INSTRUCTION = (
+    "You are a critic agent tasked with assessing whether the response's reasoning process and "
+    "agent response align with the ground truth. When the response involves tool usage, ensure "
+    "that its final output constitutes a valid tool call. Provide a consistent and objective "
+    "evaluation.\n"
+    "\n"
+    "Format your answer as follows:\n"
+    "Score: positive or negative\n"
+    "Analysis: Provide a single sentence explanation detailing why the response is effective or "
+    "ineffective, avoiding bullet points. Please be concise in your reasoning."
+)
+
+# Appendix C, "Evaluation Prompt ... The critic receives the following evaluation template".
+EVALUATION_TEMPLATE = (
+    "Analyze this interaction:\n"
+    "agent response: {response}\n"
+    "the ground truths of the questions: {ground_truth}"
+)
+
+MAX_CHARS = 16 * 1024
+MAX_ANALYSIS_CHARS = 2000
+
+_THINK_RE = re.compile(r"\A\s*<think>.*?</think>", re.S)
+_SCORE_RE = re.compile(r"\AScore:[ \t]*(positive|negative)\.?[ \t]*\Z", re.I)
+_ANALYSIS_RE = re.compile(r"\AAnalysis:(.*)\Z", re.S)
+_LABEL_RE = re.compile(r"\A\s*(Score|Analysis)\s*:", re.I)
+
+
+def format_calls_for_critic(calls: list[ToolCall]) -> str:
+    """Calls as appendix C writes them: ``[Market(trend_type="MARKET_INDEXES", country="us")]``.
+
+    Values are JSON literals (strings in double quotes); names that are not identifiers are kept.
+    """
+    parts = []
+    for c in calls:
+        args = ", ".join(f"{k}={_literal(v)}" for k, v in c.arguments.items())
+        parts.append(f"{c.name}({args})")
+    return "[" + ", ".join(parts) + "]"
+
+
+def _literal(v: Any) -> str:
+    try:
+        return json.dumps(v, ensure_ascii=False, allow_nan=False)
+    except (TypeError, ValueError):
+        return repr(v)
+
+
+def render_ground_truth(gold: list[ToolCall] | None, query: str = "") -> str:
+    """The ``{ground_truth}`` slot: the gold calls in appendix C's notation. With no gold (model
+    critics may run without it) the slot says so and gives the user request instead; with an empty
+    gold list (no call is needed) it says that."""
+    if gold is None:
+        return f"not available; judge the response against the user request: {json.dumps(query, ensure_ascii=False)}"
+    if not gold:
+        return "no tool call is needed; the agent should answer in plain text"
+    return format_calls_for_critic(gold)
+
+
+def render_evaluation(response: str, ground_truth: str) -> str:
+    """Appendix C's evaluation template filled with ``response`` and ``ground_truth``."""
+    return EVALUATION_TEMPLATE.format(response=response, ground_truth=ground_truth)
+
+
+def critic_messages(response: str, gold: list[ToolCall] | None, query: str = "",
+                    instruction: str = CRITIC_INSTRUCTION) -> list[dict[str, str]]:
+    """Chat messages for a model critic: the instruction as the system message, the filled
+    evaluation template as the user message (appendix C)."""
+    return [
+        {"role": "system", "content": instruction},
+        {"role": "user", "content": render_evaluation(response, render_ground_truth(gold, query))},
+    ]
+
+
+@dataclass(frozen=True)
+class ParsedCritique:
+    """Result of :func:`parse_critique`: ``ok`` with score and analysis, or ``error``."""
+
+    ok: bool
+    score: Score = "negative"
+    analysis: str = ""
+    error: str | None = None
+
+
+def _bad(error: str) -> ParsedCritique:
+    return ParsedCritique(False, "negative", "", error)
+
+
+def parse_critique(text: Any) -> ParsedCritique:
+    """Parse a critic answer in the Score/Analysis format (appendix C); see the module doc for
+    the exact rules. Never raises: a bad answer gives ``ok=False``, score "negative", analysis ""
+    and an ``error``."""
+    try:
+        return _parse(text)
+    except Exception as e:  # noqa: BLE001 - the contract is "never raises" for any input
+        return _bad(f"parser error: {type(e).__name__}")
+
+
+def _parse(text: Any) -> ParsedCritique:
+    if not isinstance(text, str):
+        return _bad(f"critic answer is {type(text).__name__}, not text")
+    if len(text) > MAX_CHARS:
+        return _bad(f"critic answer is {len(text)} characters (limit {MAX_CHARS})")
+    body = _THINK_RE.sub("", text, count=1)
+    lines = [ln.strip() for ln in body.splitlines()]
+    lines = [ln for ln in lines if ln]
+    if not lines:
+        return _bad("empty critic answer")
+    m = _SCORE_RE.match(lines[0])
+    if m is None:
+        return _bad(f"first line is not 'Score: positive|negative': {lines[0][:80]!r}")
+    score: Score = "positive" if m.group(1).lower() == "positive" else "negative"
+    if len(lines) < 2:
+        return _bad("no 'Analysis:' line after the Score line")
+    a = _ANALYSIS_RE.match(lines[1])
+    if a is None:
+        return _bad(f"second line does not start with 'Analysis:': {lines[1][:80]!r}")
+    rest = lines[2:]
+    for ln in rest:
+        if _LABEL_RE.match(ln):
+            return _bad(f"more than one Score/Analysis line: {ln[:80]!r}")
+    analysis = " ".join(" ".join([a.group(1)] + rest).split())
+    if not analysis:
+        return _bad("empty analysis")
+    if len(analysis) > MAX_ANALYSIS_CHARS:
+        return _bad(f"analysis is {len(analysis)} characters (limit {MAX_ANALYSIS_CHARS})")
+    return ParsedCritique(True, score, analysis, None)
+
+
+def format_critique(score: str, analysis: str) -> str:
+    """Render a verdict in the format :func:`parse_critique` accepts (the inverse)."""
+    if score not in ("positive", "negative"):
+        raise ValueError(f"score must be 'positive' or 'negative', got {score!r}")
+    return f"Score: {score}\nAnalysis: {' '.join(analysis.split())}"
+
+
+# ----------------------------------------------------------------------------------------------
+# environment faults (sec. 3.2: failures from "API limits, network disruptions, tool instability")
+
+
+def _secs(s: float) -> str:
+    if not math.isfinite(s):
+        return "a while"
+    if abs(s - round(s)) < 1e-9:
+        return f"{int(round(s))} s"
+    return f"{s:.1f} s"
+
+
+def describe_env_fault(fault: EnvFault) -> str:
+    """One sentence saying what the environment did and what to do, e.g.
+    ``"The tool `get_weather` answered 429 rate limit; retry after 2 s."``
+
+    Used by every critic for env faults: the failure is not the policy's, so the reflection
+    names the fault kind (and status, Retry-After, attempts already spent) rather than judging
+    the call.
+    """
+    tool = f"The tool `{fault.tool}`" if fault.tool else "The tool"
+    st = f"HTTP {fault.status}" if fault.status else None
+    tried = f" after {fault.attempts} attempts" if fault.attempts and fault.attempts > 1 else ""
+    k = fault.kind
+    if k == "rate_limit":
+        code = str(fault.status or 429)
+        wait = f"; retry after {_secs(fault.retry_after_s)}" if fault.retry_after_s is not None else "; retry later"
+        return f"{tool} answered {code} rate limit{tried}{wait}."
+    if k == "server_error":
+        return (f"{tool} answered {st or 'a 5xx'} server error{tried}; the call may be correct, "
+                "so retry the same call.")
+    if k == "timeout":
+        return f"{tool} did not answer in time (timeout{tried}); retry the same call."
+    if k == "connection":
+        return f"The connection to {tool[4:] if fault.tool else 'the tool'} was reset before it answered{tried}; retry the same call."
+    if k == "truncated":
+        return f"{tool} answer was cut off (truncated response{tried}); the call ran, so retry it."
+    if k == "malformed":
+        return f"{tool} returned a malformed, non-JSON answer{tried}; retry the same call."
+    if k == "ip_ban":
+        return (f"{tool} refused this client ({st or 'HTTP 403'}, IP banned{tried}); the call is "
+                "not at fault, so retry from another client or later.")
+    if k == "invalid_file":
+        return f"{tool} returned a corrupt or missing file{tried}; retry or check the file path."
+    if k == "latency":
+        return f"{tool} answered too slowly{tried}; retry the same call."
+    if k == "schema_drift":
+        return (f"{tool} returned a result whose fields do not match its schema{tried}; retry "
+                "the call and read the result carefully.")
+    extra = f", {st}" if st else ""
+    return f"{tool} failed with an environment fault ({k}{extra}{tried}); the call itself was not at fault, so retry it."

@@ -1,0 +1,88 @@
+"""The policy model itself as critic ("internal" reasoning; Table 2 ablation).
+
+Tool-ReRL's ablation (``003_febfc96bcceb98f2.txt``, sec. 4.3, Table 2) compares reasoning produced
+by the policy itself ("Internal") with reasoning from an external model ("External"). This critic
+sends the same appendix C prompt as :class:`reflrl.critic.llm.LLMCritic` to the policy being
+trained, through a ``generate`` callable, so this module never imports the trainer or torch.
+
+``generate`` receives the prompt and returns the answer text; it may be a plain function or a
+coroutine function. With ``as_messages=False`` (default) the prompt is ONE string (the critic
+instruction, a blank line, the filled evaluation template); with ``as_messages=True`` it is the
+chat messages ``[system: instruction, user: evaluation]`` (for a callable that applies the chat
+template itself). The answer is parsed strictly; an unparseable answer (a small policy's usual
+output) is negative with no reflection and ``parsed=False``, never an exception. Exceptions
+raised BY ``generate`` propagate (they are the caller's bugs, not model output).
+"""
+from __future__ import annotations
+
+import inspect
+import time
+from typing import Any, Callable
+
+from .base import Critique, CritiqueRequest, unparsed
+from .format import CRITIC_INSTRUCTION, critic_messages, describe_env_fault, format_critique, parse_critique
+
+
+class PolicyCritic:
+    """Critic that asks the policy model (or any text generator) through ``generate``.
+
+    Args:
+        generate: ``prompt -> text`` (sync or async); see the module doc for the prompt type.
+        as_messages: pass chat messages instead of one string.
+        show_gold: include the gold calls (appendix C's template does).
+        instruction: the system instruction (appendix C's critic instruction by default).
+    """
+
+    name = "policy"
+
+    def __init__(self, generate: Callable[[Any], Any], *, as_messages: bool = False,
+                 show_gold: bool = True, instruction: str = CRITIC_INSTRUCTION) -> None:
+        if not callable(generate):
+            raise TypeError("PolicyCritic needs a generate callable (prompt -> text)")
+        self.generate = generate
+        self.as_messages = as_messages
+        self.show_gold = show_gold
+        self.instruction = instruction
+
+    def prompt(self, request: CritiqueRequest) -> Any:
+        """What ``generate`` receives for ``request`` (a string or chat messages)."""
+        msgs = critic_messages(request.response, request.gold if self.show_gold else None,
+                               request.query, self.instruction)
+        if self.as_messages:
+            return msgs
+        return msgs[0]["content"] + "\n\n" + msgs[1]["content"]
+
+    def _finish(self, raw: Any, t0: float) -> Critique:
+        lat = time.perf_counter() - t0
+        text = raw if isinstance(raw, str) else ""
+        p = parse_critique(text)
+        if not p.ok:
+            return unparsed(text, lat)
+        return Critique(p.score, p.analysis, raw=text, parsed=True, latency_s=lat)
+
+    def _fault(self, request: CritiqueRequest, t0: float) -> Critique:
+        a = describe_env_fault(request.env_fault)  # type: ignore[arg-type]
+        return Critique("negative", a, raw=format_critique("negative", a), parsed=True,
+                        latency_s=time.perf_counter() - t0)
+
+    def critique(self, request: CritiqueRequest) -> Critique:
+        """Score one attempt with the policy. An async ``generate`` must use :meth:`acritique`."""
+        t0 = time.perf_counter()
+        if request.env_fault is not None:
+            return self._fault(request, t0)
+        out = self.generate(self.prompt(request))
+        if inspect.isawaitable(out):
+            close = getattr(out, "close", None)
+            if close is not None:
+                close()
+            raise TypeError("generate is async: call acritique() instead of critique()")
+        return self._finish(out, t0)
+
+    async def acritique(self, request: CritiqueRequest) -> Critique:
+        t0 = time.perf_counter()
+        if request.env_fault is not None:
+            return self._fault(request, t0)
+        out = self.generate(self.prompt(request))
+        if inspect.isawaitable(out):
+            out = await out
+        return self._finish(out, t0)

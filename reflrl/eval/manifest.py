@@ -1,0 +1,116 @@
+"""The run manifest (papers/000 sec. 3): everything that can move a tool-calling score, recorded.
+
+model and weights hash, every seed, decoding parameters, each system prompt in full with its hash,
+the multi-turn template (``native`` role messages vs ``context`` packed history), whether thinking
+history is kept, benchmark data hashes, package versions, the command line.
+"""
+from __future__ import annotations
+
+import hashlib
+import platform
+import sys
+import time
+from importlib.metadata import PackageNotFoundError, version
+from pathlib import Path
+from typing import Any
+
+from .data import file_sha256
+
+#: manifest keys that name the evaluated model; ``compare`` warns about differences anywhere else.
+MODEL_KEYS = ("model",)
+#: keys that never matter for comparability
+IGNORED_KEYS = ("created", "command", "out_dir", "timing", "packages.git_sha", "packages.git_dirty",
+                "packages.platform", "packages.torch_threads", "packages.cpu_count")
+
+
+def sha256_text(text: str) -> str:
+    return hashlib.sha256(text.encode("utf-8")).hexdigest()
+
+
+def package_versions() -> dict[str, Any]:
+    """Python, torch, transformers, reflrl, git sha (reflrl.runlog.versions) + bfcl-eval, openai, tqdm."""
+    try:
+        from reflrl.runlog import versions
+
+        out = dict(versions())
+    except Exception:  # noqa: BLE001  torch-free environments
+        out = {"python": platform.python_version()}
+    for pkg in ("bfcl-eval", "openai", "tqdm", "numpy"):
+        try:
+            out[pkg] = version(pkg)
+        except PackageNotFoundError:
+            out[pkg] = None
+    return out
+
+
+def prompt_record(system_prompts: list[str], template: str | None = None) -> dict[str, Any]:
+    """System prompts of one benchmark unit: the first in full, its hash, and a hash over all distinct
+    ones (RoTBench/BFCL prompts embed each sample's tool list, so they differ per sample)."""
+    distinct = sorted(set(system_prompts))
+    rec: dict[str, Any] = {"count_distinct": len(distinct)}
+    if template is not None:
+        rec["template"] = template
+        rec["template_sha256"] = sha256_text(template)
+    if distinct:
+        rec["first"] = system_prompts[0]
+        rec["first_sha256"] = sha256_text(system_prompts[0])
+        rec["all_sha256"] = sha256_text("\x00".join(distinct))
+    return rec
+
+
+def data_hashes(paths: list[Path]) -> dict[str, dict[str, Any]]:
+    out = {}
+    for p in paths:
+        p = Path(p)
+        if p.is_file():
+            out[str(p)] = {"sha256": file_sha256(p), "bytes": p.stat().st_size}
+    return out
+
+
+def build_manifest(*, model: dict[str, Any], seeds: list[int], decoding: dict[str, Any], template: str,
+                   keep_thinking: bool, max_steps: int, benchmarks: list[str], limit: int | None,
+                   options: dict[str, Any], prompts: dict[str, Any], data: dict[str, Any],
+                   out_dir: str | None = None) -> dict[str, Any]:
+    return {
+        "kind": "reflrl-eval-manifest",
+        "format": 1,
+        "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "command": list(sys.argv),
+        "out_dir": out_dir,
+        "model": model,
+        "seeds": list(seeds),
+        "decoding": decoding,
+        "multi_turn_template": template,
+        "keep_thinking_history": bool(keep_thinking),
+        "max_steps_per_turn": max_steps,
+        "benchmarks": list(benchmarks),
+        "limit_per_subset": limit,
+        "options": options,
+        "system_prompts": prompts,
+        "data": data,
+        "packages": package_versions(),
+    }
+
+
+def flatten(d: Any, prefix: str = "") -> dict[str, Any]:
+    """Nested dict -> {"a.b.c": leaf}."""
+    out: dict[str, Any] = {}
+    if isinstance(d, dict):
+        for k, v in d.items():
+            out.update(flatten(v, f"{prefix}{k}."))
+    else:
+        out[prefix[:-1]] = d
+    return out
+
+
+def manifest_differences(a: dict[str, Any], b: dict[str, Any]) -> list[str]:
+    """Flattened keys whose values differ, other than the model and bookkeeping (see IGNORED_KEYS)."""
+    fa, fb = flatten(a), flatten(b)
+    diffs = []
+    for k in sorted(set(fa) | set(fb)):
+        top = k.split(".")[0]
+        if top in MODEL_KEYS or any(k == i or k.startswith(i + ".") for i in IGNORED_KEYS):
+            continue
+        if fa.get(k, "<absent>") != fb.get(k, "<absent>"):
+            diffs.append(k)
+    return diffs

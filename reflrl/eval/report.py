@@ -1,0 +1,82 @@
+"""Markdown report in the layout of the Tool-ReRL paper's Table 1 (papers/003): one row per
+benchmark x subset x metric, values ``mean ± std`` over seeds (percent), plus the run's key settings."""
+from __future__ import annotations
+
+from typing import Any
+
+from . import rotbench, taskbench
+
+_ROT_METRICS = (("tool_selection", "TS"), ("parameter_identification", "Par."), ("content_filling", "Cont."))
+_TB_METRICS = (("node_f1", "n_f1"), ("arg_name_f1", "t_f1"), ("arg_value_f1", "v_f1"), ("link_f1", "l_f1"))
+_SEAL_METRICS = (("format_rate", "Format"), ("api_p", "API P"), ("api_r", "API R"), ("api_f1", "API F1"),
+                 ("param_p", "Param P"), ("param_r", "Param R"), ("param_f1", "Param F1"))
+_BFCL_GROUPS = (("non_live", "Non-Live"), ("live", "Live"), ("irrelevance", "Irrelevance"),
+                ("multi_turn", "Multi-turn"), ("overall", "Overall"))
+
+
+def fmt(stat: Any) -> str:
+    """``{"mean", "std"}`` -> ``"12.34 ± 0.56"`` ("–" when missing)."""
+    if not isinstance(stat, dict) or stat.get("mean") is None:
+        return "–"
+    return f"{stat['mean']:.2f} ± {stat['std']:.2f}"
+
+
+def rows(result: dict[str, Any]) -> list[tuple[str, str, str, str]]:
+    """(benchmark, subset, metric, value) rows in the paper's order."""
+    res = result["results"]
+    out: list[tuple[str, str, str, str]] = []
+    for lv in ("clean", "heavy", "medium", "slight", "union"):  # the paper's CLE HEA MED SLI UNI
+        if lv in res.get("rotbench", {}):
+            for key, label in _ROT_METRICS:
+                out.append(("RoTBench", rotbench.LEVEL_ABBR[lv], label, fmt(res["rotbench"][lv][key])))
+    for dom in taskbench.DOMAINS:
+        r = res.get("taskbench", {}).get(dom)
+        if r:
+            for key, label in _TB_METRICS:
+                out.append(("TaskBench", taskbench.DOMAIN_ABBR[dom], label,
+                            f"{fmt(r['upstream'][key])} (strict {fmt(r['strict'][key])})"))
+    if "bfcl_summary" in res:
+        for key, label in _BFCL_GROUPS:
+            v = res["bfcl_summary"].get(key)
+            if isinstance(v, dict) and v.get("mean") is not None:
+                out.append(("BFCL", label, "Acc.", fmt(v)))
+        for cat, r in res.get("bfcl", {}).items():
+            out.append(("BFCL", cat, "Acc.", fmt(r["accuracy"])))
+    for split, r in res.get("sealtools", {}).items():
+        for key, label in _SEAL_METRICS:
+            out.append(("Seal-Tools", split, label, fmt(r[key])))
+    return out
+
+
+def markdown_report(result: dict[str, Any]) -> str:
+    m = result["manifest"]
+    model = m["model"]
+    lines = [f"# reflrl eval: {model.get('model')}", ""]
+    lines.append(f"- model: `{model.get('model')}` ({model.get('kind')}), weights sha256 "
+                 f"`{(model.get('weights_sha256') or 'n/a')[:16]}`")
+    d = m["decoding"]
+    lines.append(f"- seeds: {m['seeds']}; decoding: temperature {d['temperature']}, top_p {d['top_p']}, "
+                 f"max_new_tokens {d['max_new_tokens']}")
+    lines.append(f"- multi-turn template: {m['multi_turn_template']}; thinking history kept: "
+                 f"{m['keep_thinking_history']}; limit per subset: {m['limit_per_subset']}")
+    lines.append(f"- values: mean ± std over seeds, percent; TaskBench: upstream rule (unparseable samples "
+                 "dropped) with the strict value (counted wrong) in brackets")
+    lines += ["", "| Benchmark | Subset | Metric | Value |", "|---|---|---|---|"]
+    lines += [f"| {b} | {s} | {k} | {v} |" for b, s, k, v in rows(result)]
+    tb = result["results"].get("taskbench", {})
+    for dom, r in tb.items():
+        ids = r.get("dropped_ids")
+        seeds_ids = ids if isinstance(ids, list) and ids and isinstance(ids[0], list) else [ids or []]
+        flat = sorted({i for s in seeds_ids for i in (s or [])})
+        if flat:
+            lines.append("")
+            lines.append(f"TaskBench {dom}: samples without a usable prediction (dropped upstream, wrong in "
+                         f"strict): {', '.join(flat[:50])}{' ...' if len(flat) > 50 else ''}")
+    for s in result.get("skipped", []):
+        lines.append(f"\nSkipped {s['unit']}: {s['reason']}")
+    for n in result.get("notes", []):
+        lines.append(f"\nNote: {n}")
+    if "bfcl_summary" in result["results"]:
+        lines.append(f"\nBFCL groups averaged over the categories run; Overall renormalises BFCL's weights "
+                     f"over {result['results']['bfcl_summary'].get('groups_used')}.")
+    return "\n".join(lines) + "\n"
