@@ -86,3 +86,24 @@ class PolicyCritic:
         if inspect.isawaitable(out):
             out = await out
         return self._finish(out, t0)
+
+
+def chat_generate_fn(engine: Any, tokenizer: Any, *, max_new_tokens: int = 96, temperature: float = 0.0,
+                     seed: int = 0) -> Callable[[list[dict[str, str]]], str]:
+    """A ``generate`` for :class:`PolicyCritic` (``as_messages=True``) from a rollout engine.
+
+    ``engine`` follows ``reflrl.engine.RolloutEngine`` (e.g. the trainer's TransformersEngine, so
+    the critic is the current policy); the messages are rendered with the tokenizer's chat
+    template; greedy by default (a critic should answer consistently). Returns the decoded text
+    without special tokens. Nothing is imported here: the objects are passed in.
+    """
+    def generate(messages: list[dict[str, str]]) -> str:
+        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        if hasattr(ids, "keys"):
+            ids = ids["input_ids"]
+        sample = engine.generate([list(ids)], n=1, max_new_tokens=max_new_tokens,
+                                 temperature=temperature, seed=seed)[0]
+        return tokenizer.decode(sample.token_ids, skip_special_tokens=True)
+
+    return generate
+

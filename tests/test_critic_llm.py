@@ -28,10 +28,22 @@ def request() -> CritiqueRequest:
 
 
 @pytest.fixture(scope="module")
-def tiny_server():
-    chat = load_chat_model("tiny-random", seed=0)
-    with ServerThread(create_app(chat)) as srv:
+def tiny_chat():
+    return load_chat_model("tiny-random", seed=0)
+
+
+@pytest.fixture(scope="module")
+def tiny_server(tiny_chat):
+    with ServerThread(create_app(tiny_chat)) as srv:
         yield srv
+
+
+def test_policy_critic_on_the_tiny_policy(tiny_chat):
+    from reflrl.critic.policy import PolicyCritic, chat_generate_fn
+
+    gen = chat_generate_fn(tiny_chat.engine, tiny_chat.tokenizer, max_new_tokens=10)
+    c = PolicyCritic(gen, as_messages=True).critique(request())
+    assert c.raw and not c.parsed and c.score == "negative" and c.reflection is None
 
 
 def test_tiny_model_garbage_is_counted_negative(tiny_server):

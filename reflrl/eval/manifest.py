@@ -19,7 +19,7 @@ from .data import file_sha256
 #: manifest keys that name the evaluated model; ``compare`` warns about differences anywhere else.
 MODEL_KEYS = ("model",)
 #: keys that never matter for comparability
-IGNORED_KEYS = ("created", "command", "out_dir", "timing", "packages.git_sha", "packages.git_dirty",
+IGNORED_KEYS = ("created", "command", "out_dir", "timing", "data_dir", "packages.git_sha", "packages.git_dirty",
                 "packages.platform", "packages.torch_threads", "packages.cpu_count")
 
 
@@ -58,25 +58,38 @@ def prompt_record(system_prompts: list[str], template: str | None = None) -> dic
     return rec
 
 
-def data_hashes(paths: list[Path]) -> dict[str, dict[str, Any]]:
+def data_key(path: Path, roots: dict[str, Path]) -> str:
+    """A machine-independent name for a data file: ``<label>/<path relative to that root>``."""
+    p = Path(path).resolve()
+    for label, root in roots.items():
+        try:
+            return f"{label}/{p.relative_to(Path(root).resolve()).as_posix()}"
+        except ValueError:
+            continue
+    return str(p)
+
+
+def data_hashes(paths: list[Path], roots: dict[str, Path] | None = None) -> dict[str, dict[str, Any]]:
+    """``{name: {"sha256", "bytes"}}`` of each existing file (names from :func:`data_key`)."""
     out = {}
     for p in paths:
         p = Path(p)
         if p.is_file():
-            out[str(p)] = {"sha256": file_sha256(p), "bytes": p.stat().st_size}
+            out[data_key(p, roots or {})] = {"sha256": file_sha256(p), "bytes": p.stat().st_size}
     return out
 
 
 def build_manifest(*, model: dict[str, Any], seeds: list[int], decoding: dict[str, Any], template: str,
                    keep_thinking: bool, max_steps: int, benchmarks: list[str], limit: int | None,
                    options: dict[str, Any], prompts: dict[str, Any], data: dict[str, Any],
-                   out_dir: str | None = None) -> dict[str, Any]:
+                   out_dir: str | None = None, data_dir: str | None = None) -> dict[str, Any]:
     return {
         "kind": "reflrl-eval-manifest",
         "format": 1,
         "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "command": list(sys.argv),
         "out_dir": out_dir,
+        "data_dir": data_dir,
         "model": model,
         "seeds": list(seeds),
         "decoding": decoding,

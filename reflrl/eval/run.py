@@ -212,6 +212,15 @@ def _aggregate(per_seed: list[dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
+def _data_roots(opts: EvalOptions) -> dict[str, Path]:
+    roots: dict[str, Path] = {}
+    if opts.data_dir is not None:
+        roots["data-dir"] = Path(opts.data_dir)
+    if "bfcl" in opts.benchmarks:
+        roots["bfcl_eval/data"] = bfcl_mod.bfcl().package_root
+    return roots
+
+
 def _slug(s: str) -> str:
     return re.sub(r"[^A-Za-z0-9._-]+", "-", s).strip("-")[:60] or "model"
 
@@ -245,9 +254,9 @@ def run_eval(backend: Backend, opts: EvalOptions, out_dir: Path | None = None,
     manifest = build_manifest(
         model=backend.describe(), seeds=seeds, decoding=opts.decoding.to_dict(), template=opts.template,
         keep_thinking=opts.keep_thinking, max_steps=opts.max_steps, benchmarks=opts.benchmarks,
-        limit=opts.limit, options={"categories": opts.categories, "levels": opts.levels,
-                                   "domains": opts.domains, "data_dir": str(opts.data_dir) if opts.data_dir else None},
-        prompts=prompts, data=data_hashes(files), out_dir=str(out_dir) if out_dir else None)
+        limit=opts.limit, options={"categories": opts.categories, "levels": opts.levels, "domains": opts.domains},
+        prompts=prompts, data=data_hashes(files, _data_roots(opts)), out_dir=str(out_dir) if out_dir else None,
+        data_dir=str(Path(opts.data_dir).resolve()) if opts.data_dir else None)
     per_unit: dict[str, list[dict[str, Any]]] = {u.key: [] for u in units}
     predictions: list[dict[str, Any]] = []
     seconds: list[float] = []

@@ -1,0 +1,180 @@
+"""End to end: `reflrl eval` with the tiny random model writes results, manifest, report and
+predictions; compare and download work; a backend double checks the multi-turn driver."""
+from __future__ import annotations
+
+import functools
+import http.server
+import json
+import shutil
+import threading
+from pathlib import Path
+
+import pytest
+
+from reflrl.eval import bfcl as B
+from reflrl.eval.backends import Decoding, apply_template
+from reflrl.eval.compare import compare, format_comparison, welch
+from reflrl.eval.run import EvalOptions, drive, run_eval
+
+DATA = Path(__file__).resolve().parents[1].parent / "shared" / "benchmarks"
+needs_data = pytest.mark.skipif(not (DATA / "rotbench").is_dir(), reason="shared benchmark excerpts not beside the repo")
+
+
+class GoldBackend:
+    """Test double: answers BFCL prompts with the gold calls of the entry it is told about."""
+
+    name = "gold-double"
+
+    def __init__(self, answers):
+        self.answers = answers  # callable(messages) -> text
+        self.calls = 0
+
+    def chat(self, conversations, decoding, seed, desc=""):
+        self.calls += 1
+        return [self.answers(c) for c in conversations]
+
+    def describe(self):
+        return {"kind": "double", "model": self.name, "weights_sha256": None}
+
+
+def test_multi_turn_driver_with_gold_answers_scores_correct():
+    entries = B.load_entries("multi_turn_base", limit=2)
+    by_first_user = {e.prompt["question"][0][-1]["content"]: e for e in entries}
+
+    def answer(msgs):
+        user_turns = [m for m in msgs if m["role"] == "user"]
+        e = by_first_user[user_turns[0]["content"]]
+        turn = len(user_turns) - 1
+        if msgs[-1]["role"] == "tool":  # already executed this turn's calls: finish the turn
+            return "Done."
+        gold = e.ground_truth[turn]
+        if any("(" in c and "=" not in c.split("(", 1)[1] and not c.endswith("()") for c in gold):
+            return "Done."
+        return "[" + ", ".join(gold) + "]"
+
+    backend = GoldBackend(answer)
+    eps = [B.multi_turn_episode(e) for e in entries]
+    results = drive(backend, eps, Decoding(temperature=0), seed=0, template="native")
+    assert len(results) == 2 and all(len(r) == len(e.ground_truth) for r, e in zip(results, entries))
+    # entry 0's gold has a positional-argument call that bfcl's decoder drops; entry 1 is all keywords
+    verdicts = [B.score_multi_turn(e, r)["valid"] for e, r in zip(entries, results)]
+    ref = [all("=" in c or c.endswith("()") for t in e.ground_truth for c in t) for e in entries]
+    assert verdicts == ref
+    assert backend.calls >= 2 * max(len(e.ground_truth) for e in entries)
+
+
+def test_context_template_packs_history():
+    msgs = [{"role": "system", "content": "S"}, {"role": "user", "content": "u1"},
+            {"role": "assistant", "content": "a1"}, {"role": "tool", "name": "f()", "content": "r1"}]
+    packed = apply_template(msgs, "context")
+    assert [m["role"] for m in packed] == ["system", "user"]
+    assert "u1" in packed[1]["content"] and "a1" in packed[1]["content"] and "r1" in packed[1]["content"]
+    assert apply_template(msgs, "native") == msgs
+
+
+@needs_data
+def test_eval_end_to_end_tiny_model(tmp_path):
+    from reflrl.eval.backends import LocalBackend
+
+    backend = LocalBackend("tiny-random", dtype="float32", batch_size=4)
+    opts = EvalOptions(benchmarks=["rotbench", "bfcl", "sealtools", "taskbench"], data_dir=DATA, limit=1,
+                       seeds=[0, 1], decoding=Decoding(temperature=0.7, max_new_tokens=4),
+                       categories=["simple", "irrelevance"], levels=["clean"])
+    out = tmp_path / "run"
+    res = run_eval(backend, opts, out_dir=out, log=lambda m: None)
+    for f in ("results.json", "manifest.json", "report.md", "predictions.jsonl"):
+        assert (out / f).is_file(), f
+    man = json.loads((out / "manifest.json").read_text())
+    assert man["seeds"] == [0, 1] and man["decoding"]["temperature"] == 0.7
+    assert man["model"]["weights_sha256"] and man["multi_turn_template"] == "native"
+    assert man["keep_thinking_history"] is True and man["packages"]["bfcl-eval"]
+    assert man["system_prompts"]["bfcl/simple_python"]["template_sha256"]
+    assert "data-dir/rotbench/first_turn/clean.json" in man["data"]
+    assert "bfcl_eval/data/BFCL_v4_simple_python.json" in man["data"]
+    r = res["results"]
+    assert r["rotbench"]["clean"]["content_filling"]["values"] == [0.0, 0.0]
+    assert r["bfcl"]["irrelevance"]["accuracy"]["mean"] is not None
+    assert {s["unit"] for s in res["skipped"]} >= {"taskbench/huggingface"}  # no gold data.json in the excerpt
+    preds = [json.loads(l) for l in (out / "predictions.jsonl").read_text().splitlines()]
+    assert len(preds) == 2 * 4 and {p["seed"] for p in preds} == {0, 1}
+    md = (out / "report.md").read_text()
+    assert "| RoTBench | CLE | Cont. |" in md and "| BFCL | simple_python | Acc. |" in md
+    # the same model compared with itself: no metric beyond noise, no manifest warning
+    c = compare(res, res)
+    assert not c["manifest_differences"] and all(m["exceeds_noise"] in (None, False) for m in c["metrics"].values())
+
+
+def test_compare_flags_real_differences_and_manifest_changes():
+    def result(values, temp, model):
+        return {"kind": "reflrl-eval-results", "manifest": {"model": {"model": model}, "seeds": [0, 1, 2],
+                                                            "decoding": {"temperature": temp}},
+                "results": {"bfcl": {"simple_python": {"accuracy": {"mean": 0, "std": 0, "values": values}}}}}
+
+    a = result([50.0, 52.0, 51.0], 0.7, "base")
+    b = result([70.0, 71.0, 69.5], 0.7, "trained")
+    c = compare(a, b)
+    m = c["metrics"]["bfcl.simple_python.accuracy"]
+    assert m["exceeds_noise"] is True and m["diff"] == pytest.approx(19.166666, rel=1e-4)
+    assert c["manifest_differences"] == []
+    noisy = result([40.0, 60.0, 55.0], 0.9, "trained")
+    c2 = compare(a, noisy)
+    assert c2["metrics"]["bfcl.simple_python.accuracy"]["exceeds_noise"] is False
+    assert c2["manifest_differences"] == ["decoding.temperature"]
+    assert "WARNING" in format_comparison(c2)
+    assert welch([1.0], [2.0])["exceeds_noise"] is None
+
+
+@needs_data
+def test_download_rotbench_from_local_server(tmp_path):
+    from reflrl.eval.cli import main
+    from reflrl.eval import rotbench as R
+
+    served = tmp_path / "served"
+    served.mkdir()
+    for lv in R.LEVELS:
+        shutil.copy(DATA / "rotbench" / "first_turn" / f"{lv}.json", served / f"{lv}.json")
+    handler = functools.partial(http.server.SimpleHTTPRequestHandler, directory=str(served))
+    handler.log_message = lambda *a, **k: None
+    srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    t = threading.Thread(target=srv.serve_forever, daemon=True)
+    t.start()
+    try:
+        base = f"http://127.0.0.1:{srv.server_address[1]}/"
+        dest = tmp_path / "data"
+        assert main(["data", "download", "rotbench", "--dest", str(dest), "--base-url", base]) == 0
+        assert len(R.load_level(dest, "union")) == 35
+        (served / "heavy.json").write_text("[{\"id\": 1}]")  # a malformed upstream file is refused
+        assert main(["data", "download", "rotbench", "--dest", str(tmp_path / "d2"), "--base-url", base]) == 2
+        assert not (tmp_path / "d2" / "rotbench" / "first_turn" / "heavy.json").exists()
+    finally:
+        srv.shutdown()
+
+
+def test_cli_rejects_bad_input(tmp_path, capsys):
+    from reflrl.eval.cli import main
+
+    assert main(["eval", "bfcl", "--model", "tiny-random", "--categories", "simpel"]) == 2
+    assert "unknown BFCL category 'simpel'" in capsys.readouterr().err
+    assert main(["eval", "rotbench", "--model", "tiny-random"]) == 2
+    assert "need --data-dir" in capsys.readouterr().err
+    assert main(["eval", "nope", "--model", "x"]) == 2
+    assert main(["eval", "compare", str(tmp_path / "a"), str(tmp_path / "b")]) == 2
+    assert "file not found" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+@needs_data
+def test_cli_real_model_limit_2(tmp_path, capsys):
+    """The acceptance command, shrunk: the embedded SmolLM2 on 2 entries of a few subsets, 2 seeds."""
+    from reflrl.eval.cli import main
+
+    out = tmp_path / "ev"
+    rc = main(["eval", "rotbench", "taskbench", "bfcl", "--model", "smollm2-135m-instruct", "--limit", "2",
+               "--seeds", "2", "--data-dir", str(DATA), "--levels", "clean", "--categories", "simple,multi_turn_base",
+               "--max-new-tokens", "48", "--max-steps", "2", "--out", str(out)])
+    assert rc == 0
+    res = json.loads((out / "results.json").read_text())
+    assert res["manifest"]["model"]["model"] == "smollm2-135m-instruct"
+    assert len(res["results"]["rotbench"]["clean"]["content_filling"]["values"]) == 2
+    assert "multi_turn_base" in res["results"]["bfcl"]
+    assert "| BFCL | Overall | Acc. |" in capsys.readouterr().out
