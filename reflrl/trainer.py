@@ -331,6 +331,7 @@ def policy_update(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batc
     tok_sums: dict[str, float] = {}  # token-weighted sums of the loss function's metrics
     tok_count = 0.0
     losses, grad_norms = [], []
+    kl_sum = 0.0
     model.train()
     for _epoch in range(cfg.epochs_per_batch):
         optimizer.zero_grad(set_to_none=True)
@@ -345,7 +346,7 @@ def policy_update(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batc
                 kl, km = kl_loss(lp, ref[j], mb.response_mask, cfg.kl_estimator, cfg.loss_agg,
                                  global_denominator=denom)
                 loss = loss + cfg.kl_coef * kl
-                m.update(km)
+                kl_sum += float(km["kl"])  # partial sums over micro-batches add up to the batch's KL
             if not torch.isfinite(loss):
                 raise FloatingPointError(f"policy loss is {float(loss)}; check the learning rate")
             loss.backward()
@@ -365,6 +366,8 @@ def policy_update(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batc
     optimizer.zero_grad(set_to_none=True)
     out = {k: v / max(tok_count, 1.0) for k, v in tok_sums.items()}
     out["loss"] = float(np.mean(losses))
+    if ref_model is not None and cfg.kl_coef > 0:
+        out["kl"] = kl_sum / cfg.epochs_per_batch
     out["grad_norm"] = float(np.mean(grad_norms))
     out["update_tokens"] = total_tokens
     out["update_sequences"] = float(len(batch))
@@ -450,11 +453,7 @@ class Trainer:
         if not params:
             raise C.ConfigError(f"model.trainable={m.trainable!r} leaves no trainable parameter")
         self.optimizer = torch.optim.AdamW(params, lr=cfg.algo.lr, weight_decay=cfg.algo.weight_decay)
-        self.ref_model = None
-        if cfg.algo.kl_coef > 0:
-            self.ref_model = copy.deepcopy(self.model).eval()
-            for p in self.ref_model.parameters():
-                p.requires_grad_(False)
+        self.ref_model = None  # KL reference (algo.kl_coef > 0): the policy as RL starts, see run()
 
         # ---- envs --------------------------------------------------------------------
         self.n_envs = cfg.rollout.n * cfg.rollout.batch_prompts
@@ -697,6 +696,11 @@ class Trainer:
             st["warmup"] = self.warmup()
             st["phase"] = "rl"
             self.save()
+        if cfg.algo.kl_coef > 0 and self.ref_model is None:
+            # the reference is the policy RL starts from (after the warm-up; on --resume, the resumed one)
+            self.ref_model = copy.deepcopy(self.model).eval()
+            for p in self.ref_model.parameters():
+                p.requires_grad_(False)
         eval_cost = st["eval_before"]["seconds"]
         budget = tr.time_budget_min * 60 if tr.time_budget_min else None
         bar = None

@@ -16,6 +16,7 @@ It is CPU-heavy (about 2-4 minutes on 2 cores); run it alone.
 from __future__ import annotations
 
 import argparse
+import os
 import resource
 import time
 
@@ -114,6 +115,9 @@ def main() -> None:
     ap.add_argument("--top", type=int, default=6, help="K of the top_layers:K settings")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
+    print(f"torch threads {args.threads}; load average before: {os.getloadavg()[0]:.1f} "
+          "(other busy processes on the 2 cores slow every multi-threaded op many times over)",
+          flush=True)
     t = time.perf_counter()
     load_model(args.model, dtype="bfloat16", trainable="none")  # converts + caches on first use
     print(f"load (cache warm after the first run): {time.perf_counter() - t:.1f}s", flush=True)
@@ -139,7 +143,7 @@ def main() -> None:
             bench_train(model, label)
         del model
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    print(f"peak resident memory: {rss:.0f} MB")
+    print(f"peak resident memory: {rss:.0f} MB; load average after: {os.getloadavg()[0]:.1f}")
 
 
 if __name__ == "__main__":

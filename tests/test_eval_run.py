@@ -164,17 +164,72 @@ def test_cli_rejects_bad_input(tmp_path, capsys):
 
 @pytest.mark.slow
 @needs_data
-def test_cli_real_model_limit_2(tmp_path, capsys):
-    """The acceptance command, shrunk: the embedded SmolLM2 on 2 entries of a few subsets, 2 seeds."""
+def test_cli_real_model_limit_1(tmp_path, capsys):
+    """The acceptance command, shrunk: the embedded SmolLM2 on one entry of a RoTBench level and a BFCL
+    category, 2 seeds (the full command takes far longer on this CPU)."""
     from reflrl.eval.cli import main
 
     out = tmp_path / "ev"
-    rc = main(["eval", "rotbench", "taskbench", "bfcl", "--model", "smollm2-135m-instruct", "--limit", "2",
-               "--seeds", "2", "--data-dir", str(DATA), "--levels", "clean", "--categories", "simple,multi_turn_base",
-               "--max-new-tokens", "48", "--max-steps", "2", "--out", str(out)])
+    rc = main(["eval", "rotbench", "taskbench", "bfcl", "--model", "smollm2-135m-instruct", "--limit", "1",
+               "--seeds", "2", "--data-dir", str(DATA), "--levels", "clean", "--categories", "simple",
+               "--max-new-tokens", "24", "--out", str(out)])
     assert rc == 0
     res = json.loads((out / "results.json").read_text())
     assert res["manifest"]["model"]["model"] == "smollm2-135m-instruct"
     assert len(res["results"]["rotbench"]["clean"]["content_filling"]["values"]) == 2
-    assert "multi_turn_base" in res["results"]["bfcl"]
+    assert set(res["results"]["bfcl"]) == {"simple_python"}
+    assert len(res["results"]["bfcl"]["simple_python"]["accuracy"]["values"]) == 2
     assert "| BFCL | Overall | Acc. |" in capsys.readouterr().out
+
+
+class _FakeCompletions:
+    def __init__(self):
+        self.requests = []
+
+    def create(self, **kw):
+        import types
+
+        self.requests.append(kw)
+        text = f"echo {kw['messages'][-1]['content'][:20]}"
+        return types.SimpleNamespace(choices=[types.SimpleNamespace(message=types.SimpleNamespace(content=text))])
+
+
+class _FakeClient:
+    def __init__(self):
+        import types
+
+        self.chat = types.SimpleNamespace(completions=_FakeCompletions())
+        self.models = types.SimpleNamespace(retrieve=lambda name: (_ for _ in ()).throw(RuntimeError("no")))
+
+
+def test_endpoint_backend_sends_decoding_and_converts_tool_messages():
+    from reflrl.eval.backends import EndpointBackend
+
+    client = _FakeClient()
+    be = EndpointBackend("http://127.0.0.1:9/v1", "served-model", client=client, concurrency=2)
+    convs = [[{"role": "user", "content": f"q{i}"}] for i in range(5)]
+    convs.append([{"role": "user", "content": "q"}, {"role": "assistant", "content": "[f(a=1)]"},
+                  {"role": "tool", "name": "f(a=1)", "content": "42"}])
+    outs = be.chat(convs, Decoding(temperature=0.5, top_p=0.9, max_new_tokens=7), seed=3)
+    assert outs[:5] == [f"echo q{i}" for i in range(5)]
+    reqs = client.chat.completions.requests
+    assert len(reqs) == 6 and {r["seed"] for r in reqs} == {3} and {r["max_tokens"] for r in reqs} == {7}
+    tool_req = next(r for r in reqs if len(r["messages"]) == 3)
+    assert tool_req["messages"][2]["role"] == "user" and "42" in tool_req["messages"][2]["content"]
+    d = be.describe()
+    assert d["kind"] == "endpoint" and d["model"] == "served-model" and d["server_model"].startswith("unavailable")
+
+
+def test_run_checkpoint_resolution(tmp_path):
+    from reflrl.eval.backends import run_checkpoint
+
+    run = tmp_path / "run"
+    with pytest.raises(FileNotFoundError, match="no checkpoints"):
+        run_checkpoint(run)
+    for step in (5, 12):
+        ck = run / "checkpoints" / f"step_{step:06d}"
+        (ck / "model").mkdir(parents=True)
+        (ck / "state.json").write_text("{}")
+        (ck / "model" / "config.json").write_text("{}")
+    assert run_checkpoint(run) == run / "checkpoints" / "step_000012" / "model"
+    assert run_checkpoint(run / "checkpoints" / "step_000005" / "model").name == "model"

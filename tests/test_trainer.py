@@ -286,6 +286,44 @@ def test_dynamic_sampling_refills_zero_variance_groups(tmp_path):
     assert m["zero_var_ratio"] == pytest.approx(n_easy_first / m["groups"])
 
 
+def test_kl_to_reference_and_several_epochs_per_batch(tmp_path):
+    """kl_coef > 0 builds a frozen reference at RL start; with 2 epochs per batch the old log-probs
+    are recomputed once and the second epoch sees ratios != 1 and a non-zero KL."""
+    cfg = tiny_cfg(tmp_path, **{"train.steps": 1, "train.save_every": 0, "algo.kl_coef": 0.1,
+                                "algo.epochs_per_batch": 2, "algo.lr": 1e-3})
+    tr = scripted_trainer(cfg, tmp_path / "run")
+    try:
+        tr.run()
+    finally:
+        tr.close()
+    row = [r for r in tr.log.read_metrics() if r["phase"] == "train"][0]
+    assert tr.ref_model is not None
+    assert row["kl"] is not None and row["kl"] > 0
+    assert row["ratio_max"] > 1.0 or row["ratio_min"] < 1.0
+
+
+def test_multi_turn_training_step(tmp_path):
+    """A GRPO step on the multi-turn env: a tool call, its observation, then a text answer; the
+    update trains the two actions (observations masked) and changes the parameters."""
+    cfg = tiny_cfg(tmp_path, **{"train.steps": 1, "train.save_every": 0, "env.id": "reflrl/ToolCallMultiTurn-v0",
+                                "rollout.max_turns": 3, "rollout.max_total_tokens": 2048})
+    tr = T.Trainer(cfg, tmp_path / "run", progress=False, quiet=True)
+    try:
+        tasks = tr.train_tasks + tr.splits["test"]
+        first = answer_by_task(tasks)
+
+        def answer(text, j):
+            return first(text, j) if "<|im_start|>tool" not in text else "Done."
+
+        tr.engine = ScriptedEngine(tr.tokenizer, answer)
+        before = trainable(tr.model)
+        m = tr.train_step()
+    finally:
+        tr.close()
+    assert m["update_skipped"] == 0.0 and m["masked"] == 0
+    assert any(not torch.equal(before[n], p) for n, p in trainable(tr.model).items())
+
+
 def test_cli_rejects_bad_config_with_status_2(tmp_path, capsys):
     assert T.main(["--config", str(ROOT / "configs" / "tiny.yaml"), "--set", "algo.clip_hihg=0.3"]) == 2
     assert "clip_high" in capsys.readouterr().err

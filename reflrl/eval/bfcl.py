@@ -75,10 +75,12 @@ ALIASES: dict[str, tuple[str, ...]] = {
     "single_turn": SINGLE_TURN,
     "all": ALL_CATEGORIES,
 }
-#: run when --categories is not given: the python Non-Live and Live AST columns of the Tool-ReRL
-#: table (papers/003 Table 2) plus the base multi-turn category (papers/000 sec. 3).
+#: run when --categories is not given: the python Non-Live and Live AST categories, i.e. the BFCL
+#: columns of the Tool-ReRL table (papers/003 Table 2). Multi-turn categories are opt-in
+#: (``--categories multi_turn_base`` or ``multi_turn``): their prompts carry thousands of tokens of
+#: function docs and every step re-reads the history, which takes hours for a CPU model.
 DEFAULT_CATEGORIES = ("simple_python", "multiple", "parallel", "parallel_multiple", "live_simple",
-                      "live_multiple", "live_parallel", "live_parallel_multiple", "multi_turn_base")
+                      "live_multiple", "live_parallel", "live_parallel_multiple")
 #: model name handed to bfcl's checkers; "_" -> "/" gives the MODEL_CONFIG_MAPPING key.
 CHECKER_MODEL = "reflrl_prompting"
 _CHECKER_KEY = CHECKER_MODEL.replace("_", "/")

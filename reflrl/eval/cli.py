@@ -40,7 +40,7 @@ def add_eval_commands(subparsers: Any) -> None:
     ev.add_argument("--categories", default=None,
                     help="BFCL categories or groups, comma-separated (simple,multiple,parallel,"
                          "parallel_multiple,live_simple,...,multi_turn_base; groups non_live, live, "
-                         "multi_turn, all); default: the Non-Live/Live AST categories + multi_turn_base")
+                         "multi_turn, all); default: the Non-Live and Live python AST categories")
     ev.add_argument("--levels", default=None, help="RoTBench levels (clean,slight,medium,heavy,union)")
     ev.add_argument("--domains", default=None, help="TaskBench domains (huggingface,multimedia,dailylifeapis)")
     ev.add_argument("--temperature", type=float, default=0.7, help="sampling temperature; 0 = greedy (one seed)")

@@ -254,7 +254,11 @@ def run_eval(backend: Backend, opts: EvalOptions, out_dir: Path | None = None,
     manifest = build_manifest(
         model=backend.describe(), seeds=seeds, decoding=opts.decoding.to_dict(), template=opts.template,
         keep_thinking=opts.keep_thinking, max_steps=opts.max_steps, benchmarks=opts.benchmarks,
-        limit=opts.limit, options={"categories": opts.categories, "levels": opts.levels, "domains": opts.domains},
+        limit=opts.limit, options={
+            "bfcl_categories": [u.name for u in units if u.benchmark == "bfcl"],
+            "rotbench_levels": [u.name for u in units if u.benchmark == "rotbench"],
+            "taskbench_domains": [u.name for u in units if u.benchmark == "taskbench"],
+            "sealtools_splits": [u.name for u in units if u.benchmark == "sealtools"]},
         prompts=prompts, data=data_hashes(files, _data_roots(opts)), out_dir=str(out_dir) if out_dir else None,
         data_dir=str(Path(opts.data_dir).resolve()) if opts.data_dir else None)
     per_unit: dict[str, list[dict[str, Any]]] = {u.key: [] for u in units}
