@@ -143,6 +143,33 @@ class AlgoConfig:
 
 
 @dataclass
+class SamplingConfig:
+    """Prompt-level dynamic sampling and the DSCL curriculum (reflrl.algos.dscl; papers/002)."""
+
+    sampler: str = _f("none", "group filter after rollouts: 'none' | 'dapo' (drop zero-variance groups) | 'smv' (max variance) | 'smr' (mean reward band) | 'rds' (DSCL sec. 4.2)")
+    warmup_gate: bool = _f(True, "the sampler acts only after the format stage converged (DSCL sec. 6.4, Table 3); false = from the first step")
+    refill: bool = _f(False, "sample more prompts to refill the batch after filtering, as DAPO does (DSCL trains on the kept part only)")
+    t_mean: float = _f(0.5, "RDS mean threshold t_mean (DSCL Table 4): M < t_mean is 'hard' (b)")
+    t_var: float = _f(0.1, "RDS variance threshold t_var (DSCL Table 4) on V_current and V_history")
+    unit_scale: bool = _f(False, "compare t_mean/t_var with rewards mapped to [0, 1] instead of the raw reward (DSCL appendix A.2 implies raw)")
+    keep_a: float = _f(0.0, "RDS keep ratio of category a (easy, M = max; DSCL eq. 12: 0)")
+    keep_b1: float = _f(1.0, "RDS keep ratio of category b.1 (hard, unstable; eq. 12: 1)")
+    keep_b2: float = _f(0.0, "RDS keep ratio of category b.2 (hard, stable; eq. 12: 0)")
+    keep_c1: float = _f(1.0, "RDS keep ratio of category c.1 (intermediate, unstable; eq. 12: 1)")
+    keep_c2: float = _f(0.5, "RDS keep ratio of category c.2 (intermediate, stable; eq. 12: 0.5)")
+    smv_keep: float = _f(0.5, "SMV: share of each batch's prompts kept, those of largest reward variance")
+    smr_low: float = _f(0.25, "SMR: lowest mean reward (mapped to [0, 1]) of a kept prompt")
+    smr_high: float = _f(0.75, "SMR: highest mean reward (mapped to [0, 1]) of a kept prompt")
+    reset_history_on_stage: bool = _f(True, "forget the per-prompt reward history (V_history) when the curriculum stage changes")
+    curriculum: bool = _f(False, "TDCL (DSCL sec. 4.1): weight the fine reward by stage (eq. 7); the stage is tracked anyway for warmup_gate")
+    format_threshold: float = _f(0.9, "TDCL: windowed mean format reward that ends stage 1 (DSCL Table 4)")
+    name_threshold: float = _f(0.75, "TDCL: windowed mean tool-name reward needed to end stage 2 (with key; Table 4)")
+    key_threshold: float = _f(0.7, "TDCL: windowed mean parameter-key reward needed to end stage 2 (with name; Table 4)")
+    window: int | None = _f(None, "TDCL: batches k in the convergence window (eq. 8); null = batches per epoch (paper: k = 7)")
+    reset_window_on_stage: bool = _f(False, "TDCL: empty the window at a stage change, so the next gate needs k fresh batches")
+
+
+@dataclass
 class WarmupConfig:
     """Supervised warm-up on the training split's gold calls (reflrl.sft)."""
 
@@ -180,6 +207,7 @@ class Config:
     env: EnvConfig = _f(EnvConfig, "tool environment")
     rollout: RolloutConfig = _f(RolloutConfig, "rollout sampling")
     algo: AlgoConfig = _f(AlgoConfig, "RL algorithm")
+    sampling: SamplingConfig = _f(SamplingConfig, "dynamic sampling and curriculum")
     warmup: WarmupConfig = _f(WarmupConfig, "supervised warm-up")
     train: TrainConfig = _f(TrainConfig, "run control")
 
@@ -194,6 +222,7 @@ KL_ESTIMATORS = ("k1", "kl", "abs", "k2", "mse", "k3", "low_var_kl")
 # run time are accepted too when reflrl.algos is already imported.
 ADVANTAGES = ("grpo", "dr_grpo", "rloo", "gae")
 POLICY_LOSSES = ("clip_higher", "ppo_clip")
+SAMPLERS = ("none", "dapo", "smv", "smr", "rds")  # reflrl.algos.dscl.get_sampler (tests keep them in sync)
 
 
 # ---------------------------------------------------------------------------------- type checks
@@ -368,6 +397,21 @@ def validate(cfg: Config) -> Config:
     need(a.prefilter_k >= 0, f"algo.prefilter_k: must be >= 0 (0 = off), got {a.prefilter_k}")
     need(a.max_refill_rounds >= 0, f"algo.max_refill_rounds: must be >= 0, got {a.max_refill_rounds}")
     need(a.value_clip is None or a.value_clip > 0, f"algo.value_clip: must be > 0 or null, got {a.value_clip}")
+
+    s = cfg.sampling
+    _choice(e, "sampling.sampler", s.sampler, SAMPLERS)
+    for name in ("keep_a", "keep_b1", "keep_b2", "keep_c1", "keep_c2",
+                 "format_threshold", "name_threshold", "key_threshold"):
+        need(0 <= getattr(s, name) <= 1, f"sampling.{name}: must be in [0, 1], got {getattr(s, name)}")
+    need(s.t_var >= 0, f"sampling.t_var: must be >= 0, got {s.t_var}")
+    need(0 < s.smv_keep <= 1, f"sampling.smv_keep: must be in (0, 1], got {s.smv_keep}")
+    need(0 <= s.smr_low <= s.smr_high <= 1,
+         f"sampling.smr_low/smr_high: need 0 <= smr_low <= smr_high <= 1, got {s.smr_low}, {s.smr_high}")
+    need(s.window is None or s.window >= 1, f"sampling.window: must be >= 1 or null, got {s.window}")
+    need(not (a.dynamic_sampling and s.sampler not in ("none", "dapo")),
+         f"algo.dynamic_sampling (DAPO) and sampling.sampler={s.sampler!r} both filter groups; use one")
+    need(not s.curriculum or v.reward.startswith("fine"),
+         f"sampling.curriculum: needs a fine-grained reward (env.reward='fine'), got env.reward={v.reward!r}")
 
     w = cfg.warmup
     need(w.enabled in ("auto", True, False), f"warmup.enabled: expected 'auto', true or false, got {_show(w.enabled)}")

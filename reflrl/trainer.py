@@ -694,6 +694,11 @@ class Trainer:
             self.say(f"held-out accuracy before: {st['eval_before']['accuracy']:.1%} "
                      f"({st['eval_before']['n']} tasks, {st['eval_before']['seconds']:.0f}s)")
             st["warmup"] = self.warmup()
+            if st["warmup"].get("ran"):  # what the warm-up alone gives, to tell it apart from RL's gain
+                st["eval_after_warmup"] = self.evaluate("test")
+                self.log.log(0, {f"test_after_warmup_{k}": v for k, v in st["eval_after_warmup"].items()},
+                             phase="eval")
+                self.say(f"held-out accuracy after warm-up: {st['eval_after_warmup']['accuracy']:.1%}")
             st["phase"] = "rl"
             self.save()
         if cfg.algo.kl_coef > 0 and self.ref_model is None:
@@ -763,6 +768,7 @@ class Trainer:
         return {
             "run_dir": str(self.log.path),
             "accuracy_before": before.get("accuracy"), "accuracy_after": after.get("accuracy"),
+            "accuracy_after_warmup": st.get("eval_after_warmup", {}).get("accuracy"),
             "accuracy_gain": (after.get("accuracy", 0) - before.get("accuracy", 0)) if before and after else None,
             "eval_before": before, "eval_after": after,
             "format_rate_before": wu.get("format_rate_before"), "format_rate_after": wu.get("format_rate_after"),
@@ -802,6 +808,9 @@ def format_summary(s: dict[str, Any]) -> str:
         f"held-out accuracy: {pct(s['accuracy_before'])} -> {pct(s['accuracy_after'])}"
         f"  ({s['eval_after'].get('n', 0)} test tasks, greedy exact match)",
     ]
+    if s.get("accuracy_after_warmup") is not None:
+        lines.append(f"  of which the supervised warm-up: {pct(s['accuracy_before'])} -> "
+                     f"{pct(s['accuracy_after_warmup'])}; GRPO: -> {pct(s['accuracy_after'])}")
     if s.get("format_rate_before") is not None:
         lines.append(f"format rate (sampled): {pct(s['format_rate_before'])} -> {pct(s.get('format_rate_after'))}"
                      f"  (warm-up {'ran' if s['warmup'].get('ran') else 'skipped'})")

@@ -117,6 +117,9 @@ class LocalBackend:
         self.model.eval()
         self.engine = TransformersEngine(self.model, self.tokenizer, max_batch_size=self.batch_size)
         self._desc: dict[str, Any] | None = None
+        self.max_positions = getattr(self.model.config, "max_position_embeddings", None)
+        #: prompts answered, prompt/new tokens, and prompts longer than the model's context
+        self.stats = {"prompts": 0, "prompt_tokens": 0, "new_tokens": 0, "over_context": 0}
 
     def render(self, messages: list[dict[str, Any]]) -> list[int]:
         text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
@@ -126,6 +129,14 @@ class LocalBackend:
              desc: str = "") -> list[str]:
         """Completions of ``conversations`` (same order). Sampled with ``seed`` unless greedy."""
         prompts = [self.render(c) for c in conversations]
+        self.stats["prompts"] += len(prompts)
+        self.stats["prompt_tokens"] += sum(len(p) for p in prompts)
+        if self.max_positions:
+            over = sum(len(p) + decoding.max_new_tokens > self.max_positions for p in prompts)
+            if over:
+                self.stats["over_context"] += over
+                print(f"[reflrl eval] warning: {over} prompt(s) + max_new_tokens exceed the model's "
+                      f"{self.max_positions} positions", file=sys.stderr)
         order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
         out = [""] * len(prompts)
         with _progress(len(prompts), desc) as bar:
@@ -137,6 +148,7 @@ class LocalBackend:
                                                seed=seed * 1_000_003 + s)
                 for i, smp in zip(chunk, samples):
                     out[i] = self.tokenizer.decode(list(smp.token_ids), skip_special_tokens=True)
+                    self.stats["new_tokens"] += len(smp.token_ids)
                 bar.update(len(chunk))
         return out
 

@@ -296,7 +296,8 @@ def run_eval(backend: Backend, opts: EvalOptions, out_dir: Path | None = None,
         results["bfcl_summary"]["groups_used"] = bfcl_mod.summarize(
             {u.name: 0.0 for u in bunits}, {u.name: 1 for u in bunits})["groups_used"]
     out = {"kind": "reflrl-eval-results", "format": 1, "manifest": manifest, "results": results,
-           "skipped": skipped, "notes": notes, "timing": {"seconds_per_seed": seconds}}
+           "skipped": skipped, "notes": notes, "timing": {"seconds_per_seed": seconds},
+           "backend_stats": dict(getattr(backend, "stats", {}) or {})}
     if out_dir is not None:
         write_outputs(out, predictions, Path(out_dir))
     return out

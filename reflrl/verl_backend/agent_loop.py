@@ -1,0 +1,210 @@
+"""``reflrl_tool_agent``: a verl agent loop running our tool env (with faults) and Tool-ReRL's reflection.
+
+One dataset row = one episode (``003_febfc96bcceb98f2.txt``, sec. 3.2-3.3, Definition 1):
+
+1. q = the env's chat messages for the task (system prompt with the tools + the user request);
+   its tokens come from verl's own Continuous Token builder (``ct_build_initial_tokens``).
+2. The policy samples tau under q through verl's LLM server client (``server_manager.generate``,
+   vLLM/SGLang in a real run); the env executes the tool calls (injected faults, client retries).
+3. If the critic judges the response negative, :func:`reflrl.reflection.reflect_and_retry` builds the
+   augmented query q* = [q, t, a, rfl] and samples retries under q* until one is positive or
+   ``max_attempts`` is reached; each retry runs in a fresh episode of the same task and seed.
+4. The output is what verl trains on (eq. 2): ``prompt_ids`` = tokens of the ORIGINAL prompt q,
+   ``response_ids`` = tau* (the final response), ``response_logprobs`` = log pi(tau* | q*) at sampling
+   time (Assumption 1; the rollout log-probs verl's rollout correction compares with the actor's
+   log pi(tau* | q)), ``response_mask`` = 1 on the sampled tokens. An episode whose env fault was not
+   recovered gets ``response_mask`` all 0 (left out of the loss, never penalised; sec. 3.2), like
+   the CPU trainer's ``masked`` rollouts.
+
+Scope: single-step tasks (``kind`` "single" / "parallel", the Tool-ReRL training setting: ToolACE,
+one assistant message with the calls). There are no tool tokens inside such a response; a
+multi-turn task raises ValueError (the CPU trainer's multi-turn rollout handles those).
+
+Per-episode settings come from the row's ``extra_info`` (written by :mod:`reflrl.verl_backend.data`
+style converters: ``{"task": task_to_dict(task), "faults": "rate_limit=0.1", "fault_seed": 0, ...}``)
+over defaults from the top-level ``reflrl`` section of the verl config (:class:`EpisodeSettings`).
+``extra_fields`` of the output carry ``reflrl_repaired``, ``reflrl_masked``, ``reflrl_stop_reason``,
+``reflrl_retries``, ``reflrl_cause`` and ``reflrl_correct`` (verl keeps them in the batch's
+non-tensor fields).
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+from dataclasses import dataclass
+from typing import Any
+from uuid import uuid4
+
+from verl.experimental.agent_loop.agent_loop import AgentLoopBase, AgentLoopMetrics, AgentLoopOutput, register
+
+from reflrl.envs.types import Task, ToolCall
+from reflrl.reflection import EnvFeedback, Generation, feedback_from_step, reflect_and_retry
+
+log = logging.getLogger(__name__)
+
+AGENT_NAME = "reflrl_tool_agent"
+
+
+def task_from_dict(d: dict[str, Any]) -> Task:
+    """A Task from our JSONL row (``reflrl.envs.datasets.task_to_dict``); ValueError names a bad row."""
+    if not isinstance(d, dict):
+        raise ValueError(f"extra_info['task'] must be a dict (task_to_dict), got {type(d).__name__}")
+    missing = [k for k in ("id", "query", "tools", "gold") if k not in d]
+    if missing:
+        raise ValueError(f"extra_info['task'] lacks {missing}")
+    fields = {f.name for f in dataclasses.fields(Task)}
+    kw = {k: v for k, v in d.items() if k in fields}
+    kw["gold"] = [[c if isinstance(c, ToolCall) else ToolCall.from_dict(c) for c in turn] for turn in d["gold"]]
+    kw["tools"] = list(d["tools"])
+    kw["turns"] = list(d.get("turns") or [])
+    kw["meta"] = dict(d.get("meta") or {})
+    return Task(**kw)
+
+
+@dataclass
+class EpisodeSettings:
+    """Env and reflection settings of one episode.
+
+    faults: FaultPlan spec string ("" = none); fault_seed; seed (episode seed);
+    reward: "binary" | "fine" ...; parser: "hermes" | ...; prompt_style; think;
+    critic: critic registry name ("rule" = embedded, no model); max_attempts: retries under q*
+    (0 = no reflection); reflect_on: "failure" (any negative critique) | "env_fault" (only failures
+    caused by the environment); mode: q* rendering ("replace" | "append", see reflrl.reflection).
+    """
+
+    faults: str = ""
+    fault_seed: int = 0
+    seed: int = 0
+    reward: str = "binary"
+    parser: str = "hermes"
+    prompt_style: str = "json"
+    think: bool = False
+    critic: str = "rule"
+    max_attempts: int = 2
+    reflect_on: str = "failure"
+    mode: str = "replace"
+
+    @classmethod
+    def from_sources(cls, *sources: Any) -> "EpisodeSettings":
+        """Later sources override earlier ones; unknown keys raise ValueError naming them."""
+        names = {f.name for f in dataclasses.fields(cls)}
+        kw: dict[str, Any] = {}
+        for src in sources:
+            if not src:
+                continue
+            items = dict(src.items()) if hasattr(src, "items") else dict(src)
+            for k, v in items.items():
+                if k in ("task",):
+                    continue
+                if k not in names:
+                    raise ValueError(f"reflrl episode setting {k!r} is unknown; known: {sorted(names)}")
+                kw[k] = v
+        s = cls(**kw)
+        if s.reflect_on not in ("failure", "env_fault"):
+            raise ValueError(f"reflect_on={s.reflect_on!r}: expected 'failure' or 'env_fault'")
+        if int(s.max_attempts) < 0:
+            raise ValueError(f"max_attempts={s.max_attempts}: must be >= 0")
+        return s
+
+
+def _get(obj: Any, key: str, default: Any = None) -> Any:
+    if obj is None:
+        return default
+    if hasattr(obj, "get"):
+        return obj.get(key, default)
+    return getattr(obj, key, default)
+
+
+@register(AGENT_NAME)
+class ReflrlToolAgentLoop(AgentLoopBase):
+    """verl ``AgentLoopBase`` running one reflrl tool episode with reflection (module doc)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.pop("tools", None)  # verl's own tool list: our env brings its tools
+        super().__init__(*args, **kwargs)
+        self.response_length = int(self.rollout_config.response_length)
+        self.defaults = _get(self.config, "reflrl", None)
+
+    def _make_env(self, task: Task, s: EpisodeSettings) -> Any:
+        from reflrl.envs.tool_env import ToolCallEnv
+
+        return ToolCallEnv(dataset=[task], faults=s.faults or None, fault_seed=int(s.fault_seed),
+                           seed=int(s.seed), reward=s.reward, parser=s.parser, prompt_style=s.prompt_style,
+                           think=bool(s.think), episode_prefix=f"verl-{uuid4().hex[:8]}")
+
+    async def _sample(self, prompt_ids: list[int], sampling_params: dict[str, Any]) -> Generation:
+        out = await self.server_manager.generate(request_id=uuid4().hex, prompt_ids=prompt_ids,
+                                                 sampling_params=sampling_params)
+        ids = [int(t) for t in out.token_ids][: self.response_length]
+        lps = list(out.log_probs or [])[: len(ids)]
+        if len(lps) != len(ids):
+            raise ValueError(
+                f"the LLM server returned {len(out.log_probs or [])} log-probs for {len(out.token_ids)} tokens; "
+                "Tool-ReRL needs the behaviour log-probs: set actor_rollout_ref.rollout.calculate_log_probs=true")
+        text = self.tokenizer.decode(ids, skip_special_tokens=True)
+        return Generation(text=text, token_ids=ids, logprobs=[float(x) for x in lps])
+
+    async def run(self, sampling_params: dict[str, Any], **kwargs: Any) -> AgentLoopOutput:
+        """One episode -> AgentLoopOutput (module doc). ``kwargs`` are the dataset row's fields."""
+        from reflrl.critic import get_critic
+
+        extra = dict(kwargs.get("extra_info") or {})
+        if "task" not in extra:
+            raise ValueError("reflrl_tool_agent: the dataset row's extra_info has no 'task' "
+                             "(write rows with reflrl.verl_backend.data.rows_from_tasks)")
+        task = task_from_dict(extra["task"])
+        if task.kind == "multi_turn":
+            raise ValueError(f"reflrl_tool_agent: task {task.id!r} is multi_turn; the verl agent loop runs "
+                             "single-step tasks (single/parallel)")
+        s = EpisodeSettings.from_sources(self.defaults, extra)
+        critic = get_critic(s.critic)
+        env = self._make_env(task, s)
+        metrics: dict[str, Any] = {}
+        try:
+            _, info = await env.areset(seed=int(s.seed), options={"task": task})
+            messages = info["messages"]
+            prompt_ids = await self.ct_build_initial_tokens(messages)
+
+            async def generate(msgs: list[dict[str, Any]]) -> Generation:
+                return await self._sample(await self.ct_build_initial_tokens(msgs), sampling_params)
+
+            async def step_env(text: str) -> EnvFeedback:
+                await env.areset(seed=int(s.seed), options={"task": task})  # a fresh episode per attempt
+                _, reward, _, _, step_info = await env.astep(text)
+                return feedback_from_step(step_info, reward)
+
+            first = await self._sample(prompt_ids, sampling_params)
+            _, r0, _, _, i0 = await env.astep(first.text)
+            fb0 = feedback_from_step(i0, r0)
+            attempts = int(s.max_attempts)
+            if s.reflect_on == "env_fault" and fb0.env_fault is None:
+                attempts = 0
+            rec = await reflect_and_retry(generate, critic, step_env, task, first, attempts,
+                                          first_feedback=fb0, messages=messages, mode=s.mode)
+        finally:
+            await env.aclose()
+        final = rec.final_feedback
+        masked = final.env_fault is not None or bool(final.info.get("masked"))
+        ids = list(rec.response_ids)
+        mask = [0 if masked else 1] * len(ids)
+        out = AgentLoopOutput(
+            prompt_ids=list(prompt_ids),
+            response_ids=ids,
+            response_mask=mask,
+            response_logprobs=list(rec.behaviour_logprobs),
+            reward_score=float(final.reward),
+            num_turns=2 + 2 * rec.retries,
+            metrics=AgentLoopMetrics(**metrics),
+            extra_fields={},
+        )
+        out.extra_fields.update({
+            "reflrl_repaired": bool(rec.repaired),
+            "reflrl_masked": bool(masked),
+            "reflrl_stop_reason": rec.stop_reason,
+            "reflrl_retries": int(rec.retries),
+            "reflrl_cause": rec.cause,
+            "reflrl_correct": bool(final.correct),
+            "turn_scores": [],
+            "tool_rewards": [],
+        })
+        return out
