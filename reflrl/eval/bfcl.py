@@ -52,7 +52,7 @@ import re
 import sys
 import types
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 from typing import Any, Generator

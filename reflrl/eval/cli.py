@@ -3,7 +3,6 @@ the parser loads neither torch nor bfcl)."""
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 from pathlib import Path

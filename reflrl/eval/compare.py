@@ -9,7 +9,6 @@ reported as a warning, since it can move scores as much as the model (papers/000
 """
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 from typing import Any

@@ -14,7 +14,7 @@ import re
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Generator, Iterable
+from typing import Any, Callable, Generator
 
 from . import bfcl as bfcl_mod
 from . import rotbench, sealtools, taskbench

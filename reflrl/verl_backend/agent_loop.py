@@ -20,8 +20,8 @@ Scope: single-step tasks (``kind`` "single" / "parallel", the Tool-ReRL training
 one assistant message with the calls). There are no tool tokens inside such a response; a
 multi-turn task raises ValueError (the CPU trainer's multi-turn rollout handles those).
 
-Per-episode settings come from the row's ``extra_info`` (written by :mod:`reflrl.verl_backend.data`
-style converters: ``{"task": task_to_dict(task), "faults": "rate_limit=0.1", "fault_seed": 0, ...}``)
+Per-episode settings come from the row's ``extra_info`` (written by
+:func:`reflrl.verl_backend.data.rows_from_tasks`: ``{"task": <task JSON>, "faults": "rate_limit=0.1", ...}``)
 over defaults from the top-level ``reflrl`` section of the verl config (:class:`EpisodeSettings`).
 ``extra_fields`` of the output carry ``reflrl_repaired``, ``reflrl_masked``, ``reflrl_stop_reason``,
 ``reflrl_retries``, ``reflrl_cause`` and ``reflrl_correct`` (verl keeps them in the batch's
@@ -29,82 +29,20 @@ non-tensor fields).
 """
 from __future__ import annotations
 
-import dataclasses
 import logging
-from dataclasses import dataclass
 from typing import Any
 from uuid import uuid4
 
 from verl.experimental.agent_loop.agent_loop import AgentLoopBase, AgentLoopMetrics, AgentLoopOutput, register
 
-from reflrl.envs.types import Task, ToolCall
+from reflrl.envs.types import Task
 from reflrl.reflection import EnvFeedback, Generation, feedback_from_step, reflect_and_retry
+
+from .episode import EpisodeSettings, task_from_dict
 
 log = logging.getLogger(__name__)
 
 AGENT_NAME = "reflrl_tool_agent"
-
-
-def task_from_dict(d: dict[str, Any]) -> Task:
-    """A Task from our JSONL row (``reflrl.envs.datasets.task_to_dict``); ValueError names a bad row."""
-    if not isinstance(d, dict):
-        raise ValueError(f"extra_info['task'] must be a dict (task_to_dict), got {type(d).__name__}")
-    missing = [k for k in ("id", "query", "tools", "gold") if k not in d]
-    if missing:
-        raise ValueError(f"extra_info['task'] lacks {missing}")
-    fields = {f.name for f in dataclasses.fields(Task)}
-    kw = {k: v for k, v in d.items() if k in fields}
-    kw["gold"] = [[c if isinstance(c, ToolCall) else ToolCall.from_dict(c) for c in turn] for turn in d["gold"]]
-    kw["tools"] = list(d["tools"])
-    kw["turns"] = list(d.get("turns") or [])
-    kw["meta"] = dict(d.get("meta") or {})
-    return Task(**kw)
-
-
-@dataclass
-class EpisodeSettings:
-    """Env and reflection settings of one episode.
-
-    faults: FaultPlan spec string ("" = none); fault_seed; seed (episode seed);
-    reward: "binary" | "fine" ...; parser: "hermes" | ...; prompt_style; think;
-    critic: critic registry name ("rule" = embedded, no model); max_attempts: retries under q*
-    (0 = no reflection); reflect_on: "failure" (any negative critique) | "env_fault" (only failures
-    caused by the environment); mode: q* rendering ("replace" | "append", see reflrl.reflection).
-    """
-
-    faults: str = ""
-    fault_seed: int = 0
-    seed: int = 0
-    reward: str = "binary"
-    parser: str = "hermes"
-    prompt_style: str = "json"
-    think: bool = False
-    critic: str = "rule"
-    max_attempts: int = 2
-    reflect_on: str = "failure"
-    mode: str = "replace"
-
-    @classmethod
-    def from_sources(cls, *sources: Any) -> "EpisodeSettings":
-        """Later sources override earlier ones; unknown keys raise ValueError naming them."""
-        names = {f.name for f in dataclasses.fields(cls)}
-        kw: dict[str, Any] = {}
-        for src in sources:
-            if not src:
-                continue
-            items = dict(src.items()) if hasattr(src, "items") else dict(src)
-            for k, v in items.items():
-                if k in ("task",):
-                    continue
-                if k not in names:
-                    raise ValueError(f"reflrl episode setting {k!r} is unknown; known: {sorted(names)}")
-                kw[k] = v
-        s = cls(**kw)
-        if s.reflect_on not in ("failure", "env_fault"):
-            raise ValueError(f"reflect_on={s.reflect_on!r}: expected 'failure' or 'env_fault'")
-        if int(s.max_attempts) < 0:
-            raise ValueError(f"max_attempts={s.max_attempts}: must be >= 0")
-        return s
 
 
 def _get(obj: Any, key: str, default: Any = None) -> Any:
@@ -126,11 +64,13 @@ class ReflrlToolAgentLoop(AgentLoopBase):
         self.defaults = _get(self.config, "reflrl", None)
 
     def _make_env(self, task: Task, s: EpisodeSettings) -> Any:
+        from reflrl.envs.client import RetryPolicy
         from reflrl.envs.tool_env import ToolCallEnv
 
+        retry = RetryPolicy(max_attempts=int(s.retry_max_attempts), budget_s=float(s.retry_budget_s))
         return ToolCallEnv(dataset=[task], faults=s.faults or None, fault_seed=int(s.fault_seed),
                            seed=int(s.seed), reward=s.reward, parser=s.parser, prompt_style=s.prompt_style,
-                           think=bool(s.think), episode_prefix=f"verl-{uuid4().hex[:8]}")
+                           think=bool(s.think), retry=retry, episode_prefix=f"verl-{uuid4().hex[:8]}")
 
     async def _sample(self, prompt_ids: list[int], sampling_params: dict[str, Any]) -> Generation:
         out = await self.server_manager.generate(request_id=uuid4().hex, prompt_ids=prompt_ids,

@@ -1,0 +1,156 @@
+"""The reflrl verl agent loop on a reflected episode: verl's AgentLoopBase machinery (its Continuous
+Token builder, AgentLoopOutput, and verl's own post-processing into a training batch) with a
+stand-in for the LLM server (the only stand-in: vLLM cannot run on this machine)."""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+pytest.importorskip("verl")
+pytest.importorskip("cachetools")
+
+from omegaconf import OmegaConf  # noqa: E402
+from verl.experimental.agent_loop.agent_loop import (  # noqa: E402
+    AgentLoopWorker,
+    DictConfigWrap,
+    _agent_loop_registry,
+)
+from verl.workers.rollout.replica import TokenOutput  # noqa: E402
+
+from reflrl.envs.datasets import generate_synthetic  # noqa: E402
+from reflrl.envs.parsing import format_calls  # noqa: E402
+from reflrl.envs.types import ToolCall  # noqa: E402
+from reflrl.models import load_tokenizer  # noqa: E402
+from reflrl.verl_backend.agent_loop import AGENT_NAME, ReflrlToolAgentLoop  # noqa: E402
+from reflrl.verl_backend.data import rows_from_tasks  # noqa: E402
+
+PROMPT_LEN, RESP_LEN = 1024, 96
+
+
+class StandInLLMServer:
+    """Answers verl's ``server_manager.generate`` with scripted texts, tokenized, with log-probs
+    that depend on the call (so behaviour log-probs can be told apart)."""
+
+    def __init__(self, tokenizer, texts):
+        self.tok, self.texts, self.prompts, self.outputs = tokenizer, list(texts), [], []
+
+    async def generate(self, request_id, *, prompt_ids, sampling_params, **kw):
+        assert sampling_params.get("logprobs") is not None
+        i = len(self.prompts)
+        self.prompts.append(list(prompt_ids))
+        ids = self.tok.encode(self.texts[i], add_special_tokens=False) + [self.tok.eos_token_id]
+        lps = [-0.1 * (i + 1) - 0.01 * j for j in range(len(ids))]
+        self.outputs.append((ids, lps))
+        return TokenOutput(token_ids=ids, log_probs=lps, stop_reason="completed")
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return load_tokenizer("tiny-random")
+
+
+@pytest.fixture(scope="module")
+def task():
+    return generate_synthetic(2, 0, kinds=("single",))[0]
+
+
+def trainer_config(**reflrl):
+    return OmegaConf.create({
+        "actor_rollout_ref": {"rollout": {"prompt_length": PROMPT_LEN, "response_length": RESP_LEN,
+                                          "calculate_log_probs": True}},
+        "reflrl": {"reward": "binary", "parser": "hermes", "critic": "rule", "max_attempts": 2, **reflrl},
+    })
+
+
+def make_loop(tokenizer, server, **reflrl):
+    conf = trainer_config(**reflrl)
+    return ReflrlToolAgentLoop(trainer_config=DictConfigWrap(conf), server_manager=server, tokenizer=tokenizer,
+                               processor=None, dataset_cls=None, data_config=DictConfigWrap(OmegaConf.create({})),
+                               hf_model_type="llama", tools=None)
+
+
+def wrong_and_right(task):
+    gold = task.gold[0][0]
+    args = dict(gold.arguments)
+    key = sorted(args)[0]
+    args[key] = "definitely-wrong"
+    return format_calls([ToolCall(gold.name, args)], "hermes"), format_calls(task.gold[0], "hermes")
+
+
+def row(task, **episode):
+    r = rows_from_tasks([task], parser="hermes", prompt_style="json", episode=episode)[0]
+    r["extra_info"] = json.loads(json.dumps(r["extra_info"]))  # as read back from parquet
+    return r
+
+
+def test_agent_loop_is_registered_with_verl():
+    assert _agent_loop_registry[AGENT_NAME] == {"_target_": "reflrl.verl_backend.agent_loop.ReflrlToolAgentLoop"}
+
+
+async def test_reflected_episode_trains_tau_star_on_the_original_prompt(tokenizer, task):
+    wrong, right = wrong_and_right(task)
+    server = StandInLLMServer(tokenizer, [wrong, right])
+    loop = make_loop(tokenizer, server)
+    r = row(task)
+    out = await loop.run({"temperature": 1.0, "top_p": 1.0, "logprobs": True},
+                         raw_prompt=r["prompt"], extra_info=r["extra_info"])
+    # two samples: tau under q (wrong), tau* under q* (right)
+    assert len(server.prompts) == 2
+    q_ids, qstar_ids = server.prompts
+    assert "Your previous attempt had issues" in tokenizer.decode(qstar_ids)
+    assert "Your previous attempt had issues" not in tokenizer.decode(q_ids)
+    # prompt_ids = tokens of the ORIGINAL prompt q (not q*)
+    assert out.prompt_ids == q_ids and out.prompt_ids != qstar_ids
+    # response = tau* (sampled under q*), with its behaviour log-probs under q*
+    ids_star, lps_star = server.outputs[1]
+    assert out.response_ids == ids_star
+    assert out.response_logprobs == lps_star
+    assert out.response_mask == [1] * len(ids_star)
+    assert out.reward_score == 1.0
+    x = out.extra_fields
+    assert x["reflrl_repaired"] and not x["reflrl_masked"] and x["reflrl_stop_reason"] == "positive"
+    assert x["reflrl_retries"] == 1 and x["reflrl_cause"] == "policy_error" and x["reflrl_correct"]
+
+
+async def test_first_positive_is_not_reflected(tokenizer, task):
+    _, right = wrong_and_right(task)
+    server = StandInLLMServer(tokenizer, [right])
+    out = await make_loop(tokenizer, server).run({"logprobs": True}, raw_prompt=[], extra_info=row(task)["extra_info"])
+    assert len(server.prompts) == 1 and out.response_ids == server.outputs[0][0]
+    assert out.extra_fields["reflrl_stop_reason"] == "first_positive" and not out.extra_fields["reflrl_repaired"]
+
+
+async def test_unrecovered_env_fault_is_masked_not_penalised(tokenizer, task):
+    _, right = wrong_and_right(task)
+    server = StandInLLMServer(tokenizer, [right, right, right])
+    loop = make_loop(tokenizer, server, faults="server_error=1.0", retry_max_attempts=2, max_attempts=1)
+    out = await loop.run({"logprobs": True}, raw_prompt=[], extra_info=row(task)["extra_info"])
+    assert out.extra_fields["reflrl_masked"] and out.extra_fields["reflrl_cause"] == "env_fault"
+    assert out.response_mask == [0] * len(out.response_ids) and len(out.response_ids) > 0
+
+
+async def test_verl_postprocess_turns_the_episode_into_a_training_batch(tokenizer, task):
+    """verl's own AgentLoopWorker post-processing: padded prompts/responses, rollout_log_probs (the
+    behaviour log-probs under q*), rm_scores at the last response token."""
+    wrong, right = wrong_and_right(task)
+    server = StandInLLMServer(tokenizer, [wrong, right])
+    r = row(task)
+    out = await make_loop(tokenizer, server).run({"logprobs": True}, raw_prompt=r["prompt"], extra_info=r["extra_info"])
+    worker = object.__new__(AgentLoopWorker)  # only the post-processing methods are used
+    worker.rollout_config = OmegaConf.create({"prompt_length": PROMPT_LEN, "response_length": RESP_LEN})
+    worker.tokenizer, worker.processor = tokenizer, None
+    worker.reward_loop_worker_handles, worker.teacher_server_manager = None, None
+    worker.distillation_enabled, worker.mm_processor_kwargs = False, {}
+    worker.config = OmegaConf.create({"distillation": {"enabled": False}})
+    internal = await worker._agent_loop_postprocess(out, False, raw_prompt=r["prompt"])
+    batch = worker._postprocess([internal], input_non_tensor_batch=None)
+    n = len(out.response_ids)
+    assert tuple(batch.batch["prompts"].shape) == (1, PROMPT_LEN)
+    assert batch.batch["prompts"][0, -len(out.prompt_ids):].tolist() == out.prompt_ids
+    assert batch.batch["responses"][0, :n].tolist() == out.response_ids
+    assert batch.batch["response_mask"][0].tolist() == [1] * n + [0] * (RESP_LEN - n)
+    assert np.allclose(batch.batch["rollout_log_probs"][0, :n].numpy(), server.outputs[1][1])
+    assert float(batch.batch["rm_scores"][0, n - 1]) == 1.0
+    assert bool(batch.non_tensor_batch["reflrl_repaired"][0])
