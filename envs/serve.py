@@ -148,12 +148,14 @@ class ServerThread:
     """
 
     def __init__(self, app, host: str = DEFAULT_HOST, port: int = 0,
-                 log_level: str = "warning") -> None:
+                 log_level: str = "warning", *, config=make_config) -> None:
+        """``config(app, host, port, log_level) -> uvicorn.Config``: the default serves with the
+        fault-capable protocol (real resets and short reads); other apps pass a plain config."""
         self.app = app
         self.host = host
         self._sock = _bind(host, port)
         self.port: int = self._sock.getsockname()[1]
-        self.server = uvicorn.Server(make_config(app, host, self.port, log_level))
+        self.server = uvicorn.Server(config(app, host, self.port, log_level))
         self._thread: threading.Thread | None = None
 
     @property

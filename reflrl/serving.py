@@ -26,11 +26,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import secrets
 import socket
 import sys
-import threading
 import time
 import uuid
 from typing import Any
@@ -39,6 +37,8 @@ from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.routing import Route
+
+from reflrl.envs.serve import ServerThread as _UvicornThread
 
 HOST = "127.0.0.1"
 MAX_STOP = 4
@@ -270,7 +270,14 @@ def load_chat_model(name: str, dtype: str = "float32", seed: int = 0, max_batch_
     return ChatModel(model, tok, name, TransformersEngine(model, tok, max_batch_size=max_batch_size))
 
 
-class ServerThread:
+def _plain_config(app: Any, host: str, port: int, log_level: str):
+    import uvicorn
+
+    return uvicorn.Config(app, host=host, port=port, log_level=log_level, access_log=False,
+                          lifespan="off", ws="none")
+
+
+class ServerThread(_UvicornThread):
     """Run an ASGI app with uvicorn on 127.0.0.1 in a daemon thread (for tests and notebooks).
 
         with ServerThread(create_app(chat)) as srv:
@@ -280,45 +287,7 @@ class ServerThread:
     """
 
     def __init__(self, app: Any, port: int = 0, log_level: str = "warning") -> None:
-        import uvicorn
-
-        self._sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self._sock.bind((HOST, port))
-        self.port: int = self._sock.getsockname()[1]
-        self.server = uvicorn.Server(uvicorn.Config(app, host=HOST, port=self.port, log_level=log_level,
-                                                    access_log=False, lifespan="off", ws="none"))
-        self._thread: threading.Thread | None = None
-
-    @property
-    def url(self) -> str:
-        return f"http://{HOST}:{self.port}"
-
-    def start(self, timeout: float = 15.0) -> "ServerThread":
-        self._thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self._sock]},
-                                        daemon=True, name="reflrl-serving")
-        self._thread.start()
-        ev = threading.Event()
-        for _ in range(int(timeout / 0.01)):
-            if self.server.started:
-                return self
-            if not self._thread.is_alive():
-                break
-            ev.wait(0.01)
-        raise RuntimeError(f"server did not start on {self.url}")
-
-    def stop(self) -> None:
-        self.server.should_exit = True
-        if self._thread is not None:
-            self._thread.join(timeout=10)
-        with contextlib.suppress(OSError):
-            self._sock.close()
-
-    def __enter__(self) -> "ServerThread":
-        return self.start()
-
-    def __exit__(self, *exc: Any) -> None:
-        self.stop()
+        super().__init__(app, HOST, port, log_level, config=_plain_config)
 
 
 def main(argv: list[str] | None = None) -> int:
