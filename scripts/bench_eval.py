@@ -58,18 +58,20 @@ def generation(args: argparse.Namespace) -> None:
     from reflrl.eval.run import EvalOptions, run_eval
 
     t0 = time.perf_counter()
-    backend = LocalBackend(args.model, dtype=args.dtype, batch_size=args.batch_size)
+    backend = LocalBackend(args.model, dtype=args.dtype, batch_size=args.batch_size, threads=args.threads)
     t_load = time.perf_counter() - t0
     opts = EvalOptions(benchmarks=["bfcl"], limit=args.limit, seeds=list(range(args.seeds)),
                        decoding=Decoding(temperature=0.7, max_new_tokens=args.max_new_tokens),
                        categories=["simple_python"])
     res = run_eval(backend, opts, out_dir=None, log=lambda m: None)
     per_seed = res["timing"]["seconds_per_seed"]
-    print(f"generation ({args.model}, {args.dtype}, {args.limit} simple_python prompts, "
+    print(f"\ngeneration ({args.model}, {args.dtype}, {backend.describe()['torch_threads']} threads, "
+          f"{args.limit} simple_python prompts, "
           f"{args.max_new_tokens} new tokens max, batch {args.batch_size}): model load {t_load:.1f}s; "
           + ", ".join(f"seed {s}: {t:.1f}s" for s, t in zip(range(args.seeds), per_seed))
           + f"; mean {sum(per_seed) / len(per_seed):.1f}s per seed = "
-          f"{args.limit * len(per_seed) / sum(per_seed):.2f} prompts/s")
+          f"{args.limit * len(per_seed) / sum(per_seed):.2f} prompts/s; "
+          f"{res['backend_stats'].get('new_tokens', 0)} new tokens in all")
 
 
 def main() -> int:
@@ -80,6 +82,7 @@ def main() -> int:
     p.add_argument("--seeds", type=int, default=2)
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--batch-size", type=int, default=4)
+    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     p.add_argument("--skip-generation", action="store_true")
     args = p.parse_args()
     rc = scoring(args)

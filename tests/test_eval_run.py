@@ -233,3 +233,108 @@ def test_run_checkpoint_resolution(tmp_path):
         (ck / "model" / "config.json").write_text("{}")
     assert run_checkpoint(run) == run / "checkpoints" / "step_000012" / "model"
     assert run_checkpoint(run / "checkpoints" / "step_000005" / "model").name == "model"
+
+
+@needs_data
+def test_scorers_never_raise_on_hostile_outputs():
+    """Outputs that break parsers are scored wrong and counted, never raise."""
+    from hypothesis import given, settings, strategies as st
+
+    from reflrl.eval import rotbench as R, sealtools as S, taskbench as T
+
+    rot = R.load_level(DATA, "clean", limit=1)
+    td = T.load_tool_desc(DATA, "huggingface")
+    tb = [T.TaskItem("t", "huggingface", "r", T.normalize_gold(
+        {"id": "t", "task_nodes": [{"task": "Translation", "arguments": ["hi"]}], "task_links": []}, Path("f"), 0))]
+    seal = [S.SealItem("s", "q", [{"api": "A", "parameters": {"x": "1"}}], [])]
+    bf = B.load_entries("simple_python", limit=1) + B.load_entries("irrelevance", limit=1)
+    fixed = ["[" * 5000, "{" * 5000, "Action: x\nAction Input: " + "[" * 3000, "\x00\udcff", "",
+             '{"task_nodes": [{"task": 5, "arguments": [{"a": 1}]}]}', '[{"api": "A", "parameters": {"x": [1]}, "responses": 1}]',
+             "[f(x=1)] " * 2000, "[calculate_triangle_area(base=1e308*1e308, height=1)]"]
+
+    def check(text):
+        R.score(rot, [text])
+        T.score(tb, [text], td, "huggingface")
+        S.score(seal, [text])
+        for e in bf:
+            B.score_single(e, text)
+
+    for text in fixed:
+        check(text)
+
+    @settings(max_examples=40, deadline=None)
+    @given(st.text(alphabet=st.sampled_from(list("[](){}=,'\"abc123 :\nAction Input.-*/")), max_size=80))
+    def fuzz(text):
+        check(text)
+
+    fuzz()
+
+
+@needs_data
+def test_runner_with_gold_answers_scores_perfectly(tmp_path):
+    """A backend double that answers every prompt with its gold answer gets full marks through the
+    whole pipeline (prompting, driver, scoring, aggregation) on RoTBench, TaskBench, Seal-Tools, BFCL."""
+    from reflrl.eval import rotbench as R, sealtools as S, taskbench as T
+
+    data = tmp_path / "data"
+    shutil.copytree(DATA / "rotbench", data / "rotbench")
+    shutil.copytree(DATA / "seal-tools", data / "seal-tools")
+    tb = data / "taskbench" / "data_huggingface"
+    tb.mkdir(parents=True)
+    shutil.copy(DATA / "taskbench" / "data_huggingface" / "tool_desc.json", tb / "tool_desc.json")
+    gold_graphs = [
+        {"id": "g1", "user_request": "describe example.jpg aloud", "type": "chain", "task_steps": ["a", "b"],
+         "task_nodes": [{"task": "Image-to-Text", "arguments": ["example.jpg"]},
+                        {"task": "Text-to-Speech", "arguments": ["<node-0>"]}],
+         "task_links": [{"source": "Image-to-Text", "target": "Text-to-Speech"}]},
+        {"id": "g2", "instruction": "translate hello", "tool_steps": "[]",
+         "tool_nodes": json.dumps([{"task": "Translation", "arguments": ["hello"]}]), "tool_links": "[]"}]
+    (tb / "data.json").write_text("".join(json.dumps(g) + "\n" for g in gold_graphs))
+
+    limit = 3
+    answers: dict[str, str] = {}
+    for lv in R.LEVELS:
+        for it in R.load_level(data, lv, limit):
+            answers[it.messages[-1]["content"] + it.messages[0]["content"]] = it.answers[0]
+    for it in T.load_domain(data, "huggingface"):
+        g = it.gold
+        answers[it.request] = json.dumps({"task_steps": g["task_steps"], "task_nodes": g["task_nodes"],
+                                          "task_links": g["task_links"]})
+    tools = S.load_tools(data)
+    for it in S.load_split(data / "seal-tools" / "dev_subset.jsonl", tools, limit):
+        answers[it.query] = json.dumps(it.calling)
+    for e in B.load_entries("simple_python", limit) + B.load_entries("parallel", limit):
+        answers[e.prompt["question"][0][-1]["content"]] = B.gold_output(e.ground_truth, e.check_prompt["function"])
+
+    def answer(msgs):
+        key = msgs[-1]["content"]
+        return answers.get(key + msgs[0]["content"], answers.get(key, "no idea"))
+
+    res = run_eval(GoldBackend(answer), EvalOptions(
+        benchmarks=["rotbench", "taskbench", "sealtools", "bfcl"], data_dir=data, limit=limit, seeds=[0, 1],
+        categories=["simple_python", "parallel"], domains=["huggingface"]), out_dir=tmp_path / "out", log=lambda m: None)
+    r = res["results"]
+    rot_expected = {lv: R.score(R.load_level(data, lv, limit), [i.answers[0] for i in R.load_level(data, lv, limit)])[0]
+                    for lv in R.LEVELS}  # gold answers with empty inputs are wrong upstream too
+    for lv in R.LEVELS:
+        assert r["rotbench"][lv]["tool_selection"]["mean"] == rot_expected[lv]["tool_selection"]
+    assert r["taskbench"]["huggingface"]["strict"]["node_f1"]["mean"] == 100.0
+    assert r["taskbench"]["huggingface"]["upstream"]["arg_value_f1"]["mean"] == 100.0
+    assert r["sealtools"]["dev_subset"]["param_f1"]["mean"] == 100.0
+    assert r["bfcl"]["simple_python"]["accuracy"]["values"] == [100.0, 100.0]
+    assert r["bfcl_summary"]["non_live"]["mean"] == 100.0
+
+
+def test_driver_survives_a_broken_episode():
+    def broken():
+        yield [{"role": "user", "content": "x"}]
+        raise KeyError("boom")
+
+    def fine():
+        text = yield [{"role": "user", "content": "y"}]
+        return text
+
+    errors: list[str] = []
+    out = drive(GoldBackend(lambda m: "ok " + m[-1]["content"]), [broken(), fine()], Decoding(), 0, "native",
+                errors=errors)
+    assert out == [None, "ok y"] and len(errors) == 1 and "KeyError" in errors[0]

@@ -25,6 +25,7 @@ from reflrl.envs.types import ToolCall  # noqa: E402
 from reflrl.models import load_tokenizer  # noqa: E402
 from reflrl.verl_backend.agent_loop import AGENT_NAME, ReflrlToolAgentLoop  # noqa: E402
 from reflrl.verl_backend.data import rows_from_tasks  # noqa: E402
+from reflrl.verl_backend.losses import UNREPAIRED_LOGPROB  # noqa: E402
 
 PROMPT_LEN, RESP_LEN = 1024, 96
 
@@ -120,6 +121,23 @@ async def test_first_positive_is_not_reflected(tokenizer, task):
     out = await make_loop(tokenizer, server).run({"logprobs": True}, raw_prompt=[], extra_info=row(task)["extra_info"])
     assert len(server.prompts) == 1 and out.response_ids == server.outputs[0][0]
     assert out.extra_fields["reflrl_stop_reason"] == "first_positive" and not out.extra_fields["reflrl_repaired"]
+    # an ordinary row: marked for the verl loss (token-level PPO against the actor's old log-probs)
+    assert out.response_logprobs == [UNREPAIRED_LOGPROB] * len(out.response_ids)
+    server2 = StandInLLMServer(tokenizer, [right])
+    out2 = await make_loop(tokenizer, server2, mark_unrepaired=False).run(
+        {"logprobs": True}, raw_prompt=[], extra_info=row(task)["extra_info"])
+    assert out2.response_logprobs == server2.outputs[0][1]
+
+
+async def test_failed_reflection_trains_the_original_response(tokenizer, task):
+    wrong, _ = wrong_and_right(task)
+    server = StandInLLMServer(tokenizer, [wrong, wrong, wrong])
+    out = await make_loop(tokenizer, server, max_attempts=2).run({"logprobs": True}, raw_prompt=[],
+                                                                 extra_info=row(task)["extra_info"])
+    assert len(server.prompts) == 3 and out.extra_fields["reflrl_stop_reason"] == "max_attempts"
+    assert out.response_ids == server.outputs[0][0] and out.prompt_ids == server.prompts[0]
+    assert out.reward_score == 0.0 and out.response_mask == [1] * len(out.response_ids)
+    assert not out.extra_fields["reflrl_repaired"]
 
 
 async def test_unrecovered_env_fault_is_masked_not_penalised(tokenizer, task):

@@ -20,7 +20,12 @@ from verl.workers.utils.padding import no_padding_2_padding  # noqa: E402
 
 from reflrl.algos import clipped_policy_loss, tool_rerl_policy_loss  # noqa: E402
 from reflrl.verl_backend.config import rollout_correction_for  # noqa: E402
-from reflrl.verl_backend.losses import LOSS_LEVELS, behaviour_from_is_weights  # noqa: E402
+from reflrl.verl_backend.losses import (  # noqa: E402
+    LOSS_LEVELS,
+    UNREPAIRED_LOGPROB,
+    behaviour_from_is_weights,
+    split_behaviour,
+)
 
 PROMPT_LENS = [3, 2, 4, 3]
 RESP_LENS = [5, 4, 5, 2]
@@ -53,30 +58,33 @@ def make_batch(seed: int = 0):
     return mask, old, rollout, adv, cur
 
 
-def flat_logprobs(cur: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """The model output verl's ppo_loss gets: log-probs over the packed (no-padding) sequence,
-    left-shifted (position of token t+1 predicts it), as verl's engines produce them."""
+def flat_logprobs(cur: torch.Tensor, rows: list[int] | None = None) -> torch.Tensor:
+    """The model output verl's ppo_loss gets for ``rows``: log-probs over the packed (no-padding)
+    sequences, left-shifted (the position before token t holds its log-prob), as verl's engines
+    produce them; differentiable w.r.t. ``cur`` [B, T]."""
+    rows = list(range(cur.shape[0])) if rows is None else rows
     vals = []
-    for i, (p, r) in enumerate(zip(PROMPT_LENS, RESP_LENS)):
-        seq = torch.zeros(p + r)
-        seq[p - 1: p - 1 + r] = cur[i, :r]
-        vals.append(seq)
-    return torch.cat(vals).clone().requires_grad_(True)
+    for i in rows:
+        p, r = PROMPT_LENS[i], RESP_LENS[i]
+        vals += [torch.zeros(p - 1), cur[i, :r], torch.zeros(1)]
+    return torch.cat(vals)
 
 
-def verl_tensordict(mask, old, adv, rollout_is_weights, *, batch_num_tokens=None, global_batch_size=None,
-                    dp_size=1):
-    B = mask.shape[0]
-    P = max(PROMPT_LENS)
+def verl_tensordict(mask, old, adv, rollout_is_weights, *, rows=None, batch_num_tokens=None,
+                    global_batch_size=None, dp_size=1):
+    """verl's actor-side micro-batch (padded mode) for ``rows`` of the batch."""
+    rows = list(range(mask.shape[0])) if rows is None else rows
+    B, P = len(rows), max(PROMPT_LENS[i] for i in rows)
     prompts = torch.zeros(B, P, dtype=torch.long)
     att = torch.zeros(B, P + T, dtype=torch.long)
-    for i, (p, r) in enumerate(zip(PROMPT_LENS, RESP_LENS)):
-        prompts[i, P - p:] = 1
-        att[i, P - p: P + r] = 1
+    for k, i in enumerate(rows):
+        p, r = PROMPT_LENS[i], RESP_LENS[i]
+        prompts[k, P - p:] = 1
+        att[k, P - p: P + r] = 1
     fields = {"prompts": prompts, "responses": torch.ones(B, T, dtype=torch.long), "attention_mask": att,
-              "response_mask": mask, "old_log_probs": old, "advantages": adv}
+              "response_mask": mask[rows], "old_log_probs": old[rows], "advantages": adv[rows]}
     if rollout_is_weights is not None:
-        fields["rollout_is_weights"] = rollout_is_weights
+        fields["rollout_is_weights"] = rollout_is_weights[rows]
     td = TensorDict(fields, batch_size=[B])
     tu.assign_non_tensor(td, dp_size=dp_size, batch_num_tokens=batch_num_tokens, global_batch_size=global_batch_size)
     return td
@@ -111,22 +119,48 @@ def test_tool_rerl_through_verl_ppo_loss_equals_cpu_loss(loss_mode, agg):
     w = driver_is_weights(mask, old, rollout, rollout_correction_for(loss_mode))
     cfg = actor_config(loss_mode, agg)
 
-    flat = flat_logprobs(cur, mask)
-    loss_v, metrics = ppo_loss(cfg, {"log_probs": flat}, verl_tensordict(mask, old, adv, w))
+    cur_v = cur.clone().requires_grad_(True)
+    td = verl_tensordict(mask, old, adv, w)
+    assert torch.equal(no_padding_2_padding(flat_logprobs(cur), td) * mask, cur * mask)  # layout check
+    loss_v, metrics = ppo_loss(cfg, {"log_probs": flat_logprobs(cur_v)}, td)
     loss_v.backward()
-    grad_v = flat.grad.clone()
 
-    flat2 = flat_logprobs(cur, mask)
-    lp = no_padding_2_padding(flat2, verl_tensordict(mask, old, adv, w))
-    loss_c, m_c = tool_rerl_policy_loss(lp, rollout, adv, mask, repaired=None, level=LOSS_LEVELS[loss_mode],
+    cur_c = cur.clone().requires_grad_(True)  # the CPU trainer's padded [B, T] log-probs
+    loss_c, m_c = tool_rerl_policy_loss(cur_c, rollout, adv, mask, repaired=None, level=LOSS_LEVELS[loss_mode],
                                         clip_low=0.2, clip_high=0.2, dual_clip_c=3.0, loss_agg_mode=agg)
     loss_c.backward()
     assert torch.allclose(loss_v, loss_c, atol=1e-6), (float(loss_v), float(loss_c))
-    assert torch.allclose(grad_v, flat2.grad, atol=1e-6)
-    assert grad_v.abs().sum() > 0
+    assert torch.allclose(cur_v.grad, cur_c.grad, atol=1e-6)
+    assert cur_v.grad.abs().sum() > 0 and torch.all(cur_v.grad[~mask.bool()] == 0)
     # the reflected rows really are off-policy: their trajectory weights are far from 1
-    assert m_c["rerl/weight_max"] > 2.0 and m_c["rerl/weight_min"] < 0.5
-    assert metrics["actor/rerl/weight_max"].value if hasattr(metrics["actor/rerl/weight_max"], "value") else True
+    traj_w = torch.exp(((cur - rollout) * mask).sum(-1))
+    assert traj_w[1] > 2.0 and traj_w[2] < 0.5
+    assert "actor/rerl/weight_max" in metrics and "actor/pg_clipfrac" in metrics
+
+
+@pytest.mark.parametrize("loss_mode", sorted(LOSS_LEVELS))
+def test_marked_ordinary_rows_get_the_cpu_trainers_ppo_ratio(loss_mode):
+    """The agent loop marks rows that were not repaired (rollout log-prob = UNREPAIRED_LOGPROB): verl's
+    loss then equals the CPU loss with the ``repaired`` mask -- token-level PPO against the actor's old
+    log-probs for ordinary rows, eq. 2 against the q* behaviour log-probs for repaired rows."""
+    mask, old, rollout, adv, cur = make_batch(2)
+    repaired = torch.tensor([False, True, True, False])
+    rollout = torch.where(repaired[:, None], rollout, torch.full_like(rollout, UNREPAIRED_LOGPROB))
+    w = driver_is_weights(mask, old, rollout, rollout_correction_for(loss_mode))
+    beh, rep = split_behaviour(old, w, mask)
+    assert rep.tolist() == repaired.tolist()
+    cur_v = cur.clone().requires_grad_(True)
+    loss_v, _ = ppo_loss(actor_config(loss_mode), {"log_probs": flat_logprobs(cur_v)}, verl_tensordict(mask, old, adv, w))
+    loss_v.backward()
+    cur_c = cur.clone().requires_grad_(True)
+    cpu_old = torch.where(repaired[:, None], rollout, old)  # what the CPU trainer passes as old_log_prob
+    loss_c, m_c = tool_rerl_policy_loss(cur_c, cpu_old, adv, mask, repaired=repaired, level=LOSS_LEVELS[loss_mode],
+                                        clip_low=0.2, clip_high=0.2, dual_clip_c=3.0)
+    loss_c.backward()
+    assert m_c["rerl/count"] == 2.0
+    assert torch.allclose(loss_v, loss_c, atol=1e-6), (float(loss_v), float(loss_c))
+    assert torch.allclose(cur_v.grad, cur_c.grad, atol=1e-6)
+    assert cur_v.grad[0].abs().sum() > 0 and cur_v.grad[3].abs().sum() > 0  # ordinary rows are trained
 
 
 def test_eq2_clip_differs_from_verls_decoupled_rollout_is():
@@ -135,17 +169,18 @@ def test_eq2_clip_differs_from_verls_decoupled_rollout_is():
     cur = old.clone()  # first mini-batch: pi_theta == pi_old
     rc_seq = RolloutCorrectionConfig(rollout_is="sequence", rollout_is_threshold=1e9)
     w_seq = driver_is_weights(mask, old, rollout, rc_seq)
-    flat = flat_logprobs(cur, mask)
-    loss_vanilla, _ = ppo_loss(actor_config("vanilla"), {"log_probs": flat}, verl_tensordict(mask, old, adv, w_seq))
+    c1 = cur.clone().requires_grad_(True)
+    loss_vanilla, _ = ppo_loss(actor_config("vanilla"), {"log_probs": flat_logprobs(c1)},
+                               verl_tensordict(mask, old, adv, w_seq))
     loss_vanilla.backward()
-    flat2 = flat_logprobs(cur, mask)
+    c2 = cur.clone().requires_grad_(True)
     w_tok = driver_is_weights(mask, old, rollout, rollout_correction_for("reflrl_tool_rerl"))
-    loss_ours, _ = ppo_loss(actor_config("reflrl_tool_rerl"), {"log_probs": flat2}, verl_tensordict(mask, old, adv, w_tok))
+    loss_ours, _ = ppo_loss(actor_config("reflrl_tool_rerl"), {"log_probs": flat_logprobs(c2)},
+                            verl_tensordict(mask, old, adv, w_tok))
     loss_ours.backward()
-    P1 = PROMPT_LENS[0] + RESP_LENS[0]  # row 1 (reflected, r ~ e^2 > 1.2, A > 0) starts here
-    row1 = slice(P1 + PROMPT_LENS[1] - 1, P1 + PROMPT_LENS[1] - 1 + RESP_LENS[1])
-    assert flat2.grad[row1].abs().max() == 0  # eq. 2: clipped branch active -> no gradient
-    assert flat.grad[row1].abs().max() > 0  # verl decoupled: w * A * grad log pi
+    # row 1: reflected, r = pi(tau*|q)/pi_rfl(tau*|q*) = e^1.6 > 1 + eps and A > 0
+    assert c2.grad[1].abs().max() == 0  # eq. 2: the clipped branch is active -> no gradient
+    assert c1.grad[1].abs().max() > 0  # verl decoupled: w * A * grad log pi, w = e^1.6
     assert not torch.allclose(loss_vanilla, loss_ours)
 
 
@@ -156,40 +191,23 @@ def test_vanilla_verl_loss_equals_cpu_clip_higher_with_micro_batches(agg):
     mask, old, _, adv, cur = make_batch(1)
     cfg = actor_config("vanilla", agg, clip_low=0.2, clip_high=0.28, c=3.0)
     n_tok, n_seq = int(mask.sum()), int((mask.sum(-1) > 0).sum())
-    flat = flat_logprobs(cur, mask)
-    td = verl_tensordict(mask, old, adv, None, batch_num_tokens=n_tok, global_batch_size=n_seq)
-    lp = no_padding_2_padding(flat, td)
+    cur_v = cur.clone().requires_grad_(True)
     total = 0.0
-    for rows in ([0, 1], [2, 3]):  # two micro-batches, normalised by the global batch (as verl does)
-        sub = verl_tensordict(mask[rows], old[rows], adv[rows], None, batch_num_tokens=n_tok, global_batch_size=n_seq)
-        sub_prompts = [PROMPT_LENS[i] for i in rows]
-        # rebuild the micro-batch's packed log-probs from the full padded ones
-        vals = []
-        for k, i in enumerate(rows):
-            seq = torch.zeros(sub_prompts[k] + RESP_LENS[i])
-            seq = seq.index_put((torch.arange(RESP_LENS[i]) + sub_prompts[k] - 1,), lp[i, :RESP_LENS[i]])
-            vals.append(seq)
-        sub_prompt_ids = torch.zeros(len(rows), max(sub_prompts), dtype=torch.long)
-        att = torch.zeros(len(rows), max(sub_prompts) + T, dtype=torch.long)
-        for k, i in enumerate(rows):
-            att[k, max(sub_prompts) - sub_prompts[k]: max(sub_prompts) + RESP_LENS[i]] = 1
-        sub["prompts"] = sub_prompt_ids
-        sub["attention_mask"] = att
-        loss, _ = ppo_loss(cfg, {"log_probs": torch.cat(vals)}, sub)
-        total = total + loss
-    total.backward()
-    g_v = flat.grad.clone()
-    flat2 = flat_logprobs(cur, mask)
-    lp2 = no_padding_2_padding(flat2, td)
-    loss_c, _ = clipped_policy_loss(lp2, old, adv, mask, clip_low=0.2, clip_high=0.28, dual_clip_c=3.0,
+    for rows in ([0, 1], [2, 3]):  # two micro-batches normalised by the global batch, as verl does
+        td = verl_tensordict(mask, old, adv, None, rows=rows, batch_num_tokens=n_tok, global_batch_size=n_seq)
+        loss, _ = ppo_loss(cfg, {"log_probs": flat_logprobs(cur_v, rows)}, td)
+        loss.backward()
+        total = total + float(loss.detach())
+    cur_c = cur.clone().requires_grad_(True)
+    loss_c, _ = clipped_policy_loss(cur_c, old, adv, mask, clip_low=0.2, clip_high=0.28, dual_clip_c=3.0,
                                     loss_agg_mode=agg)
     loss_c.backward()
-    assert torch.allclose(total, loss_c, atol=1e-6), (float(total), float(loss_c))
-    assert torch.allclose(g_v, flat2.grad, atol=1e-6)
+    assert abs(total - float(loss_c.detach())) < 1e-6, (total, float(loss_c.detach()))
+    assert torch.allclose(cur_v.grad, cur_c.grad, atol=1e-6)
 
 
 def test_missing_is_weights_is_a_clear_error():
     mask, old, _, adv, cur = make_batch()
     with pytest.raises(ValueError, match="rollout_is='token'"):
-        ppo_loss(actor_config("reflrl_tool_rerl"), {"log_probs": flat_logprobs(cur, mask)},
+        ppo_loss(actor_config("reflrl_tool_rerl"), {"log_probs": flat_logprobs(cur)},
                  verl_tensordict(mask, old, adv, None))

@@ -96,6 +96,12 @@ def _progress(total: int, desc: str):
                 disable=not desc)
 
 
+def _torch_threads() -> int:
+    import torch
+
+    return torch.get_num_threads()
+
+
 class LocalBackend:
     """A transformers causal LM on the CPU through :class:`reflrl.engine.TransformersEngine`.
 
@@ -105,9 +111,15 @@ class LocalBackend:
     tokens.
     """
 
-    def __init__(self, name: str, dtype: str = "bfloat16", batch_size: int = 8, source: str | None = None):
+    def __init__(self, name: str, dtype: str = "bfloat16", batch_size: int = 8, source: str | None = None,
+                 threads: int | None = None):
+        import torch
+
         from reflrl.engine import TransformersEngine
         from reflrl.models import load_model
+
+        if threads:  # on a shared CPU one thread can be several times faster than oversubscribed ones
+            torch.set_num_threads(int(threads))
 
         self.name = name
         self.source = source or name
@@ -158,7 +170,7 @@ class LocalBackend:
             self._desc = {"kind": "local", "model": self.name, "source": self.source, "dtype": self.dtype,
                           "weights_sha256": weights_sha256(self.model),
                           "chat_template_sha256": hashlib.sha256(str(tmpl).encode()).hexdigest(),
-                          "batch_size": self.batch_size}
+                          "batch_size": self.batch_size, "torch_threads": _torch_threads()}
         return self._desc
 
 
@@ -229,7 +241,7 @@ def run_checkpoint(run_dir: str | Path) -> Path:
 
 def make_backend(model: str | None = None, endpoint: str | None = None, run: str | None = None,
                  dtype: str = "bfloat16", batch_size: int = 8, api_key: str | None = None,
-                 concurrency: int = 4) -> Backend:
+                 concurrency: int = 4, threads: int | None = None) -> Backend:
     """Pick the backend from the CLI options (exactly one of local model / endpoint / run)."""
     if endpoint:
         if not model:
@@ -237,7 +249,7 @@ def make_backend(model: str | None = None, endpoint: str | None = None, run: str
         return EndpointBackend(endpoint, model, api_key=api_key, concurrency=concurrency)
     if run:
         path = run_checkpoint(run)
-        return LocalBackend(str(path), dtype=dtype, batch_size=batch_size, source=f"run:{run}")
+        return LocalBackend(str(path), dtype=dtype, batch_size=batch_size, source=f"run:{run}", threads=threads)
     if not model:
         raise ValueError("give --model NAME, --endpoint URL --model NAME, or --run RUN_DIR")
-    return LocalBackend(model, dtype=dtype, batch_size=batch_size)
+    return LocalBackend(model, dtype=dtype, batch_size=batch_size, threads=threads)

@@ -54,6 +54,9 @@ def add_eval_commands(subparsers: Any) -> None:
     ev.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"), help="local model precision")
     ev.add_argument("--batch-size", type=int, default=8, help="prompts decoded together (local model)")
     ev.add_argument("--concurrency", type=int, default=4, help="parallel requests (endpoint)")
+    ev.add_argument("--threads", type=int, default=None,
+                    help="torch CPU threads for a local model (default: torch's; 1 is often fastest "
+                         "when other jobs share the CPU)")
     ev.set_defaults(func=cmd_eval)
 
     data = subparsers.add_parser("data", help="benchmark data (download)", description="Benchmark data.")
@@ -122,7 +125,8 @@ def cmd_eval(args: argparse.Namespace) -> int:
         if need_data and opts.data_dir is None:
             return _fail(f"{', '.join(need_data)} need --data-dir (or $REFLRL_BENCH_DATA)")
         backend = make_backend(model=args.model, endpoint=args.endpoint, run=args.run, dtype=args.dtype,
-                               batch_size=args.batch_size, api_key=args.api_key, concurrency=args.concurrency)
+                               batch_size=args.batch_size, api_key=args.api_key, concurrency=args.concurrency,
+                               threads=args.threads)
         out_dir = Path(args.out) if args.out else default_out_dir(args.model or args.run or "model")
         result = run_eval(backend, opts, out_dir=out_dir, log=lambda m: print(m, file=sys.stderr))
     except (DataError, ValueError, BfclUnavailable, FileNotFoundError) as e:

@@ -159,28 +159,36 @@ MAKERS = {"rotbench": rotbench_units, "taskbench": taskbench_units, "bfcl": bfcl
 
 # ---------------------------------------------------------------------------------- the driver
 def drive(backend: Backend, episodes: list[Generator], decoding: Decoding, seed: int, template: str,
-          desc: str = "") -> list[Any]:
+          desc: str = "", errors: list[str] | None = None) -> list[Any]:
     """Advance all episodes together: each round, every episode waiting for a model answer goes into
-    one ``backend.chat`` call. Returns each episode's return value, in order."""
+    one ``backend.chat`` call. Returns each episode's return value, in order. An episode that raises
+    returns None (scored wrong by every scorer) and its error is appended to ``errors``."""
     results: list[Any] = [None] * len(episodes)
     pending: dict[int, list[dict[str, Any]]] = {}
-    for i, g in enumerate(episodes):
+
+    def advance(i: int, value: Any, first: bool = False) -> None:
         try:
-            pending[i] = next(g)
+            pending[i] = next(episodes[i]) if first else episodes[i].send(value)
         except StopIteration as s:
             results[i] = s.value
+            pending.pop(i, None)
+        except Exception as e:  # noqa: BLE001  one broken episode must not abort the run
+            pending.pop(i, None)
+            if errors is not None:
+                errors.append(f"episode {i}: {type(e).__name__}: {e}"[:300])
+
+    for i in range(len(episodes)):
+        advance(i, None, first=True)
     rnd = 0
     while pending:
         idx = list(pending)
         convs = [apply_template(pending[i], template) for i in idx]
         label = f"{desc} round {rnd + 1}" if desc and rnd else desc
         outs = backend.chat(convs, decoding, seed * 1009 + rnd, desc=label)
+        if len(outs) != len(idx):
+            raise RuntimeError(f"backend returned {len(outs)} completions for {len(idx)} prompts")
         for i, text in zip(idx, outs):
-            try:
-                pending[i] = episodes[i].send(text)
-            except StopIteration as s:
-                results[i] = s.value
-                del pending[i]
+            advance(i, text)
         rnd += 1
     return results
 
@@ -272,7 +280,10 @@ def run_eval(backend: Backend, opts: EvalOptions, out_dir: Path | None = None,
             e = u.episodes()
             spans.append((u, len(eps), len(eps) + len(e)))
             eps.extend(e)
-        outs = drive(backend, eps, opts.decoding, seed, opts.template, desc=f"seed {seed}")
+        errs: list[str] = []
+        outs = drive(backend, eps, opts.decoding, seed, opts.template, desc=f"seed {seed}", errors=errs)
+        if errs:
+            notes.append(f"seed {seed}: {len(errs)} episode(s) failed and were scored wrong: {errs[:5]}")
         for u, a, b in spans:
             metrics, per = u.score(outs[a:b])
             per_unit[u.key].append(metrics)

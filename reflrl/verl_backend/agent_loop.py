@@ -10,11 +10,14 @@ One dataset row = one episode (``003_febfc96bcceb98f2.txt``, sec. 3.2-3.3, Defin
    augmented query q* = [q, t, a, rfl] and samples retries under q* until one is positive or
    ``max_attempts`` is reached; each retry runs in a fresh episode of the same task and seed.
 4. The output is what verl trains on (eq. 2): ``prompt_ids`` = tokens of the ORIGINAL prompt q,
-   ``response_ids`` = tau* (the final response), ``response_logprobs`` = log pi(tau* | q*) at sampling
-   time (Assumption 1; the rollout log-probs verl's rollout correction compares with the actor's
-   log pi(tau* | q)), ``response_mask`` = 1 on the sampled tokens. An episode whose env fault was not
-   recovered gets ``response_mask`` all 0 (left out of the loss, never penalised; sec. 3.2), like
-   the CPU trainer's ``masked`` rollouts.
+   ``response_ids`` = tau* (the repaired response), ``response_logprobs`` = log pi(tau* | q*) at
+   sampling time (Assumption 1; the rollout log-probs verl's rollout correction compares with the
+   actor's log pi(tau* | q)), ``response_mask`` = 1 on the sampled tokens, ``reward_score`` = tau*'s
+   reward. When nothing was repaired (first response positive, or no retry was judged positive) the
+   output is the original response tau under q with its reward, and its rollout log-probs are the
+   ordinary-row marker of :mod:`reflrl.verl_backend.losses` (``mark_unrepaired``; otherwise its
+   sampling log-probs). An episode whose env fault was not recovered gets ``response_mask`` all 0
+   (left out of the loss, never penalised; sec. 3.2), like the CPU trainer's ``masked`` rollouts.
 
 Scope: single-step tasks (``kind`` "single" / "parallel", the Tool-ReRL training setting: ToolACE,
 one assistant message with the calls). There are no tool tokens inside such a response; a
@@ -39,6 +42,7 @@ from reflrl.envs.types import Task
 from reflrl.reflection import EnvFeedback, Generation, feedback_from_step, reflect_and_retry
 
 from .episode import EpisodeSettings, task_from_dict
+from .losses import UNREPAIRED_LOGPROB
 
 log = logging.getLogger(__name__)
 
@@ -123,15 +127,19 @@ class ReflrlToolAgentLoop(AgentLoopBase):
                                           first_feedback=fb0, messages=messages, mode=s.mode)
         finally:
             await env.aclose()
-        final = rec.final_feedback
+        if rec.repaired:  # tau* sampled under q*, judged positive: trained on q with eq. 2's weight
+            final, ids, lps = rec.final_feedback, list(rec.response_ids), list(rec.behaviour_logprobs)
+        else:  # nothing repaired: the original response tau under q (on-policy), with its own verdict
+            final, ids, lps = rec.first_feedback, list(first.token_ids), list(first.logprobs)
+            if s.mark_unrepaired:
+                lps = [UNREPAIRED_LOGPROB] * len(ids)
         masked = final.env_fault is not None or bool(final.info.get("masked"))
-        ids = list(rec.response_ids)
         mask = [0 if masked else 1] * len(ids)
         out = AgentLoopOutput(
             prompt_ids=list(prompt_ids),
             response_ids=ids,
             response_mask=mask,
-            response_logprobs=list(rec.behaviour_logprobs),
+            response_logprobs=lps,
             reward_score=float(final.reward),
             num_turns=2 + 2 * rec.retries,
             metrics=AgentLoopMetrics(**metrics),

@@ -145,7 +145,13 @@ def load_recipe(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -
     for o in rest:
         key, _, val = o.partition("=")
         if key.startswith("verl."):
-            vs[key[len("verl."):]] = yaml.safe_load(val)
+            *parents, leaf = key[len("verl."):].split(".")
+            node = vs
+            for k in parents:  # verl.reflection.max_attempts=1 -> vs["reflection"]["max_attempts"]
+                node = node.setdefault(k, {})
+                if not isinstance(node, dict):
+                    raise ConfigError(f"override {o!r}: verl.{k} is not a section")
+            node[leaf] = yaml.safe_load(val)
         else:
             raw_verl.append(o)
     settings = VerlSettings.from_dict(vs)
@@ -218,6 +224,7 @@ def verl_keys(cfg: Config, s: VerlSettings) -> dict[str, Any]:
         "algorithm.gamma": a.gamma,
         "algorithm.lam": a.lam,
         "algorithm.use_kl_in_reward": False,
+        "critic.enable": a.advantage == "gae",
         "reward.custom_reward_function.path": REWARD_FILE,
         "reward.custom_reward_function.name": "compute_score",
         "trainer.n_gpus_per_node": s.n_gpus_per_node,
@@ -233,7 +240,6 @@ def verl_keys(cfg: Config, s: VerlSettings) -> dict[str, Any]:
     }
     if a.advantage == "gae":
         k.update({
-            "critic.enable": True,
             "critic.optim.lr": s.critic_lr,
             "critic.cliprange_value": a.value_clip if a.value_clip is not None else 1.0e9,
             "critic.ppo_micro_batch_size_per_gpu": s.micro_batch_size_per_gpu,

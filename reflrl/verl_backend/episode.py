@@ -40,7 +40,9 @@ class EpisodeSettings:
     reward: "binary" | "fine" ...; parser: "hermes" | ...; prompt_style; think;
     critic: critic registry name ("rule" = embedded, no model); max_attempts: retries under q*
     (0 = no reflection); retry_max_attempts / retry_budget_s: the tool client's retry policy
-    (``env.retry`` of our Config); reflect_on: "failure" (any negative critique) | "env_fault" (only failures
+    (``env.retry`` of our Config); mark_unrepaired: write the ordinary-row marker as rollout log-probs
+    of rows that were not repaired (reflrl.verl_backend.losses: they then get the token-level PPO ratio,
+    as in the CPU trainer); reflect_on: "failure" (any negative critique) | "env_fault" (only failures
     caused by the environment); mode: q* rendering ("replace" | "append", see reflrl.reflection).
     """
 
@@ -57,6 +59,7 @@ class EpisodeSettings:
     mode: str = "replace"
     retry_max_attempts: int = 4
     retry_budget_s: float = 30.0
+    mark_unrepaired: bool = True
 
     @classmethod
     def from_sources(cls, defaults: Any = None, row: Any = None) -> "EpisodeSettings":

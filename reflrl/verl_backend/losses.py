@@ -25,12 +25,20 @@ then calls :func:`reflrl.algos.importance.tool_rerl_policy_loss` -- the CPU trai
 on ``(log_prob, rollout, advantages, mask)``, so both backends compute the same value and gradient
 (tests/test_verl_loss.py checks it through verl's own ``ppo_loss``).
 
-Limitation (documented in docs/scale-out.md): verl's ``ppo_loss`` forwards no per-row field, so the
-verl loss cannot tell repaired rows from ordinary ones; every row is trained with eq. 2 against the
-policy that sampled it (q* for a repaired row, q for the others), i.e. the CPU loss with
-``repaired=None``. For an ordinary row this is the clipped ratio against the rollout engine's
-log-probs (as in verl's bypass mode). Use ``reflrl_tool_rerl_token`` if the summed engine/trainer
-mismatch of long sequences clips too many ordinary rows.
+Repaired vs ordinary rows (the CPU loss's ``repaired`` mask)
+------------------------------------------------------------
+verl's ``ppo_loss`` forwards no per-row field, so the agent loop marks ORDINARY rows (tau sampled under
+q itself) through the only per-token channel that reaches the loss: their rollout log-probs are set to
+:data:`UNREPAIRED_LOGPROB` (+1e4, impossible for a log-probability), so verl's clamp gives every action
+token of such a row exactly ``w = exp(-20)``. :func:`split_behaviour` reads that back exactly: those
+rows get the CPU trainer's token-level PPO ratio against ``old`` (the actor's recomputation, as the
+CPU trainer does), the others eq. 2 against their behaviour log-probs. The loss then equals
+``tool_rerl_policy_loss(..., repaired=<mask>)`` of the CPU trainer (tested). Costs: verl's
+``rollout_corr/*`` mismatch metrics are meaningless for marked rows (use ``actor/rerl/*``), and a
+repaired row whose EVERY token has ``old - rollout <= -20`` would read as ordinary (its eq. 2 weight
+would be below e^-20 per token, i.e. capped anyway). Without marked rows (``mark_unrepaired: false``
+in the episode settings) every row is trained with eq. 2 against the policy that sampled it, i.e. the
+CPU loss with ``repaired=None``.
 
 Registered names (``actor_rollout_ref.actor.policy_loss.loss_mode``):
 ``reflrl_tool_rerl`` (eq. 2, trajectory ratio), ``reflrl_tool_rerl_seqmean`` (GSPO-style
@@ -48,6 +56,10 @@ from reflrl.algos.importance import DEFAULT_LOG_CAP, tool_rerl_policy_loss
 
 #: above e^20 (verl's per-token clamp), so verl's truncation never changes a weight
 UNTRUNCATED_THRESHOLD = 1.0e9
+#: rollout log-prob written by the agent loop for every token of an ordinary (not repaired) row
+UNREPAIRED_LOGPROB = 1.0e4
+#: verl's clamp of the log IS ratio (rollout_corr_helper.SAFETY_BOUND)
+VERL_SAFETY_BOUND = 20.0
 LOSS_LEVELS = {
     "reflrl_tool_rerl": "sequence",
     "reflrl_tool_rerl_seqmean": "sequence_mean",
@@ -79,6 +91,23 @@ def behaviour_from_is_weights(old_log_prob: torch.Tensor, rollout_is_weights: to
                          f"(non-IcePop) threshold >= {UNTRUNCATED_THRESHOLD:g}")
     logw = torch.log(torch.where(m, w, torch.ones_like(w)))
     return torch.where(m, old_log_prob.detach().float() - logw, torch.zeros_like(logw))
+
+
+def split_behaviour(old_log_prob: torch.Tensor, rollout_is_weights: torch.Tensor,
+                    response_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(behaviour log-probs [B, T], repaired [B] bool) from verl's token IS weights (module doc).
+
+    A row is ordinary (``repaired`` False) when every action token has ``w == exp(-20)``, the weight
+    verl computes for the agent loop's :data:`UNREPAIRED_LOGPROB` marker; its behaviour log-probs are
+    then ``old`` itself. Rows without action tokens count as repaired (they add nothing to the loss).
+    """
+    m = response_mask.bool()
+    beh = behaviour_from_is_weights(old_log_prob, rollout_is_weights, response_mask)
+    marker = torch.exp(torch.tensor(-VERL_SAFETY_BOUND, dtype=torch.float32))
+    hit = (rollout_is_weights.detach().float() == marker) | ~m
+    ordinary = hit.all(dim=-1) & m.any(dim=-1)
+    beh = torch.where(ordinary[:, None] & m, old_log_prob.detach().float(), beh)
+    return beh, ~ordinary
 
 
 def _agg_kwargs(loss_agg_mode: str, config: Any, mask: torch.Tensor) -> dict[str, Any]:
@@ -120,13 +149,13 @@ def make_verl_loss(level: str, log_cap: float | None = DEFAULT_LOG_CAP):
                 "reflrl_tool_rerl needs the behaviour log-probs: set actor_rollout_ref.rollout.calculate_log_probs"
                 "=true and algorithm.rollout_correction.rollout_is='token' with rollout_is_threshold="
                 f"{UNTRUNCATED_THRESHOLD:g} (reflrl.verl_backend.config does this)")
-        beh = behaviour_from_is_weights(old_log_prob, rollout_is_weights, response_mask)
+        beh, repaired = split_behaviour(old_log_prob, rollout_is_weights, response_mask)
         clip = float(_cfg(config, "clip_ratio", 0.2))
         lo = float(_cfg(config, "clip_ratio_low", clip))
         hi = float(_cfg(config, "clip_ratio_high", clip))
         c = float(_cfg(config, "clip_ratio_c", 3.0))
         loss, m = tool_rerl_policy_loss(
-            log_prob, beh, advantages, response_mask, repaired=None, level=level, log_cap=log_cap,
+            log_prob, beh, advantages, response_mask, repaired=repaired, level=level, log_cap=log_cap,
             clip_low=lo, clip_high=hi, dual_clip_c=c, loss_agg_mode=loss_agg_mode,
             **_agg_kwargs(loss_agg_mode, config, response_mask))
         metrics = {"actor/pg_clipfrac": m["clipfrac"], "actor/ppo_kl": m["approx_kl"],

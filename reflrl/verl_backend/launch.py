@@ -1,0 +1,89 @@
+"""``reflrl train --backend verl --config configs/verl/X.yaml [overrides]``: launch verl's PPO trainer.
+
+Steps (:func:`main`):
+
+1. read the recipe and overrides (:func:`reflrl.verl_backend.config.load_recipe`): ``algo.lr=1e-6`` /
+   ``reflrl.algo.lr=1e-6`` change our Config, ``verl.n_gpus_per_node=4`` the scale-out settings, any
+   other ``key=value`` (``actor_rollout_ref.rollout.gpu_memory_utilization=0.7``, ``+new.key=1``) goes to
+   verl's config as it is;
+2. write the train/val splits as verl parquet rows (:mod:`reflrl.verl_backend.data`) to
+   ``verl.train_files`` / ``verl.val_files`` (our data section: synthetic generator or a loader);
+3. build the verl config and validate it with verl's own checks;
+4. check that verl sees our plugin (loss + agent loop) in this process, then call verl's own entry
+   (``verl.trainer.main_ppo.run_ppo`` with its ``TaskRunnerV1``, or the legacy ``TaskRunner`` when
+   ``trainer.use_v1=false``), exactly what ``python -m verl.trainer.main_ppo`` does after Hydra.
+
+``dry_run=True`` stops after step 3 and returns the config (tested on the CPU). The training itself
+needs GPUs, vLLM/SGLang and verl's GPU extras (``pip install 'verl[vllm]==0.9.1'``, which also brings
+TransferQueue for the v1 trainer); it was NOT run on this machine. See docs/scale-out.md.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Any
+
+from .config import Recipe, build_verl_config, load_recipe
+
+
+def prepare_data(recipe: Recipe) -> dict[str, Path]:
+    """Write the recipe's train/val tasks as verl parquet files; returns {"train": path, "val": path}."""
+    from reflrl.trainer import splits_from_config
+
+    from .data import rows_from_tasks, write_parquet
+
+    cfg, s = recipe.cfg, recipe.verl
+    splits = splits_from_config(cfg.data)
+    common = dict(reward=cfg.env.reward, parser=cfg.env.parser, prompt_style=cfg.data.prompt_style,
+                  agent_name=s.agent_loop)
+    val = splits["val"] or splits["train"][: max(1, min(8, len(splits["train"])))]
+    return {"train": write_parquet(rows_from_tasks(splits["train"], **common), s.train_files),
+            "val": write_parquet(rows_from_tasks(val, **common), s.val_files)}
+
+
+def main(config_path: str | Path, overrides: list[str] | tuple[str, ...] = (), *, dry_run: bool = False,
+         write_data: bool = True) -> Any:
+    """Launch verl training for a recipe (module doc). Returns the verl config (``dry_run``) or None
+    after training. Raises ConfigError / verl's validation errors naming what is wrong."""
+    recipe = load_recipe(config_path, list(overrides))
+    if write_data:
+        paths = prepare_data(recipe)
+        print(f"[reflrl] verl data: train {paths['train']}, val {paths['val']}", file=sys.stderr)
+    conf = build_verl_config(recipe)
+    if dry_run:
+        return conf
+    from verl.utils.device import auto_set_device
+
+    from .plugin import check_registered
+
+    check_registered()
+    auto_set_device(conf)
+    from verl.trainer.main_ppo import run_ppo
+
+    if conf.trainer.use_v1:
+        from verl.trainer.main_ppo import TaskRunnerV1 as runner
+    else:
+        from verl.trainer.main_ppo_v0 import TaskRunner as runner
+    run_ppo(conf, task_runner_class=runner)
+    return None
+
+
+def cli(argv: list[str] | None = None) -> int:
+    """``python -m reflrl.verl_backend.launch --config X.yaml [--dry-run] [key=value ...]``."""
+    ap = argparse.ArgumentParser(prog="python -m reflrl.verl_backend.launch",
+                                 description="train with verl on Ray (reflrl recipe -> verl config)")
+    ap.add_argument("--config", required=True, help="a recipe, e.g. configs/verl/tool_rerl_qwen2.5-7b.yaml")
+    ap.add_argument("--dry-run", action="store_true", help="write data, build and validate the config, print it")
+    ap.add_argument("overrides", nargs="*", help="algo.lr=1e-6, verl.n_gpus_per_node=4, trainer.nnodes=2, ...")
+    a = ap.parse_args(argv)
+    conf = main(a.config, a.overrides, dry_run=a.dry_run)
+    if a.dry_run:
+        from omegaconf import OmegaConf
+
+        print(OmegaConf.to_yaml(conf))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(cli())

@@ -1,0 +1,111 @@
+"""Recipes -> verl config, validated by verl's own checks; the launcher's dry run writes data that
+verl's own RLHFDataset reads back."""
+from __future__ import annotations
+
+import os
+
+import pytest
+
+pytest.importorskip("verl")
+
+from reflrl.config import ConfigError  # noqa: E402
+from reflrl.verl_backend.config import build_verl_config, load_recipe  # noqa: E402
+from reflrl.verl_backend.episode import task_from_dict  # noqa: E402
+from reflrl.verl_backend.launch import main as launch_main  # noqa: E402
+
+RECIPES = ["configs/verl/tool_rerl_qwen2.5-7b.yaml", "configs/verl/grpo_efficient_qwen3-4b.yaml"]
+
+
+@pytest.fixture(scope="module")
+def local_model(tmp_path_factory):
+    """verl's validation builds HFModelConfig (critic) from the model path: a local tiny model keeps
+    the test offline; everything else is the recipe as shipped."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from reflrl.models import load_model, save_checkpoint
+
+    m, t = load_model("tiny-random", dtype="float32", trainable="none")
+    return str(save_checkpoint(m, t, tmp_path_factory.mktemp("tiny") / "model"))
+
+
+def test_tool_rerl_recipe_passes_verls_validation(local_model):
+    conf = build_verl_config(load_recipe(RECIPES[0], [f"model.name={local_model}"]))
+    a = conf.actor_rollout_ref
+    assert a.actor.policy_loss.loss_mode == "reflrl_tool_rerl"
+    assert (a.actor.clip_ratio_low, a.actor.clip_ratio_high) == (0.2, 0.2)  # eq. 2: symmetric eps
+    assert conf.algorithm.adv_estimator == "gae" and conf.critic.enable  # PPO
+    assert conf.data.train_batch_size == 1024 and a.actor.ppo_mini_batch_size == 256  # sec. 4.1
+    assert conf.data.max_response_length == 512 and a.rollout.n == 1
+    rc = conf.algorithm.rollout_correction
+    assert rc.rollout_is == "token" and rc.rollout_is_threshold >= 4.9e8 and not rc.bypass_mode
+    assert a.rollout.calculate_log_probs and a.rollout.agent.default_agent_loop == "reflrl_tool_agent"
+    assert conf.reward.custom_reward_function.path.endswith("reflrl/verl_backend/reward.py")
+    assert conf.reflrl.max_attempts == 2 and "rate_limit" in conf.reflrl.faults
+    assert conf.trainer.n_gpus_per_node == 8
+
+
+def test_grpo_efficient_recipe_passes_verls_validation(local_model):
+    conf = build_verl_config(load_recipe(RECIPES[1], [f"model.name={local_model}", "verl.n_gpus_per_node=4",
+                                                      "verl.reflection.mark_unrepaired=false"]))
+    assert conf.reflrl.mark_unrepaired is False and conf.reflrl.max_attempts == 0
+    a = conf.actor_rollout_ref
+    assert a.actor.policy_loss.loss_mode == "vanilla" and conf.algorithm.rollout_correction.rollout_is is None
+    assert (a.actor.clip_ratio_low, a.actor.clip_ratio_high) == (0.2, 0.28)  # appendix F clip-higher
+    assert a.actor.optim.lr == 1e-6 and not a.actor.use_kl_loss and a.actor.entropy_coeff == 0
+    assert a.rollout.n == 16 and conf.data.train_batch_size == 256 and conf.data.max_prompt_length == 4096
+    assert conf.algorithm.adv_estimator == "grpo" and conf.trainer.n_gpus_per_node == 4
+
+
+def test_verls_validation_rejects_a_batch_the_gpus_cannot_split(local_model):
+    with pytest.raises(AssertionError, match="divisible"):
+        build_verl_config(load_recipe(RECIPES[1], [f"model.name={local_model}", "verl.n_gpus_per_node=3"]))
+
+
+def test_bad_keys_and_incompatible_settings_are_named(local_model):
+    with pytest.raises(ConfigError, match="actor_rollout_ref.actor.no_such_key"):
+        build_verl_config(load_recipe(RECIPES[1], [f"model.name={local_model}",
+                                                   "actor_rollout_ref.actor.no_such_key=1"]), validate_it=False)
+    with pytest.raises(ConfigError, match="rollout_is=token"):
+        build_verl_config(load_recipe(RECIPES[0], [f"model.name={local_model}",
+                                                   "algorithm.rollout_correction.rollout_is=sequence"]))
+    with pytest.raises(ConfigError, match="unknown settings"):
+        load_recipe(RECIPES[0], ["verl.n_gpu=4"])
+    with pytest.raises(ConfigError, match="fault kind|bogus"):
+        build_verl_config(load_recipe(RECIPES[1], [f"model.name={local_model}", "env.faults=bogus=1"]))
+
+
+def test_launch_dry_run_writes_data_verl_reads(local_model, tmp_path):
+    from verl.utils.dataset.rl_dataset import RLHFDataset
+
+    from reflrl.models import load_tokenizer
+
+    train, val = tmp_path / "train.parquet", tmp_path / "val.parquet"
+    conf = launch_main(RECIPES[1], [f"model.name={local_model}", "data.n_train=6", "data.n_val=2", "data.n_test=0",
+                                    f"verl.train_files={train}", f"verl.val_files={val}"], dry_run=True)
+    assert conf.data.train_files == str(train) and train.exists() and val.exists()
+    ds = RLHFDataset(data_files=[str(train)], tokenizer=load_tokenizer("tiny-random"), config=conf.data)
+    assert len(ds) == 6
+    item = ds[0]
+    assert item["agent_name"] == "reflrl_tool_agent"
+    task = task_from_dict(item["extra_info"]["task"])
+    assert task.gold and task.query == item["raw_prompt"][-1]["content"]
+
+
+def test_reward_function_loads_through_verls_loader(local_model):
+    """verl loads reward.custom_reward_function by file path: our reward scores like the CPU env."""
+    import json
+
+    from verl.trainer.ppo.reward import get_custom_reward_fn
+
+    from reflrl.envs.datasets import generate_synthetic, task_to_dict
+    from reflrl.envs.parsing import format_calls
+
+    conf = build_verl_config(load_recipe(RECIPES[1], [f"model.name={local_model}"]), validate_it=False)
+    fn = get_custom_reward_fn(conf)
+    task = generate_synthetic(1, 3, kinds=("single",))[0]
+    gt = json.dumps(task_to_dict(task)["gold"])
+    right = format_calls(task.gold[0], "hermes")
+    good = fn("reflrl", right, gt, {"reward": "binary", "parser": "hermes"})
+    bad = fn("reflrl", "no call at all", gt, {"reward": "binary", "parser": "hermes"})
+    assert good["score"] == 1.0 and good["correct"] and bad["score"] == 0.0 and not bad["correct"]
+    with pytest.raises(ValueError, match="ground_truth"):
+        fn("reflrl", right, json.dumps({"not": "a list"}), {})
