@@ -20,10 +20,15 @@ $(VENV)/.installed: pyproject.toml Makefile
 
 install: $(VENV)/.installed
 
-test: install
+# The tests also cover the verl backend on the CPU: verl 0.9.1 without extras (pins no torch).
+$(VENV)/.installed-verl: $(VENV)/.installed
+	$(PIP) install -q -e '.[dev,bench,verl]'
+	touch $@
+
+test: $(VENV)/.installed-verl
 	$(VENV)/bin/pytest -q -p no:cacheprovider
 
-test-fast: install
+test-fast: $(VENV)/.installed-verl
 	$(VENV)/bin/pytest -q -m "not slow"
 
 train: install

@@ -12,6 +12,7 @@ One path from the config to the loss, in the order it runs (CleanRL style; read 
         rollouts  = n samples per prompt, env steps run concurrently (VerlTool sec. 3.3)
         filter    <- all-correct streak per prompt
         [DAPO dynamic sampling: drop zero-variance groups and refill]
+        [DSCL (papers/002): curriculum stage reward (eq. 7) and RDS/SMV/SMR prompt selection (eq. 12)]
         [max-variance down-sampling: keep m of n rollouts per prompt (paper 000 sec. 4.2, eq. 7)]
         advantages = GRPO group-normalised (paper 000 eq. 2), masked rollouts excluded
         loss       = clipped surrogate with clip-higher (paper 000 eq. 3, appendix F), token-mean
@@ -431,6 +432,17 @@ class Trainer:
         self.train_tasks = self.splits["train"]
         self.prefilter = PreRolloutFilter(cfg.algo.prefilter_k)
         self.sampler = PromptSampler([t.id for t in self.train_tasks], tr.seed, self.prefilter)
+        self.sampling = None
+        sc = cfg.sampling
+        if sc.curriculum and not cfg.env.reward.startswith("fine"):
+            raise C.ConfigError(f"sampling.curriculum=true needs a fine-grained reward (env.reward='fine'), "
+                                f"got env.reward={cfg.env.reward!r}")
+        if sc.sampler != "none" or sc.curriculum:
+            from .algos.dscl import SamplingController, batches_per_epoch
+
+            self.sampling = SamplingController.from_config(
+                sc, reward_name=cfg.env.reward, seed=tr.seed,
+                batches_per_epoch=batches_per_epoch(len(self.train_tasks), cfg.rollout.batch_prompts))
 
         # ---- model, engine ---------------------------------------------------------
         from .engine import TransformersEngine
@@ -556,7 +568,7 @@ class Trainer:
         res = train_sft(self.model, self.tokenizer, examples, steps=w.steps, batch_size=w.batch_size, lr=w.lr,
                         seed=derive_seed(self.cfg.train.seed, 11), grad_clip=self.cfg.algo.grad_clip or 1.0,
                         warmup_steps=min(5, w.steps // 10),
-                        time_budget_s=w.time_budget_min * 60 if w.time_budget_min else None,
+                        time_budget_s=self._warmup_budget(),
                         log=lambda s, m: self.log.log(s, m, phase="warmup"),
                         progress=self.progress and not self.quiet)
         self.state["timers"]["warmup_s"] += time.perf_counter() - t0
@@ -567,6 +579,18 @@ class Trainer:
                      f"{res['loss_first']:.2f} -> {res['loss_last']:.2f}; format rate "
                      f"{out['format_rate_before']:.0%} -> {out['format_rate_after']:.0%}")
         return out
+
+    def _warmup_budget(self) -> float | None:
+        """Seconds the warm-up may take: warmup.time_budget_min, and within the run's time budget
+        enough left for two evaluations (after warm-up, final) and a minute of RL."""
+        w, tr = self.cfg.warmup, self.cfg.train
+        limits = []
+        if w.time_budget_min:
+            limits.append(w.time_budget_min * 60)
+        if tr.time_budget_min:
+            eval_cost = self.state.get("eval_before", {}).get("seconds", 0.0)
+            limits.append(max(0.0, tr.time_budget_min * 60 - self.elapsed() - 2 * eval_cost - 60))
+        return min(limits) if limits else None
 
     # -------------------------------------------------------------------------------- one RL step
     def rollout(self, task_idx: list[int], round_: int, timings: dict[str, float]) -> list[R.Trajectory]:
@@ -592,36 +616,47 @@ class Trainer:
         zero_var = live_groups = 0
         rounds = 0
         want = B
+        ctl = self.sampling  # DSCL curriculum / prompt-level samplers (papers/002); None = off
         while want > 0:
             idx = self.sampler.next(want)
             trajs = self.rollout(idx, rounds, timings)
-            rounds += 1
-            for g in range(len(idx)):
-                grp = trajs[g * n: (g + 1) * n]
-                groups.append(grp)
+            round_groups = [trajs[g * n: (g + 1) * n] for g in range(len(idx))]
+            groups.extend(round_groups)
+            if ctl is not None:
+                self._dscl_rewards(round_groups)
+            kept_mask = []
+            for grp in round_groups:
                 live = [t for t in grp if not t.masked]
-                if not live:
-                    continue  # every rollout hit an unrecovered env fault: nothing to learn, nothing to blame
+                if not live:  # every rollout hit an unrecovered env fault: nothing to learn, nothing to blame
+                    kept_mask.append(False)
+                    continue
                 # 2. the filter's all-correct streak (eqs. 4-5), on the live rollouts
                 self.prefilter.update(grp[0].task.id, [float(t.correct) for t in live], r_max=1.0)
                 live_groups += 1
                 rs = [t.reward for t in live]
                 zv = len(live) < 2 or max(rs) == min(rs)
                 zero_var += zv
-                if a.dynamic_sampling and zv:
-                    continue  # DAPO dynamic sampling: drop the zero-variance group, refill below
-                kept_groups.append(grp)
-            if not a.dynamic_sampling or rounds > a.max_refill_rounds:
+                # DAPO dynamic sampling: drop the zero-variance group, refill below
+                kept_mask.append(not (a.dynamic_sampling and zv))
+            if ctl is not None:  # DSCL RDS / SMV / SMR / DAPO selection over the groups
+                sel = ctl.select(self.step, self.sampler.epoch,
+                                 [(g[0].task.id, [t.reward for t in g if not t.masked]) for g in round_groups],
+                                 round_=rounds)
+                kept_mask = [k and s_ for k, s_ in zip(kept_mask, sel)]
+            kept_groups.extend(g for g, k in zip(round_groups, kept_mask) if k)
+            rounds += 1
+            refill = a.dynamic_sampling or (ctl is not None and ctl.refill)
+            if not refill or rounds > a.max_refill_rounds:
                 break
             keep_rate = len(kept_groups) / max(1, len(groups))
-            want = min(B, groups_to_request(B, len(kept_groups), keep_rate if groups else None, max_request=B))
+            want = min(B, groups_to_request(B, len(kept_groups), keep_rate, max_request=B))
         rollout_s = time.perf_counter() - t_step
         all_trajs = [t for g in groups for t in g]
 
         # 3. max-variance down-sampling (eq. 7), GRPO advantages over the live rollouts of each group
         metrics: dict[str, Any] = {}
         t_up = time.perf_counter()
-        train_trajs, adv, group_ids = select_and_score(kept_groups[: B if a.dynamic_sampling else None], a)
+        train_trajs, adv, group_ids = select_and_score(kept_groups[:B], a)
         # rollouts with zero advantage give exactly zero gradient: leave them out of the compute
         use = [i for i, v in enumerate(adv) if v != 0.0 and train_trajs[i].n_action_tokens > 0]
         metrics["groups_trained"] = len({group_ids[i] for i in use})
@@ -653,9 +688,36 @@ class Trainer:
             "time_env_s": timings.get("env_s", 0.0), "time_update_s": update_s,
             "time_step_s": time.perf_counter() - t_step,
         })
+        if ctl is not None:
+            metrics.update(ctl.step_metrics())
         if self.sampler.epoch != epoch_before:
             metrics["new_epoch"] = True
+            if ctl is not None and epoch_before >= 0:
+                metrics.update(ctl.epoch_metrics(epoch_before))
         return metrics
+
+    def _dscl_rewards(self, groups: list[list[R.Trajectory]]) -> None:
+        """DSCL TDCL (papers/002 sec. 4.1): feed the batch's sub-reward fractions to the stage
+        machine, then re-score each live rollout with the stage's reward (eq. 7) when the
+        curriculum is on (otherwise the env reward is kept)."""
+        from .algos.dscl import episode_stage_reward, scored_turn_parts, subreward_fractions
+
+        ctl = self.sampling
+        rows, live = [], []
+        for grp in groups:
+            for t in grp:
+                if t.masked:
+                    continue
+                parts = scored_turn_parts(t.info.get("steps", []))
+                if parts:
+                    rows.append(subreward_fractions(parts[-1], t.task.gold[min(len(parts), len(t.task.gold)) - 1]))
+                    live.append((t, parts))
+        ctl.observe_subrewards(self.step, rows)
+        if not ctl.curriculum.weighted:
+            return
+        for t, parts in live:
+            n_turns = 1 + len(t.task.turns) if self.rollout_cfg.max_turns > 1 else 1
+            t.reward = episode_stage_reward(parts, t.task.gold, n_turns, ctl.curriculum.lambdas)
 
     # -------------------------------------------------------------------------------- checkpoints
     def checkpoint_state(self) -> dict[str, Any]:
@@ -664,6 +726,8 @@ class Trainer:
         s["elapsed_before_s"] = self.elapsed()
         s["sampler"] = self.sampler.state_dict()
         s["prefilter"] = self.prefilter.state_dict()
+        if self.sampling is not None:
+            s["sampling"] = self.sampling.state_dict()
         return s
 
     def save(self) -> Path:
@@ -676,6 +740,9 @@ class Trainer:
         self.step = int(s.pop("step"))
         self.sampler.load_state_dict(s.pop("sampler"))
         self.prefilter.load_state_dict(s.pop("prefilter"))
+        sampling = s.pop("sampling", None)
+        if self.sampling is not None and sampling is not None:
+            self.sampling.load_state_dict(sampling)
         self.state.update(s)
         self.t_start = time.perf_counter()
         self.say(f"resumed {self.log.path} at step {self.step} ({ck.name})")

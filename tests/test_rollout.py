@@ -16,9 +16,10 @@ class ScriptedEngine:
     """Test double of the rollout engine: answers ``answer(prompt_text, sample_index)`` exactly,
     with a fixed log-prob per token, ending with eos (finish_reason "stop")."""
 
-    def __init__(self, tokenizer, answer):
+    def __init__(self, tokenizer, answer, row_as_sample: bool = False):
         self.tok = tokenizer
         self.answer = answer
+        self.row_as_sample = row_as_sample  # sample index = row in the batch (multi-turn: n=1 per call)
         self.calls: list[int] = []  # batch size of each generate call
 
     def generate(self, prompts, n=1, max_new_tokens=256, temperature=1.0, top_p=1.0, stop_ids=None, seed=0):
@@ -27,7 +28,8 @@ class ScriptedEngine:
         for i, p in enumerate(prompts):
             text = self.tok.decode(p)
             for j in range(n):
-                ids = self.tok(self.answer(text, j), add_special_tokens=False)["input_ids"][: max_new_tokens - 1]
+                jj = i if self.row_as_sample and n == 1 else j
+                ids = self.tok(self.answer(text, jj), add_special_tokens=False)["input_ids"][: max_new_tokens - 1]
                 ids = ids + [self.tok.eos_token_id]
                 out.append(Sample(i, list(p), ids, [-0.5] * len(ids), "stop"))
         return out

@@ -315,13 +315,30 @@ def test_multi_turn_training_step(tmp_path):
         def answer(text, j):
             return first(text, j) if "<|im_start|>tool" not in text else "Done."
 
-        tr.engine = ScriptedEngine(tr.tokenizer, answer)
+        tr.engine = ScriptedEngine(tr.tokenizer, answer, row_as_sample=True)
         before = trainable(tr.model)
         m = tr.train_step()
     finally:
         tr.close()
     assert m["update_skipped"] == 0.0 and m["masked"] == 0
     assert any(not torch.equal(before[n], p) for n, p in trainable(tr.model).items())
+
+
+def test_dscl_sampling_and_curriculum_are_wired_and_checkpointed(tmp_path):
+    cfg = tiny_cfg(tmp_path, **{"train.steps": 2, "train.save_every": 1, "env.reward": "fine",
+                                "sampling.sampler": "rds", "sampling.curriculum": True,
+                                "sampling.warmup_gate": False})
+    tr = scripted_trainer(cfg, tmp_path / "run")
+    try:
+        tr.run()
+    finally:
+        tr.close()
+    rows = [r for r in tr.log.read_metrics() if r["phase"] == "train"]
+    assert all("dscl/keep_rate" in r for r in rows)
+    ck = json.loads((sorted((tmp_path / "run" / "checkpoints").iterdir())[-1] / "state.json").read_text())
+    assert ck["sampling"]["sampler"] == "rds"
+    with pytest.raises(C.ConfigError):
+        T.Trainer(tiny_cfg(tmp_path / "x", **{"sampling.curriculum": True}), tmp_path / "x" / "run")
 
 
 def test_cli_rejects_bad_config_with_status_2(tmp_path, capsys):

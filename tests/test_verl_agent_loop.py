@@ -27,7 +27,7 @@ from reflrl.verl_backend.agent_loop import AGENT_NAME, ReflrlToolAgentLoop  # no
 from reflrl.verl_backend.data import rows_from_tasks  # noqa: E402
 from reflrl.verl_backend.losses import UNREPAIRED_LOGPROB  # noqa: E402
 
-PROMPT_LEN, RESP_LEN = 1024, 96
+PROMPT_LEN, RESP_LEN = 2048, 1024
 
 
 class StandInLLMServer:
@@ -172,3 +172,31 @@ async def test_verl_postprocess_turns_the_episode_into_a_training_batch(tokenize
     assert np.allclose(batch.batch["rollout_log_probs"][0, :n].numpy(), server.outputs[1][1])
     assert float(batch.batch["rm_scores"][0, n - 1]) == 1.0
     assert bool(batch.non_tensor_batch["reflrl_repaired"][0])
+
+
+async def test_multi_turn_episode_masks_tool_and_user_tokens(tokenizer):
+    """A multi-turn task: assistant tokens (mask 1) and, between them, the tool results and next user
+    turns tokenized by verl's Continuous Token builder (mask 0)."""
+    task = generate_synthetic(3, 0, kinds=("multi_turn",))[0]
+    script = []
+    for turn in task.gold:
+        script += [format_calls(turn, "hermes"), "Done."]
+    server = StandInLLMServer(tokenizer, script)
+    out = await make_loop(tokenizer, server, mark_unrepaired=False).run(
+        {"logprobs": True}, raw_prompt=[], extra_info=row(task)["extra_info"])
+    assert len(server.prompts) == len(script)
+    assert out.reward_score == 1.0 and out.extra_fields["reflrl_correct"]
+    assert out.prompt_ids == server.prompts[0]
+    # every generation call saw the prompt + everything so far: the response is one token stream
+    full = out.prompt_ids + out.response_ids
+    for p in server.prompts[1:]:
+        assert full[: len(p)] == p
+    # action tokens are exactly the sampled ones, with their log-probs; everything else has mask 0
+    sampled = [t for ids, _ in server.outputs for t in ids]
+    acts = [t for t, m in zip(out.response_ids, out.response_mask) if m == 1]
+    assert acts == sampled
+    assert [lp for lp, m in zip(out.response_logprobs, out.response_mask) if m == 1] == \
+        [x for _, lps in server.outputs for x in lps]
+    obs = tokenizer.decode([t for t, m in zip(out.response_ids, out.response_mask) if m == 0])
+    assert task.turns[0] in obs and task.turns[1] in obs  # user turns are observations
+    assert out.response_mask.count(0) > 0

@@ -52,7 +52,7 @@ def test_grpo_efficient_recipe_passes_verls_validation(local_model):
     assert (a.actor.clip_ratio_low, a.actor.clip_ratio_high) == (0.2, 0.28)  # appendix F clip-higher
     assert a.actor.optim.lr == 1e-6 and not a.actor.use_kl_loss and a.actor.entropy_coeff == 0
     assert a.rollout.n == 16 and conf.data.train_batch_size == 256 and conf.data.max_prompt_length == 4096
-    assert conf.algorithm.adv_estimator == "grpo" and conf.trainer.n_gpus_per_node == 4
+    assert conf.algorithm.adv_estimator == "reflrl_grpo" and conf.trainer.n_gpus_per_node == 4
 
 
 def test_verls_validation_rejects_a_batch_the_gpus_cannot_split(local_model):

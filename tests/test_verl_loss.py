@@ -211,3 +211,60 @@ def test_missing_is_weights_is_a_clear_error():
     with pytest.raises(ValueError, match="rollout_is='token'"):
         ppo_loss(actor_config("reflrl_tool_rerl"), {"log_probs": flat_logprobs(cur)},
                  verl_tensordict(mask, old, adv, None))
+
+
+@pytest.mark.parametrize("name,norm_std", [("reflrl_grpo", True), ("reflrl_dr_grpo", False)])
+def test_group_advantages_through_verls_compute_advantage(name, norm_std):
+    """verl's driver-side compute_advantage with our estimator = the CPU trainer's GRPO on the rollouts
+    that count; a masked (unrecovered env fault) rollout leaves its group and gets 0 -- verl's own
+    grpo would count its reward."""
+    import numpy as np
+    from verl.trainer.ppo.ray_trainer import compute_advantage
+
+    from reflrl.algos import grpo_advantage
+
+    B, T = 6, 4
+    mask = torch.ones(B, T, dtype=torch.long)
+    mask[:, 3] = 0
+    mask[2] = 0  # masked episode (env fault not recovered)
+    scores = torch.tensor([1.0, 0.0, 0.0, 1.0, 1.0, 0.0])
+    rewards = torch.zeros(B, T)
+    rewards[:, 2] = scores
+    uid = np.array(["a", "a", "a", "b", "b", "b"], dtype=object)
+
+    def run(est):
+        dp = DataProto.from_dict(tensors={"token_level_rewards": rewards.clone(), "response_mask": mask.clone()},
+                                 non_tensors={"uid": uid})
+        return compute_advantage(dp, adv_estimator=est, norm_adv_by_std_in_grpo=norm_std).batch["advantages"]
+
+    ours = run(name)
+    keep = [0, 1, 3, 4, 5]
+    cpu = grpo_advantage(scores[keep], [uid[i] for i in keep], norm_std=norm_std)
+    assert torch.allclose(ours[keep, 0], cpu, atol=1e-6)
+    assert torch.all(ours[2] == 0) and torch.all(ours[:, 3] == 0)
+    builtin = run("grpo")
+    assert not torch.allclose(builtin[[0, 1], 0], ours[[0, 1], 0])  # the masked 0-reward row shifts verl's mean
+
+
+def test_tool_rerl_data_parallel_ranks_sum_to_the_cpu_loss():
+    """Two data-parallel ranks (dp_size=2, global token count): DDP averages the ranks' gradients,
+    so the mean of the rank losses/gradients must equal the CPU full-batch loss/gradient."""
+    mask, old, rollout, adv, cur = make_batch(3)
+    repaired = torch.tensor([False, True, True, False])
+    rollout = torch.where(repaired[:, None], rollout, torch.full_like(rollout, UNREPAIRED_LOGPROB))
+    w = driver_is_weights(mask, old, rollout, rollout_correction_for("reflrl_tool_rerl"))
+    n_tok = int(mask.sum())
+    cfg = actor_config("reflrl_tool_rerl")
+    cur_v = cur.clone().requires_grad_(True)
+    total = torch.zeros(())
+    for rows in ([0, 1], [2, 3]):  # rank 0, rank 1
+        td = verl_tensordict(mask, old, adv, w, rows=rows, batch_num_tokens=n_tok, dp_size=2)
+        loss, _ = ppo_loss(cfg, {"log_probs": flat_logprobs(cur_v, rows)}, td)
+        (loss / 2).backward()  # DDP's gradient average over the 2 ranks
+        total = total + loss.detach() / 2
+    cur_c = cur.clone().requires_grad_(True)
+    loss_c, _ = tool_rerl_policy_loss(cur_c, torch.where(repaired[:, None], rollout, old), adv, mask,
+                                      repaired=repaired, clip_low=0.2, clip_high=0.2, dual_clip_c=3.0)
+    loss_c.backward()
+    assert torch.allclose(total, loss_c.detach(), atol=1e-6)
+    assert torch.allclose(cur_v.grad, cur_c.grad, atol=1e-6)

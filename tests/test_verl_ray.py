@@ -16,7 +16,7 @@ def _registries_after_import_verl() -> dict:
     import sys
 
     import verl  # noqa: F401  (runs verl's entry-point loader)
-    from verl.trainer.ppo.core_algos import POLICY_LOSS_REGISTRY
+    from verl.trainer.ppo.core_algos import ADV_ESTIMATOR_REGISTRY, POLICY_LOSS_REGISTRY
 
     reg = {}
     try:
@@ -27,6 +27,7 @@ def _registries_after_import_verl() -> dict:
         pass
     return {"pid": os.getpid(), "losses": sorted(k for k in POLICY_LOSS_REGISTRY if k.startswith("reflrl")),
             "agent_loops": sorted(k for k in reg if k.startswith("reflrl")),
+            "advantages": sorted(k for k in ADV_ESTIMATOR_REGISTRY if k.startswith("reflrl")),
             "plugin_loaded": "reflrl.verl_backend.plugin" in sys.modules}
 
 
@@ -51,3 +52,4 @@ def test_plugin_is_loaded_by_verl_in_a_ray_worker(monkeypatch):
     assert out["plugin_loaded"]
     assert out["losses"] == ["reflrl_tool_rerl", "reflrl_tool_rerl_seqmean", "reflrl_tool_rerl_token"]
     assert out["agent_loops"] == ["reflrl_tool_agent"]
+    assert out["advantages"] == ["reflrl_dr_grpo", "reflrl_grpo"]

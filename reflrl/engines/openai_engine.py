@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import threading
 import time
+import warnings
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -65,12 +66,15 @@ class OpenAIEngine:
         timeout: seconds per request; max_retries: the openai client's retries on connection errors.
         max_concurrency: requests in flight at once (one per prompt).
         extra_body: extra JSON fields for every request (merged over the vLLM extensions).
+        vllm_extensions: send vLLM's ``return_tokens_as_token_ids`` / ``stop_token_ids`` /
+            ``skip_special_tokens`` fields (False for servers that reject unknown fields, e.g. api.openai.com).
         client: an ``openai.OpenAI`` client to use instead of building one.
     """
 
     def __init__(self, base_url: str, model: str, tokenizer: Any | None = None, *, api_key: str = "EMPTY",
                  timeout: float = 600.0, max_retries: int = 2, max_concurrency: int = 8,
-                 extra_body: dict[str, Any] | None = None, client: Any | None = None) -> None:
+                 extra_body: dict[str, Any] | None = None, client: Any | None = None,
+                 vllm_extensions: bool = True) -> None:
         import openai
 
         self.model, self.tokenizer = model, tokenizer
@@ -78,6 +82,7 @@ class OpenAIEngine:
                                               max_retries=max_retries)
         self.max_concurrency = max(1, int(max_concurrency))
         self.extra_body = dict(extra_body or {})
+        self.vllm_extensions = bool(vllm_extensions)
         self.last_stats = GenerateStats()
         self.last_usage: list[dict[str, int]] = []  # per prompt of the last call: the server's usage
         self._vocab_by_piece: dict[str, list[int]] | None = None
@@ -97,9 +102,14 @@ class OpenAIEngine:
         for i, p in enumerate(prompts):
             if not p:
                 raise ValueError(f"prompt {i} is empty")
-        body = {"return_tokens_as_token_ids": True, "skip_special_tokens": False}
-        if stop_ids:
-            body["stop_token_ids"] = [int(t) for t in stop_ids]
+        body: dict[str, Any] = {}
+        if stop_ids and not self.vllm_extensions:
+            warnings.warn("OpenAIEngine(vllm_extensions=False) cannot send stop_ids; the server stops at its own "
+                          "end-of-sequence token", stacklevel=2)
+        if self.vllm_extensions:
+            body = {"return_tokens_as_token_ids": True, "skip_special_tokens": False}
+            if stop_ids:
+                body["stop_token_ids"] = [int(t) for t in stop_ids]
         body.update(self.extra_body)
 
         def one(i: int) -> list[Sample]:
@@ -116,14 +126,15 @@ class OpenAIEngine:
                       stop: list[str] | None = None) -> list[Sample]:
         """``n`` samples per conversation via ``/v1/chat/completions``; prompt-major order (module doc)."""
         self._check(n, max_new_tokens, top_p)
-        body = dict(self.extra_body)
-        body.setdefault("return_tokens_as_token_ids", True)
+        body = {"return_tokens_as_token_ids": True} if self.vllm_extensions else {}
+        body.update(self.extra_body)
 
         def one(i: int) -> list[Sample]:
             msgs = conversations[i]
             resp = self._request(lambda: self.client.chat.completions.create(
                 model=self.model, messages=msgs, n=n, max_tokens=max_new_tokens, temperature=temperature,
-                top_p=top_p, seed=int(seed) + i, logprobs=True, stop=stop or None, extra_body=body),
+                top_p=top_p, seed=int(seed) + i, logprobs=True, extra_body=body,
+                **({"stop": list(stop)} if stop else {})),
                 "/v1/chat/completions", i)
             prompt_ids = self._chat_prompt_ids(msgs)
             return samples_from_chat(_as_dict(resp), i, prompt_ids, n, self._retokenize)

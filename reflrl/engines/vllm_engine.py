@@ -4,7 +4,8 @@ NOT RUNNABLE ON THIS MACHINE: vLLM needs a GPU (and the ``gpu`` extra, ``pip ins
 This module was written against vLLM's documented offline API and has not been executed here; the
 import of vllm is lazy and a clear ImportError names the extra when it is missing (tested).
 
-API used (vLLM >= 0.10.2, V1 engine):
+API used (vLLM's V1 engine with ``logprobs_mode``, e.g. vllm 0.24.0 that ``verl[vllm]==0.9.1`` pins;
+older releases without ``logprobs_mode`` raise a TypeError at ``LLM(...)``):
 
 - ``vllm.LLM(model=..., dtype=..., gpu_memory_utilization=..., seed=..., enable_prefix_caching=True,
   logprobs_mode="processed_logprobs", worker_extension_cls="reflrl.engines.vllm_engine.ReflrlWorkerExtension")``.

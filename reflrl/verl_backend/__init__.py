@@ -4,6 +4,8 @@
                         registers our policy losses and our agent loop.
 - :mod:`.losses`     -- Tool-ReRL eq. 2 as a verl policy loss (why not verl's rollout_is alone).
 - :mod:`.agent_loop` -- ``reflrl_tool_agent``: our env with faults + the reflection loop.
+- :mod:`.episode`    -- per-episode settings and task rows of the agent loop.
+- :mod:`.data`       -- our tasks as verl parquet rows.
 - :mod:`.reward`     -- our rewards as ``reward.custom_reward_function``.
 - :mod:`.config`     -- our Config -> a verl config, validated by verl's own dataclasses.
 - :mod:`.launch`     -- ``reflrl train --backend verl --config configs/verl/X.yaml``.

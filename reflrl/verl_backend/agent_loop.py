@@ -19,9 +19,15 @@ One dataset row = one episode (``003_febfc96bcceb98f2.txt``, sec. 3.2-3.3, Defin
    sampling log-probs). An episode whose env fault was not recovered gets ``response_mask`` all 0
    (left out of the loss, never penalised; sec. 3.2), like the CPU trainer's ``masked`` rollouts.
 
-Scope: single-step tasks (``kind`` "single" / "parallel", the Tool-ReRL training setting: ToolACE,
-one assistant message with the calls). There are no tool tokens inside such a response; a
-multi-turn task raises ValueError (the CPU trainer's multi-turn rollout handles those).
+Single-step tasks (``kind`` "single" / "parallel", the Tool-ReRL training setting: ToolACE, one
+assistant message with the calls) get the reflection loop above; there are no tool tokens inside
+such a response. Multi-turn tasks (``kind`` "multi_turn", the efficiency paper's multi-turn setting)
+run as one token stream without reflection: assistant tokens (mask 1, their sampling log-probs) and
+the tool results / next user turns between them, tokenized by verl's Continuous Token builder as the
+delta of the chat-template rendering (mask 0) -- so tool tokens get no loss -- until the env
+terminates or ``response_length`` is reached (VerlTool, ``004_657e95489cf03eb0.txt``, sec. 3.3). The
+rollout log-probs of such an (ordinary) episode are the ordinary-row marker unless
+``mark_unrepaired`` is false.
 
 Per-episode settings come from the row's ``extra_info`` (written by
 :func:`reflrl.verl_backend.data.rows_from_tasks`: ``{"task": <task JSON>, "faults": "rate_limit=0.1", ...}``)
@@ -69,10 +75,11 @@ class ReflrlToolAgentLoop(AgentLoopBase):
 
     def _make_env(self, task: Task, s: EpisodeSettings) -> Any:
         from reflrl.envs.client import RetryPolicy
-        from reflrl.envs.tool_env import ToolCallEnv
+        from reflrl.envs.tool_env import ToolCallEnv, ToolCallMultiTurnEnv
 
         retry = RetryPolicy(max_attempts=int(s.retry_max_attempts), budget_s=float(s.retry_budget_s))
-        return ToolCallEnv(dataset=[task], faults=s.faults or None, fault_seed=int(s.fault_seed),
+        cls = ToolCallMultiTurnEnv if task.kind == "multi_turn" else ToolCallEnv
+        return cls(dataset=[task], faults=s.faults or None, fault_seed=int(s.fault_seed),
                            seed=int(s.seed), reward=s.reward, parser=s.parser, prompt_style=s.prompt_style,
                            think=bool(s.think), retry=retry, episode_prefix=f"verl-{uuid4().hex[:8]}")
 
@@ -88,6 +95,58 @@ class ReflrlToolAgentLoop(AgentLoopBase):
         text = self.tokenizer.decode(ids, skip_special_tokens=True)
         return Generation(text=text, token_ids=ids, logprobs=[float(x) for x in lps])
 
+    async def _run_multi_turn(self, task: Task, s: EpisodeSettings, sampling_params: dict[str, Any]) -> AgentLoopOutput:
+        """A multi-turn episode as one token stream (module doc); no reflection."""
+        env = self._make_env(task, s)
+        try:
+            _, info = await env.areset(seed=int(s.seed), options={"task": task})
+            messages = list(info["messages"])
+            tokens = await self.ct_build_initial_tokens(messages)
+            n_prompt = len(tokens)
+            mask: list[int] = []
+            lps: list[float] = []
+            reward, step_info, turns = 0.0, {}, 0
+            request_id = uuid4().hex  # sticky session: prefix caching across the turns
+            while True:
+                out = await self.server_manager.generate(request_id=request_id, prompt_ids=tokens,
+                                                         sampling_params=sampling_params)
+                ids = [int(t) for t in out.token_ids]
+                if len(out.log_probs or []) != len(ids):
+                    raise ValueError("the LLM server returned no log-probs; set "
+                                     "actor_rollout_ref.rollout.calculate_log_probs=true")
+                merged, mask, lps = await self.ct_merge_assistant_token(
+                    tokens, ids, mask, lps, assistant_logprobs=[float(x) for x in out.log_probs])
+                tokens = merged.token_ids
+                turns += 1
+                text = self.tokenizer.decode(ids, skip_special_tokens=True)
+                _, reward, terminated, truncated, step_info = await env.astep(text)
+                if terminated or truncated or len(mask) >= self.response_length:
+                    break
+                conv = step_info["messages"]
+                before = messages + [conv[len(messages)]]  # the conversation the tokens hold (+ the action)
+                merged, new_mask, new_lps = await self.ct_merge_context_msg(before, conv, tokens, mask, lps)
+                if len(new_mask) >= self.response_length:
+                    break
+                tokens, mask, lps, messages = merged.token_ids, new_mask, list(new_lps or []), list(conv)
+        finally:
+            try:
+                await env.aclose()
+            finally:
+                env.close()
+        masked = bool(step_info.get("masked"))
+        resp = list(tokens[n_prompt:])[: self.response_length]
+        mask = [0 if masked else int(m) for m in mask][: len(resp)]
+        lps = list(lps)[: len(resp)]
+        if s.mark_unrepaired:
+            lps = [UNREPAIRED_LOGPROB if m else 0.0 for m in mask]
+        output = AgentLoopOutput(prompt_ids=list(tokens[:n_prompt]), response_ids=resp, response_mask=mask,
+                                 response_logprobs=lps, reward_score=float(reward), num_turns=2 * turns + 1,
+                                 metrics=AgentLoopMetrics(), extra_fields={})
+        output.extra_fields.update({"reflrl_repaired": False, "reflrl_masked": masked, "reflrl_stop_reason": "multi_turn",
+                                    "reflrl_retries": 0, "reflrl_cause": "none", "reflrl_correct": bool(step_info.get("correct")),
+                                    "turn_scores": list(step_info.get("turn_rewards") or []), "tool_rewards": []})
+        return output
+
     async def run(self, sampling_params: dict[str, Any], **kwargs: Any) -> AgentLoopOutput:
         """One episode -> AgentLoopOutput (module doc). ``kwargs`` are the dataset row's fields."""
         from reflrl.critic import get_critic
@@ -97,10 +156,9 @@ class ReflrlToolAgentLoop(AgentLoopBase):
             raise ValueError("reflrl_tool_agent: the dataset row's extra_info has no 'task' "
                              "(write rows with reflrl.verl_backend.data.rows_from_tasks)")
         task = task_from_dict(extra["task"])
-        if task.kind == "multi_turn":
-            raise ValueError(f"reflrl_tool_agent: task {task.id!r} is multi_turn; the verl agent loop runs "
-                             "single-step tasks (single/parallel)")
         s = EpisodeSettings.from_sources(self.defaults, extra)
+        if task.kind == "multi_turn":
+            return await self._run_multi_turn(task, s, sampling_params)
         critic = get_critic(s.critic)
         env = self._make_env(task, s)
         metrics: dict[str, Any] = {}
@@ -126,7 +184,10 @@ class ReflrlToolAgentLoop(AgentLoopBase):
             rec = await reflect_and_retry(generate, critic, step_env, task, first, attempts,
                                           first_feedback=fb0, messages=messages, mode=s.mode)
         finally:
-            await env.aclose()
+            try:
+                await env.aclose()
+            finally:
+                env.close()  # stops the env's private loop thread (idempotent after aclose)
         if rec.repaired:  # tau* sampled under q*, judged positive: trained on q with eq. 2's weight
             final, ids, lps = rec.final_feedback, list(rec.response_ids), list(rec.behaviour_logprobs)
         else:  # nothing repaired: the original response tau under q (on-policy), with its own verdict

@@ -25,7 +25,9 @@ Mapping decisions (why):
   ``rollout.calculate_log_probs=true``.
 - ``algo.dual_clip_c`` null (off) -> ``clip_ratio_c = 1e9``: verl's losses always apply the dual clip;
   with c = 1e9 it never binds.
-- ``algo.advantage`` "dr_grpo" -> verl ``grpo`` with ``norm_adv_by_std_in_grpo=false``.
+- ``algo.advantage`` "grpo" / "dr_grpo" -> our ``reflrl_grpo`` / ``reflrl_dr_grpo`` estimators
+  (:mod:`reflrl.verl_backend.advantages`: masked env-fault rollouts leave their group, as in the CPU
+  trainer); "rloo" / "gae" -> verl's own.
 - ``rollout.batch_prompts`` -> ``data.train_batch_size`` (prompts); ``rollout.n`` -> ``rollout.n``;
   ``rollout.max_new_tokens`` -> ``data.max_response_length``; ``verl.ppo_mini_batch_size`` is in
   prompts, as in verl (it multiplies by n).
@@ -48,7 +50,7 @@ from . import require_verl
 REWARD_FILE = str(Path(__file__).with_name("reward.py"))
 
 POLICY_LOSS_MAP = {"clip_higher": "vanilla", "ppo_clip": "vanilla", "tool_rerl": "reflrl_tool_rerl"}
-ADVANTAGE_MAP = {"grpo": "grpo", "dr_grpo": "grpo", "rloo": "rloo", "gae": "gae"}
+ADVANTAGE_MAP = {"grpo": "reflrl_grpo", "dr_grpo": "reflrl_dr_grpo", "rloo": "rloo", "gae": "gae"}
 DUAL_CLIP_OFF = 1.0e9
 
 
@@ -285,7 +287,6 @@ def _set(conf: Any, key: str, value: Any) -> None:
     from omegaconf.errors import ConfigAttributeError, ConfigKeyError
 
     try:
-        OmegaConf.select(conf, key, throw_on_missing=False)
         parent, _, leaf = key.rpartition(".")
         node = OmegaConf.select(conf, parent) if parent else conf
         if node is None or leaf not in list(node.keys()):

@@ -20,7 +20,9 @@ verl's ``ppo_loss`` (``verl/workers/utils/losses.py``) passes only ``old_log_pro
 registered loss. We configure ``algorithm.rollout_correction`` with ``rollout_is="token"``, no
 batch normalisation, no rejection sampling and a threshold above e^20 (never truncates), so
 ``w_t = exp(clamp(old_t - rollout_t, -20, 20))`` per token and the behaviour log-prob is recovered
-exactly: ``rollout_t = old_t - log w_t`` (float32 exp/log round trip, ~1e-7 relative). The loss
+exactly: ``rollout_t = old_t - log w_t`` (float32 exp/log round trip, ~1e-7 relative; a token whose
+``|old_t - rollout_t|`` exceeds verl's clamp of 20 is seen at +-20 -- with our trajectory cap
+``log_cap = 5`` such a row is capped either way unless the other tokens almost cancel it). The loss
 then calls :func:`reflrl.algos.importance.tool_rerl_policy_loss` -- the CPU trainer's function --
 on ``(log_prob, rollout, advantages, mask)``, so both backends compute the same value and gradient
 (tests/test_verl_loss.py checks it through verl's own ``ppo_loss``).

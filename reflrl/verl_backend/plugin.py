@@ -1,4 +1,4 @@
-"""verl plugin: registers reflrl's policy losses and agent loop inside every verl process.
+"""verl plugin: registers reflrl's policy losses, advantage estimators and agent loop in every verl process.
 
 verl 0.9.1 ``verl/__init__.py`` loads every entry point of the group ``verl.plugins`` when verl is
 imported (``VERL_USE_EXTERNAL_PLUGINS``: "auto" (default) = all, "none", or a comma list of names);
@@ -10,9 +10,10 @@ verl swallows plugin import errors (debug log only), so :data:`REGISTERED` is ch
 """
 from __future__ import annotations
 
+from .advantages import register_advantages
 from .losses import register_losses
 
-REGISTERED: dict[str, list[str]] = {"policy_loss": register_losses()}
+REGISTERED: dict[str, list[str]] = {"policy_loss": register_losses(), "advantage": register_advantages()}
 
 #: why the agent loop could not be registered (verl's agent-loop module needs cachetools and fastapi,
 #: which verl's base requirements do not list; our ``verl`` extra adds them), or None
@@ -29,9 +30,10 @@ except ImportError as _e:  # the losses above stay registered
 def check_registered() -> dict[str, list[str]]:
     """Raise RuntimeError unless verl's registries hold our losses and agent loop."""
     from verl.experimental.agent_loop.agent_loop import _agent_loop_registry
-    from verl.trainer.ppo.core_algos import POLICY_LOSS_REGISTRY
+    from verl.trainer.ppo.core_algos import ADV_ESTIMATOR_REGISTRY, POLICY_LOSS_REGISTRY
 
     missing = [n for n in REGISTERED["policy_loss"] if n not in POLICY_LOSS_REGISTRY]
+    missing += [n for n in REGISTERED["advantage"] if n not in ADV_ESTIMATOR_REGISTRY]
     missing += [n for n in REGISTERED["agent_loop"] if n not in _agent_loop_registry]
     if AGENT_LOOP_ERROR is not None:
         missing.append(f"agent loop (import failed: {AGENT_LOOP_ERROR})")
