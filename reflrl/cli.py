@@ -7,6 +7,8 @@ Subcommands::
     reflrl tools serve [--host 127.0.0.1] [--port 8077] [--seed 0]
     reflrl faults list
     reflrl train ...   (the trainer's own arguments; see ``reflrl train --help``)
+    reflrl eval rotbench taskbench bfcl sealtools --model NAME ...  /  reflrl eval compare RUN_A RUN_B
+    reflrl data download rotbench --dest DIR
 
 Every subcommand imports what it needs when it runs (``reflrl faults list`` never loads torch).
 Configuration errors (a bad ``--faults`` spec, an unknown parser, ...) print one clear message and
@@ -139,6 +141,8 @@ def build_parser() -> argparse.ArgumentParser:
                            add_help=False)
     train.add_argument("train_args", nargs=argparse.REMAINDER,
                        help="arguments passed to the trainer")
+    from reflrl.eval.cli import add_eval_commands  # 'reflrl eval ...', 'reflrl data download ...'
+    add_eval_commands(sub)
     return p
 
 
@@ -247,6 +251,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if args.command == "train":
             return cmd_train(args)
+        if getattr(args, "func", None) is not None:  # eval / data carry their handler (reflrl.eval.cli)
+            return int(args.func(args))
         sub = {"env": "env_command", "tools": "tools_command", "faults": "faults_command"}[args.command]
         return _COMMANDS[(args.command, getattr(args, sub))](args)
     except UsageError as e:

@@ -77,6 +77,22 @@ def collate(examples: Sequence[SFTExample], pad_id: int) -> dict[str, torch.Tens
     return {"input_ids": input_ids, "attention_mask": attn, "response_mask": resp}
 
 
+def _epoch_batches(examples: Sequence[SFTExample], batch_size: int, rng: random.Random) -> list[list[int]]:
+    """One epoch of batches: a seeded shuffle, cut into windows of 8 batches whose examples are
+    sorted by length (so a batch pads little), then the batches shuffled again. Every example
+    appears once per epoch (the last batch may be smaller)."""
+    order = list(range(len(examples)))
+    rng.shuffle(order)
+    length = [len(e.prompt_ids) + len(e.answer_ids) for e in examples]
+    window = batch_size * 8
+    batches = []
+    for w in range(0, len(order), window):
+        chunk = sorted(order[w: w + window], key=lambda i: length[i])
+        batches.extend(chunk[b: b + batch_size] for b in range(0, len(chunk), batch_size))
+    rng.shuffle(batches)
+    return batches
+
+
 def sft_loss(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
     """Mean negative log-likelihood of the answer tokens (token-mean over the batch)."""
     from .logprobs import sequence_logprobs
@@ -112,7 +128,7 @@ def train_sft(model: torch.nn.Module, tokenizer: Any, examples: Sequence[SFTExam
 
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else end_of_turn_id(tokenizer)
     rng = random.Random(seed)
-    order: list[int] = []
+    batches: list[list[int]] = []
     losses: list[float] = []
     t0 = time.perf_counter()
     model.train()
@@ -125,12 +141,9 @@ def train_sft(model: torch.nn.Module, tokenizer: Any, examples: Sequence[SFTExam
     for s in range(steps):
         if time_budget_s is not None and time.perf_counter() - t0 > time_budget_s:
             break
-        idx = []
-        while len(idx) < batch_size:
-            if not order:
-                order = list(range(len(examples)))
-                rng.shuffle(order)
-            idx.append(order.pop())
+        if not batches:
+            batches = _epoch_batches(examples, batch_size, rng)
+        idx = batches.pop()
         batch = collate([examples[i] for i in idx], pad)
         for g in opt.param_groups:
             g["lr"] = lr_at(s)

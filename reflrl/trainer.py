@@ -460,7 +460,7 @@ class Trainer:
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
         self.engine = TransformersEngine(self.model, self.tokenizer,
                                          max_batch_size=max(64, cfg.rollout.n * cfg.rollout.batch_prompts))
-        self.eval_batch = 32  # greedy evaluation: prompts decoded together (sorted by length)
+        self.eval_batch = 64  # greedy evaluation: prompts decoded together (sorted by length)
         params = [p for p in self.model.parameters() if p.requires_grad]
         if not params:
             raise C.ConfigError(f"model.trainable={m.trainable!r} leaves no trainable parameter")
@@ -761,7 +761,8 @@ class Trainer:
             self.say(f"held-out accuracy before: {st['eval_before']['accuracy']:.1%} "
                      f"({st['eval_before']['n']} tasks, {st['eval_before']['seconds']:.0f}s)")
             st["warmup"] = self.warmup()
-            if st["warmup"].get("ran"):  # what the warm-up alone gives, to tell it apart from RL's gain
+            if st["warmup"].get("ran") and tr.eval_every:
+                # what the warm-up alone gives, to tell it apart from RL's gain (costs one more evaluation)
                 st["eval_after_warmup"] = self.evaluate("test")
                 self.log.log(0, {f"test_after_warmup_{k}": v for k, v in st["eval_after_warmup"].items()},
                              phase="eval")

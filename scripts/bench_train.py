@@ -224,7 +224,8 @@ def main(argv=None) -> int:
     p.add_argument("--n", type=int, default=8, help="rollouts per prompt")
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--latency-ms", type=int, default=200)
-    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--repeats", type=int, default=3, help="timings per figure of (a) and (c) (median)")
+    p.add_argument("--d-repeats", type=int, default=1, help="rollouts per mode in (d)")
     p.add_argument("--run", help="a run folder whose pre-rollout filter skips to print too")
     p.add_argument("--warmup-steps", type=int, default=20,
                    help="SFT steps before measuring, so the policy emits tool calls (0 = base model)")
@@ -261,10 +262,10 @@ def main(argv=None) -> int:
     if "c" in args.only:
         out["c_overhead"] = bench_overhead(model, tok, trajs[: args.n], args.repeats)
     if "d" in args.only:
-        out["d_concurrency_single"] = bench_concurrency(engine, tok, tasks, args.n // 2, args.max_new_tokens,
-                                                        args.latency_ms, False, max(1, args.repeats - 1))
-        out["d_concurrency_multi"] = bench_concurrency(engine, tok, tasks, args.n // 2, args.max_new_tokens,
-                                                       args.latency_ms, True, max(1, args.repeats - 1))
+        out["d_concurrency_single"] = bench_concurrency(engine, tok, tasks, args.n, args.max_new_tokens,
+                                                        args.latency_ms, False, args.d_repeats)
+        out["d_concurrency_multi"] = bench_concurrency(engine, tok, tasks, args.n, args.max_new_tokens,
+                                                       args.latency_ms, True, args.d_repeats)
     if args.json:
         Path(args.json).write_text(json.dumps(out, indent=2))
     return 0

@@ -338,3 +338,22 @@ def test_driver_survives_a_broken_episode():
     out = drive(GoldBackend(lambda m: "ok " + m[-1]["content"]), [broken(), fine()], Decoding(), 0, "native",
                 errors=errors)
     assert out == [None, "ok y"] and len(errors) == 1 and "KeyError" in errors[0]
+
+
+def test_reflrl_cli_eval_compare(tmp_path, capsys):
+    from reflrl.cli import main
+
+    def write(name, values, temp):
+        d = tmp_path / name
+        d.mkdir()
+        (d / "results.json").write_text(json.dumps({
+            "kind": "reflrl-eval-results", "manifest": {"model": {"model": name}, "decoding": {"temperature": temp}},
+            "results": {"rotbench": {"clean": {"content_filling": {"mean": 0, "std": 0, "values": values}}}}}))
+        return str(d)
+
+    a = write("base", [10.0, 12.0, 11.0], 0.7)
+    b = write("tuned", [30.0, 31.0, 29.0], 0.6)
+    assert main(["eval", "compare", a, b]) == 0
+    out = capsys.readouterr().out
+    assert "rotbench.clean.content_filling" in out and "beyond seed noise" in out
+    assert "WARNING" in out and "decoding.temperature" in out

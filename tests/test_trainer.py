@@ -361,3 +361,29 @@ def test_tiny_recipe_on_the_real_model(tmp_path):
     assert summary["warmup"]["ran"] and summary["warmup"]["sft_loss_last"] < summary["warmup"]["sft_loss_first"]
     assert 0.0 <= summary["accuracy_after"] <= 1.0
     assert (tmp_path / "real" / "summary.json").is_file()
+
+
+def test_sft_epoch_batches_cover_every_example_once_with_little_padding():
+    import random
+
+    from reflrl.sft import SFTExample, _epoch_batches, build_examples, collate
+    from reflrl.envs.prompts import build_messages
+    from reflrl.models import load_tokenizer
+
+    ex = [SFTExample(list(range(n)), [1, 2]) for n in random.Random(0).sample(range(10, 400), 64)]
+    batches = _epoch_batches(ex, 4, random.Random(1))
+    assert sorted(i for b in batches for i in b) == list(range(64))
+    waste = sum(max(len(ex[i].prompt_ids) for i in b) * len(b) - sum(len(ex[i].prompt_ids) for i in b)
+                for b in batches)
+    assert waste < 0.1 * sum(len(e.prompt_ids) for e in ex)
+    # examples: the prompt is the rollout rendering; the answer is the gold call + end of turn, and
+    # only the answer carries loss
+    tok = load_tokenizer("tiny-random")
+    task = Task(id="a", query="weather in Oslo?", tools=[{"name": "get_weather", "description": "d",
+                "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}],
+                gold=[[ToolCall("get_weather", {"city": "Oslo"})]])
+    (e,) = build_examples([task], tok, lambda t: build_messages(t, style="compact"))
+    assert e.answer_ids[-1] == tok.eos_token_id
+    assert tok.decode(e.answer_ids[:-1]).startswith("<tool_call>")
+    b = collate([e], pad_id=0)
+    assert int(b["response_mask"].sum()) == len(e.answer_ids)
