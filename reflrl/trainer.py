@@ -582,14 +582,15 @@ class Trainer:
 
     def _warmup_budget(self) -> float | None:
         """Seconds the warm-up may take: warmup.time_budget_min, and within the run's time budget
-        enough left for two evaluations (after warm-up, final) and a minute of RL."""
+        enough left for the final evaluation (budgeted at the cost of the first) and 1.5 minutes
+        of RL."""
         w, tr = self.cfg.warmup, self.cfg.train
         limits = []
         if w.time_budget_min:
             limits.append(w.time_budget_min * 60)
         if tr.time_budget_min:
             eval_cost = self.state.get("eval_before", {}).get("seconds", 0.0)
-            limits.append(max(0.0, tr.time_budget_min * 60 - self.elapsed() - 2 * eval_cost - 60))
+            limits.append(max(0.0, tr.time_budget_min * 60 - self.elapsed() - eval_cost - 90))
         return min(limits) if limits else None
 
     # -------------------------------------------------------------------------------- one RL step
