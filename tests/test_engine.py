@@ -186,3 +186,24 @@ def test_top_layers_mixed_model_generates_consistent_logprobs(prompts):
         p = len(s.prompt_ids)
         # bfloat16 bottom layers: cache vs full recompute differ by bf16 rounding only
         assert torch.allclose(lp[i, p : p + len(s.token_ids)], torch.tensor(s.logprobs), atol=5e-2)
+
+
+def test_sample_next_draws_from_the_temperature_distribution():
+    """Inverse-CDF sampling keeps the law of softmax(logits / T): frequencies over many draws
+    match the probabilities, a zero-probability token is never drawn, and the log-prob returned is
+    the chosen token's under the temperature-scaled distribution."""
+    import torch
+
+    from reflrl.engine import sample_next
+
+    p = torch.tensor([0.1, 0.6, 0.0, 0.3])
+    logits = torch.log(p).clamp(min=-1e9).repeat(20000, 1)
+    g = torch.Generator().manual_seed(0)
+    tok, lp = sample_next(logits, 1.0, 1.0, g)
+    freq = torch.bincount(tok, minlength=4).float() / tok.numel()
+    assert freq[2] == 0
+    assert torch.allclose(freq, p, atol=0.015)
+    assert torch.allclose(lp, torch.log(p)[tok], atol=1e-5)
+    # top-p 0.65: the smallest set of top tokens reaching 0.65 is {1, 3}
+    tok2, _ = sample_next(logits[:2000], 1.0, 0.65, g)
+    assert set(tok2.tolist()) <= {1, 3}
