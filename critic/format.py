@@ -28,6 +28,7 @@ from __future__ import annotations
 import json
 import math
 import re
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -222,3 +223,25 @@ def describe_env_fault(fault: EnvFault) -> str:
                 "the call and read the result carefully.")
     extra = f", {st}" if st else ""
     return f"{tool} failed with an environment fault ({k}{extra}{tried}); the call itself was not at fault, so retry it."
+
+
+def critique_from_text(raw: Any, t0: float) -> "Critique":
+    """A model critic's answer text -> Critique, parsed strictly (unparseable: counted negative with
+    no reflection, never an exception); ``t0`` is the ``time.perf_counter()`` at the request."""
+    from .base import Critique, unparsed
+
+    lat = time.perf_counter() - t0
+    text = raw if isinstance(raw, str) else ""
+    p = parse_critique(text)
+    if not p.ok:
+        return unparsed(text, lat)
+    return Critique(p.score, p.analysis, raw=text, parsed=True, latency_s=lat)
+
+
+def fault_critique(fault: EnvFault, t0: float) -> "Critique":
+    """An env fault needs no model: a negative critique whose analysis describes the fault."""
+    from .base import Critique
+
+    a = describe_env_fault(fault)
+    return Critique("negative", a, raw=format_critique("negative", a), parsed=True,
+                    latency_s=time.perf_counter() - t0)

@@ -42,7 +42,7 @@ from tenacity import (
 from reflrl.envs.client import parse_retry_after
 
 from .base import Critique, CritiqueRequest, unparsed
-from .format import CRITIC_INSTRUCTION, critic_messages, describe_env_fault, format_critique, parse_critique
+from .format import CRITIC_INSTRUCTION, critic_messages, critique_from_text, fault_critique
 
 TRANSIENT_STATUS = frozenset({408, 409, 429, 500, 502, 503, 504})
 
@@ -160,21 +160,11 @@ class LLMCritic:
             f"HTTP {exc.status_code}: {str(exc)[:300]}")
 
     def _finish(self, completion: Any, t0: float) -> Critique:
-        lat = time.perf_counter() - t0
         try:
             text = completion.choices[0].message.content
         except (AttributeError, IndexError, TypeError):  # an answer without choices: not a verdict
-            return unparsed("", lat)
-        raw = text if isinstance(text, str) else ""
-        p = parse_critique(raw)
-        if not p.ok:
-            return unparsed(raw, lat)
-        return Critique(p.score, p.analysis, raw=raw, parsed=True, latency_s=lat)
-
-    def _fault(self, request: CritiqueRequest, t0: float) -> Critique:
-        a = describe_env_fault(request.env_fault)  # type: ignore[arg-type]
-        return Critique("negative", a, raw=format_critique("negative", a), parsed=True,
-                        latency_s=time.perf_counter() - t0)
+            text = ""
+        return critique_from_text(text, t0)
 
     # ---- the Critic protocol -----------------------------------------------------------------
 
@@ -182,7 +172,7 @@ class LLMCritic:
         """Ask the endpoint (with retries) and parse the answer strictly; see the module doc."""
         t0 = time.perf_counter()
         if request.env_fault is not None:
-            return self._fault(request, t0)
+            return fault_critique(request.env_fault, t0)
         kw = self._kwargs(request)
         try:
             completion = Retrying(**self._retry_kw())(self._client.chat.completions.create, **kw)
@@ -199,7 +189,7 @@ class LLMCritic:
         """Async :meth:`critique` (``openai.AsyncOpenAI``, tenacity ``AsyncRetrying``)."""
         t0 = time.perf_counter()
         if request.env_fault is not None:
-            return self._fault(request, t0)
+            return fault_critique(request.env_fault, t0)
         kw = self._kwargs(request)
         try:
             async def once() -> Any:

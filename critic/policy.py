@@ -19,8 +19,8 @@ import inspect
 import time
 from typing import Any, Callable
 
-from .base import Critique, CritiqueRequest, unparsed
-from .format import CRITIC_INSTRUCTION, critic_messages, describe_env_fault, format_critique, parse_critique
+from .base import Critique, CritiqueRequest
+from .format import CRITIC_INSTRUCTION, critic_messages, critique_from_text, fault_critique
 
 
 class PolicyCritic:
@@ -52,40 +52,27 @@ class PolicyCritic:
             return msgs
         return msgs[0]["content"] + "\n\n" + msgs[1]["content"]
 
-    def _finish(self, raw: Any, t0: float) -> Critique:
-        lat = time.perf_counter() - t0
-        text = raw if isinstance(raw, str) else ""
-        p = parse_critique(text)
-        if not p.ok:
-            return unparsed(text, lat)
-        return Critique(p.score, p.analysis, raw=text, parsed=True, latency_s=lat)
-
-    def _fault(self, request: CritiqueRequest, t0: float) -> Critique:
-        a = describe_env_fault(request.env_fault)  # type: ignore[arg-type]
-        return Critique("negative", a, raw=format_critique("negative", a), parsed=True,
-                        latency_s=time.perf_counter() - t0)
-
     def critique(self, request: CritiqueRequest) -> Critique:
         """Score one attempt with the policy. An async ``generate`` must use :meth:`acritique`."""
         t0 = time.perf_counter()
         if request.env_fault is not None:
-            return self._fault(request, t0)
+            return fault_critique(request.env_fault, t0)
         out = self.generate(self.prompt(request))
         if inspect.isawaitable(out):
             close = getattr(out, "close", None)
             if close is not None:
                 close()
             raise TypeError("generate is async: call acritique() instead of critique()")
-        return self._finish(out, t0)
+        return critique_from_text(out, t0)
 
     async def acritique(self, request: CritiqueRequest) -> Critique:
         t0 = time.perf_counter()
         if request.env_fault is not None:
-            return self._fault(request, t0)
+            return fault_critique(request.env_fault, t0)
         out = self.generate(self.prompt(request))
         if inspect.isawaitable(out):
             out = await out
-        return self._finish(out, t0)
+        return critique_from_text(out, t0)
 
 
 def chat_generate_fn(engine: Any, tokenizer: Any, *, max_new_tokens: int = 96, temperature: float = 0.0,
