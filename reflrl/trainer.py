@@ -911,6 +911,11 @@ def build_arg_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
     p.add_argument("--quiet", action="store_true", help="print only the final summary")
     p.add_argument("--help-config", action="store_true", help="list every config key with its default and exit")
+    p.add_argument("--backend", choices=("cpu", "verl"), default="cpu",
+                   help="cpu: this process's trainer (default); verl: build a verl config from --config "
+                        "(a configs/verl/*.yaml recipe) and launch verl's trainer on Ray (docs/scale-out.md)")
+    p.add_argument("--dry-run", action="store_true",
+                   help="with --backend verl: build and validate the verl config, print it, don't train")
     return p
 
 
@@ -947,12 +952,39 @@ def train(cfg: C.Config, run_dir: str | Path, *, resume: bool = False, progress:
         trainer.close()
 
 
+def _main_verl(args: argparse.Namespace) -> int:
+    """``reflrl train --backend verl --config configs/verl/X.yaml``: hand over to verl (GPU; not run
+    here, see docs/scale-out.md). Configuration errors exit 2 with the message."""
+    if not args.config:
+        print("reflrl train: error: --backend verl needs --config configs/verl/<recipe>.yaml", file=sys.stderr)
+        return 2
+    try:
+        from reflrl.verl_backend.launch import main as verl_main
+    except ImportError as e:
+        print(f"reflrl train: error: the verl backend needs the verl extra (pip install 'reflrl[verl]'): {e}",
+              file=sys.stderr)
+        return 2
+    overrides = list(args.overrides) + ([f"env.faults={args.faults}"] if args.faults else [])
+    try:
+        out = verl_main(args.config, overrides, dry_run=args.dry_run, write_data=not args.dry_run)
+    except (C.ConfigError, ValueError) as e:
+        print(f"reflrl train: error: {e}", file=sys.stderr)
+        return 2
+    if args.dry_run:
+        from omegaconf import OmegaConf
+
+        print(OmegaConf.to_yaml(out))
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """``reflrl train`` entry point; returns the exit status (2 for configuration errors)."""
     args = build_arg_parser().parse_args(list(sys.argv[1:] if argv is None else argv))
     if args.help_config:
         print(C.config_help())
         return 0
+    if args.backend == "verl":
+        return _main_verl(args)
     try:
         cfg, run_dir, resume = resolve_config(args)
     except (C.ConfigError, ValueError) as e:
