@@ -4,7 +4,8 @@
 transformers KV cache (no ``model.generate``), because that loop can (a) prefill each prompt once
 and copy its cache to the ``n`` samples (GRPO groups share the prompt), (b) compute only the
 chosen token's log-prob per step instead of keeping full-vocabulary scores for all steps, and
-(c) drop finished rows from the batch. Other engines (vLLM, an OpenAI-compatible server) will
+(c) drop finished rows from the batch, and (d) decode with an in-place KV cache and copy-free
+grouped-query attention (:mod:`reflrl.fast_decode`, ~3x faster steps on the CPU). Other engines (vLLM, an OpenAI-compatible server) will
 implement the same protocol later; they hold their own copy of the weights, hence
 ``update_weights``.
 
@@ -25,6 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .fast_decode import fast_decoding, growing_cache
 from .logprobs import head_of
 
 FinishReason = Literal["stop", "length"]
@@ -178,7 +180,7 @@ class TransformersEngine:
         was_training = self.model.training
         self.model.eval()
         try:
-            with torch.inference_mode():
+            with torch.inference_mode(), fast_decoding(self.model):
                 _, weight, bias = head_of(self.model)
                 w32 = weight.float()
                 b32 = None if bias is None else bias.float()
@@ -209,8 +211,6 @@ class TransformersEngine:
         w32: torch.Tensor,
         b32: torch.Tensor | None,
     ) -> list[Sample]:
-        from transformers import DynamicCache
-
         decoder = self.model.get_decoder()
         st = self.last_stats
         num, width = len(prompts), max(len(p) for p in prompts)
@@ -221,7 +221,7 @@ class TransformersEngine:
             mask[i, width - len(p) :] = 1
         st.prompt_tokens += int(mask.sum())
         pos = (mask.cumsum(-1) - 1).clamp(min=0)
-        cache = DynamicCache(config=self.model.config)
+        cache = growing_cache(self.model.config)
         h = decoder(
             input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=cache, use_cache=True
         ).last_hidden_state[:, -1]

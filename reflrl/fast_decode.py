@@ -1,0 +1,152 @@
+"""CPU decoding speed-ups for the transformers rollout engine: a KV cache that grows in place, and
+grouped-query attention for one-token queries without copying keys and values.
+
+Measured on this machine kind (2 cores, SmolLM2-135M-Instruct in bfloat16, 48 rows, ~300-token
+prompts; /tmp profiling script, numbers in the closing note of the engine work): one decode step
+took ~450 ms with transformers' ``DynamicCache`` + ``sdpa``, of which ~290 ms were SDPA and ~125 ms
+``torch.cat``. Two causes, two fixes:
+
+* ``DynamicCache`` appends with ``torch.cat`` every step, copying the whole cache of every layer
+  (O(L) per token). :class:`GrowingLayer` writes into a pre-allocated buffer that doubles when full
+  and hands out views, so a step copies only the new token.
+* With an attention mask (left padding), transformers' ``sdpa`` path calls ``repeat_kv``, which
+  materialises each key/value head ``num_key_value_groups`` times (3x for SmolLM2) per layer per
+  step. For a one-token query the query heads sharing a key/value head can instead be laid out as
+  extra query rows: ``q [B, H, 1, D] -> [B, Hkv, G, D]`` attends to ``k, v [B, Hkv, L, D]`` with
+  the same mask broadcast over the G rows -- identical math, no copy. Prompts (queries longer than
+  one token) go through transformers' own ``sdpa`` function unchanged.
+
+Together: ~130 ms per step instead of ~450 ms (3.4x) with the same outputs (float32: max abs
+difference ~1e-5 in the hidden states; bfloat16: rounding-level differences from the different
+summation order). Everything here is opt-in through :func:`fast_decoding`, which the engine wraps
+around its sampling loop; training forwards never see it.
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Iterator
+
+import torch
+import torch.nn.functional as F
+from transformers import AttentionInterface, DynamicCache
+from transformers.cache_utils import DynamicLayer
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+ATTN_NAME = "reflrl_sdpa"
+
+
+def gqa_decode_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                         attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
+                         is_causal: bool | None = None, **kwargs: Any) -> tuple[torch.Tensor, None]:
+    """Attention with transformers' attention-function signature.
+
+    query [B, H, q, D]; key, value [B, Hkv, L, D]; attention_mask [B, 1, q, L] (bool, True = attend,
+    as ``sdpa_mask`` builds it) or None. Returns (output [B, q, H, D], None).
+    For q == 1 and H = G * Hkv, query head h uses key/value head h // G (transformers' ``repeat_kv``
+    order), so ``query.reshape(B, Hkv, G, D)`` lines the G heads up as G query rows of their shared
+    key/value head. Otherwise this is transformers' ``sdpa_attention_forward``.
+    """
+    b, h, q, d = query.shape
+    hkv = key.shape[1]
+    if q != 1 or h == hkv or dropout:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
+                                      scaling=scaling, is_causal=is_causal, **kwargs)
+    g = h // hkv
+    mask = None if attention_mask is None else attention_mask.expand(b, 1, 1, attention_mask.shape[-1])
+    out = F.scaled_dot_product_attention(query.reshape(b, hkv, g, d), key, value, attn_mask=mask, scale=scaling)
+    return out.reshape(b, h, 1, d).transpose(1, 2).contiguous(), None
+
+
+AttentionInterface.register(ATTN_NAME, gqa_decode_attention)
+AttentionMaskInterface.register(ATTN_NAME, sdpa_mask)  # same masks as "sdpa"
+
+
+class GrowingLayer(DynamicLayer):
+    """A ``DynamicLayer`` that appends into a pre-allocated buffer (capacity doubles when full).
+
+    ``keys``/``values`` are views ``buffer[:, :, :length]`` of shape [B, Hkv, length, D], so
+    attention reads them in place; appending one token copies one token."""
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        self.dtype, self.device = key_states.dtype, key_states.device
+        self.length = 0
+        self.kbuf: torch.Tensor | None = None
+        self.vbuf: torch.Tensor | None = None
+        self.is_initialized = True
+
+    def _views(self) -> None:
+        self.keys = self.kbuf[:, :, : self.length]
+        self.values = self.vbuf[:, :, : self.length]
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any,
+               **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        new = key_states.shape[-2]
+        need = self.length + new
+        if self.kbuf is None or need > self.kbuf.shape[-2]:
+            cap = max(need + 64, 2 * (0 if self.kbuf is None else self.kbuf.shape[-2]))
+            kb = key_states.new_empty((*key_states.shape[:2], cap, key_states.shape[-1]))
+            vb = value_states.new_empty((*value_states.shape[:2], cap, value_states.shape[-1]))
+            if self.length:
+                kb[:, :, : self.length] = self.kbuf[:, :, : self.length]
+                vb[:, :, : self.length] = self.vbuf[:, :, : self.length]
+            self.kbuf, self.vbuf = kb, vb
+        self.kbuf[:, :, self.length: need] = key_states
+        self.vbuf[:, :, self.length: need] = value_states
+        self.length = need
+        self._views()
+        return self.keys, self.values
+
+    def get_seq_length(self) -> int:
+        return self.length if self.is_initialized else 0
+
+    def crop(self, max_length: int) -> None:
+        if max_length < 0:
+            max_length = self.get_seq_length() - abs(max_length)
+        if self.get_seq_length() > max_length:
+            self.length = max_length
+            self._views()
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        if self.get_seq_length() > 0:
+            self.kbuf = self.kbuf.repeat_interleave(repeats, dim=0)
+            self.vbuf = self.vbuf.repeat_interleave(repeats, dim=0)
+            self._views()
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        if self.get_seq_length() > 0:
+            self.kbuf = self.kbuf[indices]
+            self.vbuf = self.vbuf[indices]
+            self._views()
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        self.batch_select_indices(beam_idx)
+
+
+def growing_cache(config: Any) -> DynamicCache:
+    """A ``DynamicCache`` for ``config`` whose layers are :class:`GrowingLayer` (full attention only;
+    models with sliding-window layers get a plain ``DynamicCache``)."""
+    cache = DynamicCache(config=config)
+    dec = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+    if getattr(dec, "sliding_window", None) or any(t != "full_attention" for t in (getattr(dec, "layer_types", None) or [])):
+        return cache
+    cache.layers = [GrowingLayer() for _ in range(dec.num_hidden_layers)]
+    return cache
+
+
+@contextlib.contextmanager
+def fast_decoding(model: torch.nn.Module) -> Iterator[bool]:
+    """Within the block, ``model`` (if it uses transformers' ``sdpa``) runs one-token queries through
+    :func:`gqa_decode_attention`. Yields whether the switch was made; restores the setting on exit."""
+    cfg = getattr(model, "config", None)
+    before = getattr(cfg, "_attn_implementation", None)
+    if before != "sdpa":
+        yield False
+        return
+    cfg._attn_implementation = ATTN_NAME
+    try:
+        yield True
+    finally:
+        cfg._attn_implementation = before

@@ -1,0 +1,94 @@
+"""reflrl.fast_decode: the growing KV cache and copy-free GQA decode attention give the same
+outputs as transformers' DynamicCache + sdpa (tiny model: 4 query heads over 2 key/value heads)."""
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import DynamicCache
+
+from reflrl.engine import TransformersEngine
+from reflrl.fast_decode import ATTN_NAME, GrowingLayer, fast_decoding, growing_cache
+from reflrl.models import load_model
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    model, tok = load_model("tiny-random", dtype="float32", seed=0)
+    model.eval()
+    assert model.config.num_attention_heads != model.config.num_key_value_heads  # GQA is exercised
+    return model, tok
+
+
+def _decode(model, cache, fast: bool, steps: int = 5):
+    """Left-padded prefill of 3 rows, then `steps` one-token steps; returns hidden states per step."""
+    torch.manual_seed(0)
+    ids = torch.randint(10, 1000, (3, 12))
+    mask = torch.ones(3, 12, dtype=torch.long)
+    mask[0, :5] = 0
+    pos = (mask.cumsum(-1) - 1).clamp(min=0)
+    dec = model.get_decoder()
+    out = []
+    with torch.inference_mode():
+        ctx = fast_decoding(model) if fast else torch.inference_mode()
+        with ctx:
+            h = dec(input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=cache,
+                    use_cache=True).last_hidden_state[:, -1]
+            out.append(h)
+            nxt = mask.sum(-1)
+            for s in range(steps):
+                if s == 2:  # drop a finished row, as the engine does
+                    keep = torch.tensor([0, 2])
+                    cache.batch_select_indices(keep)
+                    mask, nxt = mask[keep], nxt[keep]
+                tok = torch.full((mask.shape[0], 1), 100 + s)
+                mask = torch.cat([mask, torch.ones(mask.shape[0], 1, dtype=torch.long)], 1)
+                h = dec(input_ids=tok, attention_mask=mask, position_ids=nxt[:, None], past_key_values=cache,
+                        use_cache=True).last_hidden_state[:, -1]
+                nxt = nxt + 1
+                out.append(h)
+    return out
+
+
+def test_growing_cache_and_gqa_attention_match_dynamic_cache(tiny):
+    model, _ = tiny
+    ref = _decode(model, DynamicCache(config=model.config), fast=False)
+    cache = growing_cache(model.config)
+    assert all(isinstance(layer, GrowingLayer) for layer in cache.layers)
+    got = _decode(model, cache, fast=True)
+    for a, b in zip(ref, got):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+    # the buffer grew past its first capacity (12 + 64 > 76 is not reached; force growth below)
+    layer = GrowingLayer()
+    k = torch.randn(1, 2, 70, 4)
+    layer.update(k, k)
+    k2 = torch.randn(1, 2, 100, 4)
+    keys, _ = layer.update(k2, k2)
+    assert keys.shape == (1, 2, 170, 4) and layer.get_seq_length() == 170
+    torch.testing.assert_close(keys, torch.cat([k, k2], dim=2))
+
+
+def test_fast_decoding_switches_and_restores_attention(tiny):
+    model, _ = tiny
+    before = model.config._attn_implementation
+    assert before == "sdpa"
+    with fast_decoding(model) as on:
+        assert on and model.config._attn_implementation == ATTN_NAME
+    assert model.config._attn_implementation == before
+    with pytest.raises(RuntimeError):
+        with fast_decoding(model):
+            raise RuntimeError("boom")
+    assert model.config._attn_implementation == before
+
+
+def test_engine_greedy_unchanged_by_fast_path(tiny, monkeypatch):
+    model, tok = tiny
+    prompts = [tok.encode("hello there"), tok.encode("a much longer prompt with more tokens in it, ok")]
+    eng = TransformersEngine(model, tok)
+    fast = eng.generate(prompts, n=2, max_new_tokens=12, temperature=0.0)
+    import reflrl.engine as E
+    monkeypatch.setattr(E, "growing_cache", lambda cfg: DynamicCache(config=cfg))
+    monkeypatch.setattr(E, "fast_decoding", lambda m: torch.inference_mode())
+    slow = eng.generate(prompts, n=2, max_new_tokens=12, temperature=0.0)
+    assert [s.token_ids for s in fast] == [s.token_ids for s in slow]
+    for a, b in zip(fast, slow):
+        assert a.logprobs == pytest.approx(b.logprobs, abs=1e-4)
