@@ -5,7 +5,7 @@ VENV   ?= .venv
 PY      = $(VENV)/bin/python
 PIP     = $(PY) -m pip
 
-.PHONY: install test test-fast train clean
+.PHONY: install test test-fast train clean chromium
 
 $(VENV)/.installed: pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -25,7 +25,16 @@ $(VENV)/.installed-verl: $(VENV)/.installed
 	$(PIP) install -q -e '.[dev,bench,verl]'
 	touch $@
 
-test: $(VENV)/.installed-verl
+# The report test renders HTML in headless Chromium (Debian's 'chromium'); best effort, never fails the
+# target: without root or apt the test skips with its reason.
+chromium:
+	@command -v chromium >/dev/null 2>&1 || command -v chromium-browser >/dev/null 2>&1 || \
+	  { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1 && \
+	    { apt-get install -y -q --no-install-recommends chromium >/dev/null 2>&1 || \
+	      { apt-get update -q >/dev/null 2>&1 && apt-get install -y -q --no-install-recommends chromium >/dev/null 2>&1; }; } ; } || \
+	  echo "chromium not installed: the report's headless-browser test will be skipped"
+
+test: $(VENV)/.installed-verl chromium
 	$(VENV)/bin/pytest -q -p no:cacheprovider
 
 test-fast: $(VENV)/.installed-verl

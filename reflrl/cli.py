@@ -9,6 +9,8 @@ Subcommands::
     reflrl train ...   (the trainer's own arguments; see ``reflrl train --help``)
     reflrl eval rotbench taskbench bfcl sealtools --model NAME ...  /  reflrl eval compare RUN_A RUN_B
     reflrl data download rotbench --dest DIR
+    reflrl experiment faults --methods grpo,tool_rerl --faults "rate_limit=0,0.1;timeout=0,0.1" --seeds 3
+    reflrl report RUN_OR_SWEEP_DIR
 
 Every subcommand imports what it needs when it runs (``reflrl faults list`` never loads torch).
 Configuration errors (a bad ``--faults`` spec, an unknown parser, ...) print one clear message and
@@ -143,6 +145,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help="arguments passed to the trainer")
     from reflrl.eval.cli import add_eval_commands  # 'reflrl eval ...', 'reflrl data download ...'
     add_eval_commands(sub)
+    from reflrl.experiment.cli import add_experiment_commands  # 'reflrl experiment faults', 'reflrl report'
+    add_experiment_commands(sub)
     return p
 
 

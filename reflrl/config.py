@@ -111,6 +111,10 @@ class RolloutConfig:
     max_new_tokens: int = _f(64, "new tokens per assistant turn")
     max_turns: int = _f(1, "assistant turns per episode (multi-turn envs)")
     max_total_tokens: int = _f(1024, "prompt + response token cap for multi-turn episodes")
+    engine: str = _f("transformers", "who samples the RL rollouts: 'transformers' (the trained model itself, in process) | 'openai' (an OpenAI-compatible server with its OWN weights, never synced: needs engine_off_policy=true; docs/scale-out.md)")
+    engine_base_url: str | None = _f(None, "engine='openai': the server's base URL, e.g. http://127.0.0.1:8000/v1 (needs /v1/completions with token-id prompts, as vllm serve)")
+    engine_model: str | None = _f(None, "engine='openai': the served model name; null = model.name")
+    engine_off_policy: bool = _f(False, "engine='openai': accept that rollouts come from the server's frozen weights while the local model trains (off-policy after the first update, no importance correction)")
 
 
 @dataclass
@@ -199,6 +203,28 @@ class TrainConfig:
 
 
 @dataclass
+class ReflectionConfig:
+    """Tool-ReRL's reflection-recovery loop and the paper's baselines (reflrl.recovery;
+    003_febfc96bcceb98f2.txt sec. 3.2-3.3, Table 1, Table 2)."""
+
+    variant: str = _f("grpo", "method by name (Tool-ReRL Table 1/2): 'grpo' (no reflection) | 'ppo' (needs a value head: verl backend only) | 'cot' (thought then call) | 'ref' (repaired trajectories trained as on-policy, no correction) | 'cot_is' (own thought in q*, importance-weighted) | 'external' / 'external_is' (reasoning from the critic endpoint, without / with the weight) | 'tool_rerl' (critic reflection + eq. 2) | 'dpo' (DPO on failure/repair pairs)")
+    critic: str = _f("rule", "frozen critic for 'ref', 'tool_rerl', 'dpo': 'rule' (embedded, no model) | 'llm' (critic_base_url) | 'policy' (the policy itself)")
+    critic_base_url: str | None = _f(None, "OpenAI-compatible endpoint of the 'llm' critic and the 'external*' variants, e.g. http://127.0.0.1:8000/v1 (python -m reflrl.serving)")
+    critic_model: str = _f("default", "model name the critic endpoint serves")
+    critic_timeout_s: float = _f(60.0, "per-request timeout of the critic endpoint (seconds)")
+    reveal: str = _f("query", "rule critic: how much of an expected value the analysis gives away: 'none' | 'query' | 'value'")
+    max_attempts: int = _f(2, "retries sampled under q* per failed trajectory, stopping at the first positive (Definition 1 ii)")
+    max_per_step: int = _f(0, "at most this many failed trajectories reflected on per step (env faults first); 0 = all")
+    reflect_on: str = _f("failure", "which failures are reflected on: 'failure' (env faults and policy errors) | 'env_fault' (only env faults)")
+    mode: str = _f("replace", "how q* is rendered: 'replace' (the user message becomes appendix C's retry prompt) | 'append' (attempt + retry prompt appended)")
+    group: str = _f("replace", "how a repair enters its GRPO group: 'replace' (tau* takes the failed rollout's place, as the paper's transformed trajectory) | 'add' (tau* joins the group beside the failure, which keeps its negative advantage)")
+    think: bool | None = _f(None, "ask for a <think> block before the calls; null = the variant's default (true for cot and cot_is)")
+    level: str = _f("sequence", "importance ratio level (reflrl.algos.importance): 'sequence' (eq. 2) | 'token' | 'sequence_mean'")
+    log_cap: float = _f(5.0, "clamp of the repaired trajectories' log importance ratio (weights within [e^-cap, e^cap])")
+    dpo_beta: float = _f(0.1, "'dpo': beta of the DPO loss on (repaired, failed) pairs")
+
+
+@dataclass
 class Config:
     """A whole run's configuration."""
 
@@ -210,6 +236,7 @@ class Config:
     sampling: SamplingConfig = _f(SamplingConfig, "dynamic sampling and curriculum")
     warmup: WarmupConfig = _f(WarmupConfig, "supervised warm-up")
     train: TrainConfig = _f(TrainConfig, "run control")
+    reflection: ReflectionConfig = _f(ReflectionConfig, "reflection-recovery (Tool-ReRL) and its baselines")
 
 
 # ---------------------------------------------------------------------------------- choices
@@ -222,6 +249,9 @@ KL_ESTIMATORS = ("k1", "kl", "abs", "k2", "mse", "k3", "low_var_kl")
 # run time are accepted too when reflrl.algos is already imported.
 ADVANTAGES = ("grpo", "dr_grpo", "rloo", "gae")
 POLICY_LOSSES = ("clip_higher", "ppo_clip")
+# reflrl.recovery.VARIANTS (tests keep them in sync)
+VARIANTS = ("grpo", "ppo", "cot", "ref", "cot_is", "external", "external_is", "tool_rerl", "dpo")
+CRITICS = ("rule", "llm", "policy")
 SAMPLERS = ("none", "dapo", "smv", "smr", "rds")  # reflrl.algos.dscl.get_sampler (tests keep them in sync)
 
 
@@ -374,6 +404,15 @@ def validate(cfg: Config) -> Config:
     need(0 < r.top_p <= 1, f"rollout.top_p: must be in (0, 1], got {r.top_p}")
     need(r.max_new_tokens >= 1, f"rollout.max_new_tokens: must be >= 1, got {r.max_new_tokens}")
     need(r.max_turns >= 1, f"rollout.max_turns: must be >= 1, got {r.max_turns}")
+    _choice(e, "rollout.engine", r.engine, ("transformers", "openai"))
+    if r.engine == "openai":
+        need(bool(r.engine_base_url), "rollout.engine_base_url: rollout.engine='openai' needs the server's URL, "
+             "e.g. http://127.0.0.1:8000/v1")
+        need(r.engine_off_policy, "rollout.engine='openai': the server samples from its own weights and the "
+             "trainer cannot sync the updated policy to it (an OpenAI-compatible API has no weight upload), so "
+             "every rollout after the first update is off-policy and uncorrected; set "
+             "rollout.engine_off_policy=true to train that way anyway, or use rollout.engine='transformers' "
+             "(on-policy; vLLM with weight sync: the verl backend, docs/scale-out.md)")
     need(r.max_total_tokens >= r.max_new_tokens,
          f"rollout.max_total_tokens: must be >= rollout.max_new_tokens ({r.max_new_tokens}), got {r.max_total_tokens}")
 
@@ -433,6 +472,28 @@ def validate(cfg: Config) -> Config:
     if tr.run_name is not None:
         need(tr.run_name not in ("", ".", "..") and "/" not in tr.run_name and "\\" not in tr.run_name,
              f"train.run_name: must be a plain folder name, got {tr.run_name!r}")
+
+    f = cfg.reflection
+    _choice(e, "reflection.variant", f.variant, VARIANTS)
+    _choice(e, "reflection.critic", f.critic, CRITICS)
+    _choice(e, "reflection.reveal", f.reveal, ("none", "query", "value"))
+    _choice(e, "reflection.reflect_on", f.reflect_on, ("failure", "env_fault"))
+    _choice(e, "reflection.mode", f.mode, ("replace", "append"))
+    _choice(e, "reflection.group", f.group, ("replace", "add"))
+    _choice(e, "reflection.level", f.level, ("sequence", "token", "sequence_mean"))
+    need(f.max_attempts >= 1, f"reflection.max_attempts: must be >= 1, got {f.max_attempts}")
+    need(f.max_per_step >= 0, f"reflection.max_per_step: must be >= 0 (0 = all), got {f.max_per_step}")
+    need(f.log_cap > 0, f"reflection.log_cap: must be > 0, got {f.log_cap}")
+    need(f.dpo_beta > 0, f"reflection.dpo_beta: must be > 0, got {f.dpo_beta}")
+    need(f.critic_timeout_s > 0, f"reflection.critic_timeout_s: must be > 0, got {f.critic_timeout_s}")
+    reflects = f.variant in ("ref", "cot_is", "external", "external_is", "tool_rerl", "dpo")
+    need(not reflects or r.max_turns == 1,
+         f"reflection.variant={f.variant!r} repairs single-step tasks (the paper's ToolACE setting); "
+         f"got rollout.max_turns={r.max_turns}")
+    need(not (f.variant.startswith("external") or (reflects and f.critic == "llm")) or bool(f.critic_base_url),
+         f"reflection.variant={f.variant!r} with an LLM critic needs reflection.critic_base_url (an "
+         f"OpenAI-compatible endpoint, e.g. `python -m reflrl.serving --model NAME --port 8000` -> "
+         f"http://127.0.0.1:8000/v1)")
 
     if e:
         raise ConfigError("invalid config:\n  " + "\n  ".join(e))
@@ -509,23 +570,41 @@ def config_from_dict(data: dict | None) -> Config:
     return validate(_build(Config, data or {}, ""))
 
 
+def _read_config_file(path: str | Path, _seen: tuple[Path, ...] = ()) -> dict:
+    """The mapping of a YAML config file, with its ``base:`` chain merged under it.
+
+    A top-level ``base: FILE`` (relative to the file's folder) makes the file a partial recipe on top
+    of FILE (e.g. ``configs/dscl.yaml`` has ``base: default.yaml``): FILE's keys first, this
+    file's keys over them, key by key. Without ``base`` missing keys take the code defaults.
+    """
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"config file {str(p)!r} does not exist")
+    if p.resolve() in _seen:
+        raise ConfigError(f"config file {str(p)!r}: 'base' chain loops back to itself")
+    try:
+        loaded = yaml.safe_load(p.read_text(encoding="utf-8"))
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"config file {str(p)!r} is not valid YAML: {exc}") from None
+    if loaded is not None and not isinstance(loaded, dict):
+        raise ConfigError(f"config file {str(p)!r}: expected a mapping of sections, got {_show(loaded)}")
+    data = dict(loaded or {})
+    base = data.pop("base", None)
+    if base is None:
+        return data
+    if not isinstance(base, str) or not base:
+        raise ConfigError(f"config file {str(p)!r}: 'base' must be a file name, got {_show(base)}")
+    return _merge(_read_config_file(p.parent / base, _seen + (p.resolve(),)), data)
+
+
 def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
     """Load a YAML config (None = defaults), apply dotted overrides, check types and values.
 
+    A file may start from another with a top-level ``base: FILE`` key (see :func:`_read_config_file`).
+
     Raises ConfigError for a missing/invalid file, unknown keys, wrong types or bad values.
     """
-    data: dict = {}
-    if path is not None:
-        p = Path(path)
-        if not p.is_file():
-            raise ConfigError(f"config file {str(p)!r} does not exist")
-        try:
-            loaded = yaml.safe_load(p.read_text(encoding="utf-8"))
-        except yaml.YAMLError as exc:
-            raise ConfigError(f"config file {str(p)!r} is not valid YAML: {exc}") from None
-        if loaded is not None and not isinstance(loaded, dict):
-            raise ConfigError(f"config file {str(p)!r}: expected a mapping of sections, got {_show(loaded)}")
-        data = loaded or {}
+    data = _read_config_file(path) if path is not None else {}
     # Check the file alone first so its errors are not blamed on an override.
     _build(Config, data, "")
     ov: dict = {}

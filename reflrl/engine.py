@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .fast_decode import fast_decoding, growing_cache
+from .fast_decode import fast_decoding, growable, growing_cache, length_chunks, merge_left_padded
 from .logprobs import head_of
 
 FinishReason = Literal["stop", "length"]
@@ -198,6 +198,36 @@ class TransformersEngine:
         self.last_stats.seconds = time.perf_counter() - t0
         return out
 
+    def _prefill(self, decoder: nn.Module, prompts: list[list[int]], width: int) -> tuple[torch.Tensor, Any]:
+        """Prompt forward pass: (last hidden state [num, hidden], KV cache left-padded to ``width``).
+
+        Prompts of very different lengths are prefilled in chunks of similar length
+        (:func:`reflrl.fast_decode.length_chunks`) and their caches merged, so padding costs little
+        compute; the merged cache is the same as one left-padded prefill except in masked positions.
+        """
+        one = len(prompts) == 1 or not growable(self.model.config)
+        chunks = [list(range(len(prompts)))] if one else length_chunks([len(p) for p in prompts])
+        parts, hs = [], torch.empty(0)
+        for idx in chunks:
+            cw = max(len(prompts[i]) for i in idx)
+            ids = torch.full((len(idx), cw), self.pad_id, dtype=torch.long)
+            mask = torch.zeros((len(idx), cw), dtype=torch.long)
+            for r, i in enumerate(idx):
+                ids[r, cw - len(prompts[i]):] = torch.tensor(prompts[i], dtype=torch.long)
+                mask[r, cw - len(prompts[i]):] = 1
+            pos = (mask.cumsum(-1) - 1).clamp(min=0)
+            cache = growing_cache(self.model.config)
+            h = decoder(input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=cache,
+                        use_cache=True).last_hidden_state[:, -1]
+            self.last_stats.forward_calls += 1
+            if len(chunks) == 1:
+                return h, cache
+            if hs.numel() == 0:
+                hs = h.new_empty((len(prompts), h.shape[-1]))
+            hs[torch.tensor(idx)] = h
+            parts.append((idx, cache))
+        return hs, merge_left_padded(parts, len(prompts), width)
+
     def _generate_group(
         self,
         prompts: list[list[int]],
@@ -214,18 +244,11 @@ class TransformersEngine:
         decoder = self.model.get_decoder()
         st = self.last_stats
         num, width = len(prompts), max(len(p) for p in prompts)
-        ids = torch.full((num, width), self.pad_id, dtype=torch.long)
         mask = torch.zeros((num, width), dtype=torch.long)
         for i, p in enumerate(prompts):  # left padding
-            ids[i, width - len(p) :] = torch.tensor(p, dtype=torch.long)
             mask[i, width - len(p) :] = 1
         st.prompt_tokens += int(mask.sum())
-        pos = (mask.cumsum(-1) - 1).clamp(min=0)
-        cache = growing_cache(self.model.config)
-        h = decoder(
-            input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=cache, use_cache=True
-        ).last_hidden_state[:, -1]
-        st.forward_calls += 1
+        h, cache = self._prefill(decoder, prompts, width)
         if n > 1:  # one prefill per prompt, copied to its n samples
             cache.batch_repeat_interleave(n)
             mask = mask.repeat_interleave(n, dim=0)

@@ -125,14 +125,20 @@ class GrowingLayer(DynamicLayer):
         self.batch_select_indices(beam_idx)
 
 
-def growing_cache(config: Any) -> DynamicCache:
-    """A ``DynamicCache`` for ``config`` whose layers are :class:`GrowingLayer` (full attention only;
-    models with sliding-window layers get a plain ``DynamicCache``)."""
-    cache = DynamicCache(config=config)
+def growable(config: Any) -> bool:
+    """Whether every attention layer of ``config`` is full attention (what :class:`GrowingLayer` models)."""
     dec = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
-    if getattr(dec, "sliding_window", None) or any(t != "full_attention" for t in (getattr(dec, "layer_types", None) or [])):
-        return cache
-    cache.layers = [GrowingLayer() for _ in range(dec.num_hidden_layers)]
+    types = getattr(dec, "layer_types", None) or []
+    return not getattr(dec, "sliding_window", None) and all(t == "full_attention" for t in types)
+
+
+def growing_cache(config: Any) -> DynamicCache:
+    """A ``DynamicCache`` for ``config`` whose layers are :class:`GrowingLayer`; models with
+    sliding-window layers get a plain ``DynamicCache``."""
+    cache = DynamicCache(config=config)
+    if growable(config):
+        dec = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+        cache.layers = [GrowingLayer() for _ in range(dec.num_hidden_layers)]
     return cache
 
 
@@ -150,3 +156,48 @@ def fast_decoding(model: torch.nn.Module) -> Iterator[bool]:
         yield True
     finally:
         cfg._attn_implementation = before
+
+
+def length_chunks(lengths: list[int], max_waste: float = 0.15, max_rows: int = 16) -> list[list[int]]:
+    """Split row indices into prefill chunks of similar length: rows sorted by length, a chunk
+    closes when left padding would exceed ``max_waste`` of its tokens or it holds ``max_rows``.
+    Returns lists of original indices (every index exactly once)."""
+    order = sorted(range(len(lengths)), key=lambda i: lengths[i], reverse=True)
+    chunks: list[list[int]] = []
+    cur: list[int] = []
+    for i in order:
+        if cur:
+            width = lengths[cur[0]]  # the longest in the chunk (sorted descending)
+            real = sum(lengths[j] for j in cur) + lengths[i]
+            if len(cur) >= max_rows or 1 - real / (width * (len(cur) + 1)) > max_waste:
+                chunks.append(cur)
+                cur = []
+        cur.append(i)
+    if cur:
+        chunks.append(cur)
+    return chunks
+
+
+def merge_left_padded(parts: list[tuple[list[int], DynamicCache]], rows: int, width: int) -> DynamicCache:
+    """One growing cache of ``rows`` rows, left-padded to ``width``, from caches prefilled over row
+    subsets: ``parts`` = [(original row indices, cache of those rows, left-padded to its own width)].
+    Padding positions hold zeros (they are masked out by the attention mask)."""
+    first = parts[0][1]
+    merged = DynamicCache()
+    merged.layers = []
+    for li in range(len(first.layers)):
+        k0 = first.layers[li].keys
+        layer = GrowingLayer()
+        layer.lazy_initialization(k0, k0)
+        shape = (rows, k0.shape[1], width + 64, k0.shape[-1])
+        layer.kbuf, layer.vbuf = k0.new_zeros(shape), k0.new_zeros(shape)
+        for idx, cache in parts:
+            src = cache.layers[li]
+            w = src.keys.shape[-2]
+            sel = torch.tensor(idx)
+            layer.kbuf[sel, :, width - w: width] = src.keys
+            layer.vbuf[sel, :, width - w: width] = src.values
+        layer.length = width
+        layer._views()
+        merged.layers.append(layer)
+    return merged

@@ -58,6 +58,15 @@ class Trajectory:
     texts: list[str] = field(default_factory=list)  # decoded actions, one per turn
     turns: int = 0
     truncated: bool = False
+    # Tool-ReRL (reflrl.recovery): a reflection-repaired rollout keeps its RepairRecord (q, q*, attempts,
+    # critiques) and the failed rollout it replaced in the group; old_logprobs are then log pi(tau*|q*).
+    repair: Any = None
+    original: Any = None
+
+    @property
+    def repaired(self) -> bool:
+        """tau* sampled under q* and judged positive (trained on q with eq. 2's weight)."""
+        return self.repair is not None and bool(getattr(self.repair, "repaired", False))
 
     @property
     def n_action_tokens(self) -> int:
@@ -183,6 +192,7 @@ def _record_step(traj: Trajectory, reward: float, info: dict[str, Any]) -> None:
     if triage is not None:
         traj.info.setdefault("triage", []).append(triage)
     traj.info["parse_ok"] = info.get("parse_ok", traj.info.get("parse_ok"))
+    traj.info["last"] = info  # the last step's full env info (triage and critique of failures)
     traj.info["n_calls"] = traj.info.get("n_calls", 0) + len(info.get("calls") or [])
 
 

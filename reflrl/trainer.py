@@ -52,6 +52,7 @@ from . import config as C
 from . import rollout as R
 from .algos import (PreRolloutFilter, drop_zero_variance_groups, get_advantage_fn, get_policy_loss_fn,
                     groups_to_request, kl_loss, max_variance_subset)
+from .recovery import own_rollouts
 from .runlog import RunLog, latest_checkpoint, load_checkpoint
 
 # ============================================================================ data order
@@ -109,6 +110,13 @@ class PromptSampler:
         self.skipped = {int(k): int(v) for k, v in s.get("skipped", {}).items()}
 
 
+def group_all_correct(group: Sequence[R.Trajectory]) -> bool | None:
+    """Were all of a prompt's own live rollouts correct (repairs not counted; None when all were
+    masked)? Logged per step for the temporal stability of all-correct prompts (paper 000 Fig. 5)."""
+    own = [o for o in (t.original if t.original is not None else t for t in group) if not o.masked]
+    return all(bool(o.correct) for o in own) if own else None
+
+
 def derive_seed(*parts: int) -> int:
     """A 31-bit seed from integers (numpy SeedSequence)."""
     return int(np.random.SeedSequence([int(p) & 0xFFFFFFFF for p in parts]).generate_state(1)[0] >> 1)
@@ -136,6 +144,7 @@ class UpdateBatch:
     engine_logprobs: torch.Tensor
     advantages: torch.Tensor
     pad_id: int = 0
+    repaired: torch.Tensor | None = None  # [B] bool: reflection-repaired rows (Tool-ReRL, reflrl.recovery)
 
     def __len__(self) -> int:
         return int(self.resp_ids.shape[0])
@@ -155,7 +164,7 @@ class UpdateBatch:
         return UpdateBatch([self.prompts[o] for o in keep], torch.tensor([remap[o] for o in owners]),
                            *(t[ix][:, :width] for t in (self.resp_ids, self.resp_attn, self.response_mask,
                                                          self.engine_logprobs, self.advantages)),
-                           pad_id=self.pad_id)
+                           pad_id=self.pad_id, repaired=None if self.repaired is None else self.repaired[ix])
 
     def full(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Right-padded full sequences: (input_ids, attention_mask, response_mask), each [B, L], with
@@ -219,7 +228,8 @@ def make_batch(trajs: Sequence[R.Trajectory], advantages: Sequence[float], pad_i
         resp[i, :n] = torch.tensor(t.loss_mask, dtype=torch.long)
         elp[i, :n] = torch.tensor(t.old_logprobs, dtype=torch.float32)
         adv[i, :n] = float(a) * resp[i, :n].float()
-    return UpdateBatch(prompts, torch.tensor(owner, dtype=torch.long), ids, attn, resp, elp, adv, pad_id=pad_id)
+    return UpdateBatch(prompts, torch.tensor(owner, dtype=torch.long), ids, attn, resp, elp, adv, pad_id=pad_id,
+                       repaired=torch.tensor([bool(getattr(t, "repaired", False)) for t in trajs], dtype=torch.bool))
 
 
 def micro_batches(batch: UpdateBatch, size: int) -> list[UpdateBatch]:
@@ -308,14 +318,24 @@ def select_and_score(groups: Sequence[Sequence[R.Trajectory]], a: C.AlgoConfig
 # ============================================================================ the policy update
 def policy_update(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: UpdateBatch,
                   cfg: C.AlgoConfig, *, temperature: float = 1.0, ref_model: torch.nn.Module | None = None,
-                  share_prompt: bool = True) -> dict[str, float]:
+                  share_prompt: bool = True, importance: dict[str, Any] | None = None) -> dict[str, float]:
     """One rollout batch -> ``cfg.epochs_per_batch`` optimiser steps of the clipped surrogate.
 
     Token-mean over the whole batch with gradient accumulation over micro-batches
     (``global_denominator`` = action tokens of the batch), so the result equals one full-batch
     step. Returns averaged loss metrics, grad norm and the engine/trainer log-prob gap.
+
+    ``importance`` (Tool-ReRL variants with the weight, ``{"level": ..., "log_cap": ...}``): the loss is
+    ``tool_rerl`` (:mod:`reflrl.algos.importance`, eq. 2). ``lp`` is always log pi_theta of the response
+    under the row's OWN prompt tokens, which for a repaired row are the ORIGINAL prompt q's, so the
+    numerator is log pi_theta(tau*|q); the repaired rows' old log-probs are their recorded behaviour
+    log-probs log pi_theta(tau*|q*) at sampling time (``engine_logprobs``, Assumption 1), the other
+    rows' stay as above (ratio 1 at one epoch: the plain clipped loss exactly). Without it, repaired
+    rows are trained like any rollout (variant ``ref``: no weight). ``rerl/*`` metrics are pooled
+    exactly over the repaired rows of the first epoch (the weights at the update's start).
     """
-    loss_fn = get_policy_loss_fn(cfg.policy_loss)
+    loss_fn = get_policy_loss_fn("tool_rerl" if importance is not None else cfg.policy_loss)
+    rerl_parts: list[dict[str, float]] = []
     params = [p for p in model.parameters() if p.requires_grad]
     mbs = micro_batches(batch, cfg.micro_batch_size)
     total_tokens = float(batch.response_mask.sum())
@@ -340,9 +360,16 @@ def policy_update(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batc
         for j, mb in enumerate(mbs):
             lp = batch_logprobs(model, mb, temperature, share_prompt)
             old_lp = old[j] if old[j] is not None else lp.detach()
+            rep = mb.repaired if mb.repaired is not None else torch.zeros(len(mb), dtype=torch.bool)
+            extra: dict[str, Any] = {}
+            if importance is not None:
+                old_lp = torch.where(rep[:, None], mb.engine_logprobs, old_lp)
+                extra = {"repaired": rep, "level": importance["level"], "log_cap": importance["log_cap"]}
             loss, m = loss_fn(lp, old_lp, mb.advantages, mb.response_mask, clip_low=cfg.clip_low,
                               clip_high=cfg.clip_high, dual_clip_c=cfg.dual_clip_c,
-                              loss_agg_mode=cfg.loss_agg, global_denominator=denom)
+                              loss_agg_mode=cfg.loss_agg, global_denominator=denom, **extra)
+            if _epoch == 0:
+                rerl_parts.append({k: v for k, v in m.items() if k.startswith("rerl/")})
             if ref[j] is not None:
                 kl, km = kl_loss(lp, ref[j], mb.response_mask, cfg.kl_estimator, cfg.loss_agg,
                                  global_denominator=denom)
@@ -354,10 +381,11 @@ def policy_update(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batc
             loss_total += float(loss.detach())
             mask = mb.response_mask.bool()
             w = float(mask.sum())
-            if w:
-                m["engine_logprob_gap"] = float((lp.detach() - mb.engine_logprobs)[mask].abs().mean())
+            on_q = mask & ~rep[:, None]  # repaired rows' engine log-probs are under q*, not q
+            if bool(on_q.any()):
+                m["engine_logprob_gap"] = float((lp.detach() - mb.engine_logprobs)[on_q].abs().mean())
             for k, v in m.items():
-                if k not in ("pg_loss", "tokens", "kl"):
+                if k not in ("pg_loss", "tokens", "kl") and not k.startswith("rerl/"):
                     tok_sums[k] = tok_sums.get(k, 0.0) + w * float(v)
             tok_count += w
         gn = torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip if cfg.grad_clip > 0 else float("inf"))
@@ -372,6 +400,10 @@ def policy_update(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batc
     out["grad_norm"] = float(np.mean(grad_norms))
     out["update_tokens"] = total_tokens
     out["update_sequences"] = float(len(batch))
+    if importance is not None:
+        from .recovery import pooled_weight_stats
+
+        out.update(pooled_weight_stats(rerl_parts))
     return out
 
 
@@ -426,6 +458,9 @@ class Trainer:
             raise C.ConfigError("the CPU trainer supports outcome advantages (grpo, dr_grpo, rloo) without "
                                 "an entropy bonus; algo.advantage='gae' and algo.entropy_coef>0 need a "
                                 "value head / full-vocabulary logits it does not compute")
+        from . import recovery as RC
+
+        RC.check_cpu_support(cfg)  # e.g. reflection.variant='ppo' needs a value head
 
         # ---- data ------------------------------------------------------------------
         self.splits = splits_from_config(cfg.data)
@@ -460,12 +495,16 @@ class Trainer:
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
         self.engine = TransformersEngine(self.model, self.tokenizer,
                                          max_batch_size=max(64, cfg.rollout.n * cfg.rollout.batch_prompts))
+        self.remote_engine = self._remote_engine()  # rollout.engine='openai'; None = sample with self.engine
         self.eval_batch = 64  # greedy evaluation: prompts decoded together (sorted by length)
         params = [p for p in self.model.parameters() if p.requires_grad]
         if not params:
             raise C.ConfigError(f"model.trainable={m.trainable!r} leaves no trainable parameter")
         self.optimizer = torch.optim.AdamW(params, lr=cfg.algo.lr, weight_decay=cfg.algo.weight_decay)
         self.ref_model = None  # KL reference (algo.kl_coef > 0): the policy as RL starts, see run()
+        # Tool-ReRL variant (reflection.variant; reflrl.recovery): its critic when it repairs failures
+        self.variant = RC.variant_of(cfg)
+        self.critic = RC.build_critic(cfg, self.engine, self.tokenizer) if self.variant.reflect else None
 
         # ---- envs --------------------------------------------------------------------
         self.n_envs = cfg.rollout.n * cfg.rollout.batch_prompts
@@ -494,6 +533,28 @@ class Trainer:
             self._load(ck)
 
     # -------------------------------------------------------------------------------- set-up
+    @property
+    def rollout_engine(self):
+        """The engine that samples RL rollouts: the remote one when configured, else ``self.engine``."""
+        return self.remote_engine if self.remote_engine is not None else self.engine
+
+    def _remote_engine(self):
+        """The remote engine that samples RL rollouts (``rollout.engine``). 'transformers': None (rollouts
+        come from ``self.engine``, the trained model itself, so they are always on-policy). 'openai': an OpenAI-compatible
+        server (reflrl.engines.openai_engine) that samples from ITS OWN weights; the trainer cannot push
+        updates to it (``update_weights`` raises), so after the first update the rollouts are
+        off-policy and the loss does not correct for it. Config validation refuses it unless
+        ``rollout.engine_off_policy=true``; held-out evaluation still scores the local, trained model."""
+        r = self.cfg.rollout
+        if r.engine == "transformers":
+            return None
+        from .engines import get_engine
+
+        print(f"[reflrl] warning: rollouts come from {r.engine_base_url} (rollout.engine=openai), whose weights "
+              "are never synced with the trained model: off-policy after the first update", file=sys.stderr)
+        return get_engine("openai", base_url=r.engine_base_url, model=r.engine_model or self.cfg.model.name,
+                          tokenizer=self.tokenizer, max_concurrency=max(1, self.cfg.env.concurrency))
+
     def _make_envs(self, count: int) -> list:
         import gymnasium as gym
 
@@ -506,14 +567,20 @@ class Trainer:
                          seed=self.cfg.train.seed + k, reward=e.reward, parser=e.parser,
                          prompt_style=self.cfg.data.prompt_style, max_steps=e.max_steps,
                          retry={"max_attempts": e.retry.max_attempts, "budget_s": e.retry.budget_s},
-                         app=app, episode_prefix=f"w{k}").unwrapped
+                         app=app, episode_prefix=f"w{k}", think=self._think()).unwrapped
                 for k in range(count)]
 
     def messages(self, task) -> list[dict]:
         """The chat messages that start an episode of ``task`` (same rendering as the envs)."""
         from reflrl.envs.prompts import build_messages
 
-        return build_messages(task, style=self.cfg.data.prompt_style, fmt=self._fmt())
+        return build_messages(task, style=self.cfg.data.prompt_style, fmt=self._fmt(), think=self._think())
+
+    def _think(self) -> bool:
+        """Thought-then-call prompts (reflection.think, or the variant's default: cot, cot_is)."""
+        from .recovery import think_of
+
+        return think_of(self.cfg)
 
     def _fmt(self) -> str:
         return "hermes" if self.cfg.env.parser == "auto" else self.cfg.env.parser
@@ -575,8 +642,9 @@ class Trainer:
         out.update(ran=True, **{f"sft_{k}": v for k, v in res.items()})
         if w.probe_n > 0:
             out["format_rate_after"] = self.probe_format_rate()
-            self.say(f"warm-up: {res['steps']} SFT steps in {res['seconds']:.0f}s, loss "
-                     f"{res['loss_first']:.2f} -> {res['loss_last']:.2f}; format rate "
+            loss = ("n/a" if res.get("loss_first") is None  # 0 steps: the time budget left none
+                    else f"{res['loss_first']:.2f} -> {res['loss_last']:.2f}")
+            self.say(f"warm-up: {res['steps']} SFT steps in {res['seconds']:.0f}s, loss {loss}; format rate "
                      f"{out['format_rate_before']:.0%} -> {out['format_rate_after']:.0%}")
         return out
 
@@ -600,8 +668,22 @@ class Trainer:
         n = self.cfg.rollout.n
         self.state["episodes"] += len(tasks) * n
         return self.loop.run_until_complete(
-            R.arollout(self.engine, self.tokenizer, self.envs, tasks, n, self.rollout_cfg, seed=seed,
+            R.arollout(self.rollout_engine, self.tokenizer, self.envs, tasks, n, self.rollout_cfg, seed=seed,
                        timings=timings))
+
+    def recover(self, trajs: list[R.Trajectory], round_: int) -> Any:
+        """Tool-ReRL's reflection-recovery on one round of rollouts (:func:`reflrl.recovery.arecover`):
+        triage, batched reflection-guided retries, repaired rollouts swapped into ``trajs``."""
+        from .recovery import arecover
+
+        res = self.loop.run_until_complete(arecover(
+            trajs, cfg=self.cfg, engine=self.engine, tokenizer=self.tokenizer, envs=self.envs, critic=self.critic,
+            messages_of=self.messages, rollout_cfg=self.rollout_cfg,
+            seed=derive_seed(self.cfg.train.seed, self.step, round_, 2)))
+        if res.errors and not self.state.get("reflection_error_shown"):
+            self.state["reflection_error_shown"] = True
+            self.say(f"reflection failed for {len(res.errors)} rollout(s) (counted, training goes on): {res.errors[0]}")
+        return res
 
     def train_step(self) -> dict[str, Any]:
         """Sample prompts, roll out, filter, compute advantages, update. Returns the step's metrics."""
@@ -618,10 +700,13 @@ class Trainer:
         rounds = 0
         want = B
         ctl = self.sampling  # DSCL curriculum / prompt-level samplers (papers/002); None = off
+        recoveries: list[Any] = []  # Tool-ReRL per-round results (reflrl.recovery)
         while want > 0:
             idx = self.sampler.next(want)
             trajs = self.rollout(idx, rounds, timings)
-            round_groups = [trajs[g * n: (g + 1) * n] for g in range(len(idx))]
+            if self.critic is not None:  # Tool-ReRL: failed rollouts repaired in place, in their groups
+                recoveries.append(self.recover(trajs, rounds))
+            round_groups = [[t for t in trajs if t.group == g] for g in range(len(idx))]  # n (+ added repairs)
             groups.extend(round_groups)
             if ctl is not None:
                 self._dscl_rewards(round_groups)
@@ -631,8 +716,10 @@ class Trainer:
                 if not live:  # every rollout hit an unrecovered env fault: nothing to learn, nothing to blame
                     kept_mask.append(False)
                     continue
-                # 2. the filter's all-correct streak (eqs. 4-5), on the live rollouts
-                self.prefilter.update(grp[0].task.id, [float(t.correct) for t in live], r_max=1.0)
+                # 2. the filter's all-correct streak (eqs. 4-5), on the policy's own live rollouts (not repairs)
+                own_live = [o for o in own_rollouts(grp) if not o.masked]
+                if own_live:
+                    self.prefilter.update(grp[0].task.id, [float(t.correct) for t in own_live], r_max=1.0)
                 live_groups += 1
                 rs = [t.reward for t in live]
                 zv = len(live) < 2 or max(rs) == min(rs)
@@ -662,15 +749,36 @@ class Trainer:
         use = [i for i, v in enumerate(adv) if v != 0.0 and train_trajs[i].n_action_tokens > 0]
         metrics["groups_trained"] = len({group_ids[i] for i in use})
         metrics["adv_abs_mean"] = float(np.mean(np.abs(adv))) if adv else 0.0
-        if use:
+        n_signal = len(use)
+        metrics["repaired_trained"] = float(sum(bool(train_trajs[i].repaired) for i in use))
+        if self.variant.dpo:  # Tool-ReRL's DPO baseline: DPO on (repaired, failed) pairs only (reflrl.recovery)
+            from .recovery import dpo_pairs, dpo_update
+
+            pairs = dpo_pairs([t for g in kept_groups[:B] for t in g])
+            n_signal = 2 * len(pairs)
+            if pairs:
+                if self.ref_model is None:  # the policy as DPO starts (no update happened before the first pair)
+                    self.ref_model = copy.deepcopy(self.model).eval()
+                    for p in self.ref_model.parameters():
+                        p.requires_grad_(False)
+                metrics.update(dpo_update(self.model, self.optimizer, self.ref_model, pairs, cfg, self.pad_id))
+        elif use:
             batch = make_batch([train_trajs[i] for i in use], [adv[i] for i in use], self.pad_id)
-            metrics.update(policy_update(self.model, self.optimizer, batch, a,
+            imp = ({"level": cfg.reflection.level, "log_cap": cfg.reflection.log_cap}
+                   if self.variant.importance else None)  # eq. 2 on repaired rows (tool_rerl, cot_is, external_is)
+            metrics.update(policy_update(self.model, self.optimizer, batch, a, importance=imp,
                                          temperature=cfg.rollout.temperature, ref_model=self.ref_model))
         metrics["update_skipped"] = float("loss" not in metrics)
         update_s = time.perf_counter() - t_up
 
-        # 4. bookkeeping
-        stats = R.rollout_stats(all_trajs)
+        # 4. bookkeeping (reward/accuracy of the policy's own samples; `masked`: left out of the loss)
+        from .recovery import RecoveryLedger, step_accounting
+
+        stats = R.rollout_stats(own_rollouts(all_trajs))
+        counts, rec_metrics = step_accounting(recoveries, all_trajs, n_signal)
+        RecoveryLedger(self.state.setdefault("recovery", {})).add_step(
+            counts, [r.critic for r in recoveries], n_signal, metrics)
+        metrics.update(rec_metrics)
         masked = sum(t.masked for t in all_trajs)
         self.state["masked"] += masked
         self.state["trajectories"] += len(all_trajs)
@@ -685,6 +793,7 @@ class Trainer:
             "zero_var_ratio": zvr, "masked": masked, "sampling_rounds": rounds,
             "prefilter_skipped_epoch": self.sampler.skipped.get(self.sampler.epoch, 0),
             "trained_rollouts": len(train_trajs), "task_ids": [g[0].task.id for g in groups],
+            "group_all_correct": [group_all_correct(g) for g in groups],  # aligned with task_ids (reflrl.report)
             "time_rollout_s": rollout_s, "time_generate_s": timings.get("generate_s", 0.0),
             "time_env_s": timings.get("env_s", 0.0), "time_update_s": update_s,
             "time_step_s": time.perf_counter() - t_step,
@@ -693,8 +802,8 @@ class Trainer:
             metrics.update(ctl.step_metrics())
         if self.sampler.epoch != epoch_before:
             metrics["new_epoch"] = True
-            if ctl is not None and epoch_before >= 0:
-                metrics.update(ctl.epoch_metrics(epoch_before))
+            if ctl is not None and epoch_before >= 0:  # the finished epoch's category shares (dscl docstring)
+                self.log.log(self.step, ctl.epoch_record(epoch_before), phase="epoch")
         return metrics
 
     def _dscl_rewards(self, groups: list[list[R.Trajectory]]) -> None:
@@ -806,6 +915,9 @@ class Trainer:
         if bar is not None:
             bar.close()
         st["stop_reason"] = stop_reason
+        if self.sampling is not None and self.sampler.epoch >= 0:  # the last epoch's shares so far
+            self.log.log(self.step, self.sampling.epoch_record(
+                self.sampler.epoch, partial=self.sampler.pos < len(self.sampler.order)), phase="epoch")
         st["phase"] = "done"
         st["eval_after"] = self.evaluate("test")
         self.log.log(self.step, {f"test_{k}": v for k, v in st["eval_after"].items()}, phase="eval")
@@ -846,11 +958,25 @@ class Trainer:
             "reward_per_step": st["rewards"], "zero_var_ratio_per_step": st["zero_var_ratio"],
             "prefilter_skipped_per_epoch": dict(self.sampler.skipped),
             "trajectories": st["trajectories"], "masked_trajectories": st["masked"],
+            # RL rollouts sampled (n per prompt, DAPO-style refills included; not reflection re-attempts)
+            "rollouts": st.get("episodes", st["trajectories"]),
+            "sampling": self.sampling.summary() if self.sampling is not None else None,
             "faults": self.ledger_totals(),
             "time_s": {**{k: round(v, 1) for k, v in st["timers"].items()}, "load_s": round(self.load_s, 1),
                        "total_s": round(self.elapsed(), 1)},
-            "config": {"faults": self.cfg.env.faults, "model": self.cfg.model.name, "seed": self.cfg.train.seed},
+            "config": {"faults": self.cfg.env.faults, "model": self.cfg.model.name, "seed": self.cfg.train.seed,
+                       "variant": self.cfg.reflection.variant},
+            "recovery": self._recovery_summary(),
         }
+
+    def _recovery_summary(self) -> dict[str, Any]:
+        """Tool-ReRL accounting over the run (reflrl.recovery.RecoveryLedger): failures by cause,
+        recovered by the client's retries / by reflection, discarded, tool calls per trajectory with a
+        learning signal, critic calls and latency, importance weights per step."""
+        from .recovery import RecoveryLedger
+
+        return {"variant": self.cfg.reflection.variant,
+                **RecoveryLedger(self.state.setdefault("recovery", {})).summary()}
 
     def close(self) -> None:
         for env in self.envs:
@@ -889,9 +1015,18 @@ def format_summary(s: dict[str, Any]) -> str:
         f"tool calls: {f['calls']} ({f['attempts']} billed attempts, {f['retries']} retries); env faults seen: {fk}; "
         f"recovered {f['recovered']}, given up {f['given_up']} -> {s['masked_trajectories']} of "
         f"{s['trajectories']} rollouts masked (not penalised)",
+    ]
+    if s.get("recovery"):
+        from .recovery import format_recovery
+
+        lines += format_recovery(s["recovery"], s["recovery"].get("variant", "grpo"))
+    lines += [
         "time: " + ", ".join(f"{k[:-2]} {v:.0f}s" for k, v in s["time_s"].items()),
         f"run folder: {s['run_dir']}  (summary.json, metrics.jsonl, TensorBoard events, checkpoints/)",
     ]
+    if s.get("report"):
+        lines.append(f"report: {s['report']}  (plots: reward, accuracy, zero-variance prompts, faults and "
+                     "recovery, time; open it in a browser)")
     return "\n".join(lines)
 
 
@@ -910,6 +1045,8 @@ def build_arg_parser() -> argparse.ArgumentParser:
     p.add_argument("--resume", metavar="RUN_DIR", help="continue the run in RUN_DIR from its last checkpoint")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
     p.add_argument("--quiet", action="store_true", help="print only the final summary")
+    p.add_argument("--no-report", action="store_true",
+                   help="do not write the run report (report.html, report.md, plots/) at the end")
     p.add_argument("--help-config", action="store_true", help="list every config key with its default and exit")
     p.add_argument("--backend", choices=("cpu", "verl"), default="cpu",
                    help="cpu: this process's trainer (default); verl: build a verl config from --config "
@@ -943,13 +1080,31 @@ def resolve_config(args: argparse.Namespace) -> tuple[C.Config, Path, bool]:
 
 
 def train(cfg: C.Config, run_dir: str | Path, *, resume: bool = False, progress: bool = True,
-          quiet: bool = False) -> dict[str, Any]:
-    """Run a whole training job; returns the summary (also in run_dir/summary.json)."""
+          quiet: bool = False, report: bool = True) -> dict[str, Any]:
+    """Run a whole training job; returns the summary (also in run_dir/summary.json). With ``report``
+    the run report (reflrl.report: report.html, report.md, plots/) is written at the end and its
+    path returned as ``summary["report"]`` (None, with the reason on stderr, if it failed: the
+    finished training is never lost to a report error)."""
     trainer = Trainer(cfg, run_dir, resume=resume, progress=progress, quiet=quiet)
     try:
-        return trainer.run()
+        summary = trainer.run()
     finally:
         trainer.close()
+    if report:
+        summary["report"] = write_run_report(trainer.log.path)
+    return summary
+
+
+def write_run_report(run_dir: str | Path) -> str | None:
+    """``reflrl report RUN_DIR`` for a finished run; logs (never raises) a failure."""
+    try:
+        from .report import build_report
+
+        return str(build_report(run_dir).html)
+    except Exception as e:  # noqa: BLE001  the training is done; the report can be redone by hand
+        print(f"[reflrl] the run finished but its report could not be written: {type(e).__name__}: {e}\n"
+              f"[reflrl] retry with: reflrl report {run_dir}", file=sys.stderr, flush=True)
+        return None
 
 
 def _main_verl(args: argparse.Namespace) -> int:
@@ -987,10 +1142,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _main_verl(args)
     try:
         cfg, run_dir, resume = resolve_config(args)
+        from .recovery import check_cpu_support
+
+        check_cpu_support(cfg)  # e.g. reflection.variant='ppo': exit 2 with the reason, before loading anything
     except (C.ConfigError, ValueError) as e:
         print(f"reflrl train: error: {e}", file=sys.stderr)
         return 2
-    summary = train(cfg, run_dir, resume=resume, progress=not args.no_progress, quiet=args.quiet)
+    summary = train(cfg, run_dir, resume=resume, progress=not args.no_progress, quiet=args.quiet,
+                    report=not args.no_report)
     print(format_summary(summary), flush=True)
     return 0
 

@@ -130,6 +130,21 @@ def test_bad_files(tmp_path):
         load_config(p)
 
 
+def test_base_key_layers_a_partial_recipe_on_another_file(tmp_path):
+    (tmp_path / "base.yaml").write_text("rollout:\n  n: 3\n  batch_prompts: 5\nalgo:\n  lr: 0.5\n")
+    (tmp_path / "mid.yaml").write_text("base: base.yaml\nrollout:\n  n: 7\n")
+    (tmp_path / "top.yaml").write_text("base: mid.yaml\nalgo:\n  lr: 0.25\n")
+    cfg = load_config(tmp_path / "top.yaml", ["rollout.batch_prompts=9"])
+    assert (cfg.rollout.n, cfg.rollout.batch_prompts, cfg.algo.lr) == (7, 9, 0.25)
+    assert load_config(tmp_path / "mid.yaml").rollout.batch_prompts == 5  # the base's key is kept
+    (tmp_path / "loop.yaml").write_text("base: loop.yaml\n")
+    with pytest.raises(ConfigError, match="loops back"):
+        load_config(tmp_path / "loop.yaml")
+    (tmp_path / "gone.yaml").write_text("base: nope.yaml\n")
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config(tmp_path / "gone.yaml")
+
+
 def test_several_value_errors_reported_together():
     with pytest.raises(ConfigError) as exc:
         load_config(None, ["rollout.n=0", "algo.clip_low=1.5"])

@@ -381,6 +381,39 @@ def test_yaml_configs_load(name, sampler, curriculum):
         assert ctl.curriculum.thresholds == {"format": 0.9, "name": 0.75, "key": 0.7}
 
 
+@pytest.mark.parametrize("name", ["dscl", "dapo", "smv", "smr", "rds", "tdcl", "toolrl"])
+def test_sampling_configs_start_from_the_default_recipe(name):
+    """`reflrl train --config configs/X.yaml` runs on the embedded default: every key the recipe
+    does not set is the default recipe's (configs/default.yaml), not the code default."""
+    from reflrl.config import config_diff
+
+    default = load_config(ROOT / "configs" / "default.yaml")
+    diff = config_diff(load_config(ROOT / "configs" / f"{name}.yaml"), default)
+    assert set(diff) <= {"env.reward", "algo.dynamic_sampling"} | {k for k in diff if k.startswith("sampling.")}
+    assert diff["env.reward"] == ("binary", "fine")
+
+
+def test_step_metrics_sum_the_rounds_of_a_step_and_flag_transitions():
+    ctl = SamplingController("rds", curriculum=CurriculumStage(window=1, weighted=True), warmup_gate=False)
+    ctl.select(0, 0, [("p1", [4.0, 4.0]), ("p2", [-3.0, 4.0])], round_=0)
+    ctl.select(0, 0, [("p3", [-3.0, -3.0])], round_=1)  # a refill round of the same step
+    m = ctl.step_metrics()
+    assert m["dscl/groups_in"] == 3 and m["dscl/stage_changed"] == 0.0 and "dscl/transition" not in m
+    assert m["dscl/batch_a"] == pytest.approx(1 / 3) and m["dscl/batch_b2"] == pytest.approx(1 / 3)
+    assert sum(m[f"dscl/batch_{c.replace('.', '')}"] for c in CATEGORIES) == pytest.approx(1.0)
+    ctl.observe_subrewards(1, rows(2, format=1.0))  # next step: stage 1 -> 2
+    ctl.select(1, 0, [("p1", [4.0, 4.0])])
+    m = ctl.step_metrics()
+    assert m["dscl/groups_in"] == 1 and m["dscl/stage"] == 2 and m["dscl/stage_changed"] == 1.0
+    assert m["dscl/transition"]["from"] == 1 and m["dscl/transition"]["to"] == 2
+    ctl.select(2, 1, [("p2", [0.0, 1.0])])
+    assert ctl.step_metrics()["dscl/stage_changed"] == 0.0
+    rec = ctl.epoch_record(0)
+    assert rec["epoch"] == 0 and rec["dscl/partial"] == 0.0 and rec["dscl/prompts"] == 3
+    s = json.loads(json.dumps(ctl.summary()))
+    assert s["stage"] == 2 and s["transitions"][0]["to"] == 2 and set(s["epochs"]) == {"0", "1"}
+
+
 def test_default_config_window_is_batches_per_epoch():
     cfg = load_config(ROOT / "configs" / "default.yaml")
     assert cfg.sampling.sampler == "none" and cfg.sampling.window is None

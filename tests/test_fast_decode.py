@@ -92,3 +92,31 @@ def test_engine_greedy_unchanged_by_fast_path(tiny, monkeypatch):
     assert [s.token_ids for s in fast] == [s.token_ids for s in slow]
     for a, b in zip(fast, slow):
         assert a.logprobs == pytest.approx(b.logprobs, abs=1e-4)
+
+
+def test_length_chunks_cover_every_row_once_and_limit_padding():
+    from reflrl.fast_decode import length_chunks
+
+    lengths = [300, 120, 310, 500, 125, 130, 495, 305]
+    chunks = length_chunks(lengths, max_waste=0.15, max_rows=16)
+    assert sorted(i for c in chunks for i in c) == list(range(len(lengths)))
+    for c in chunks:
+        width = max(lengths[i] for i in c)
+        assert sum(lengths[i] for i in c) >= (1 - 0.15) * width * len(c)
+    assert len(chunks) == 3  # ~500, ~300, ~125
+    assert all(len(c) <= 2 for c in length_chunks(lengths, max_rows=2))
+
+
+def test_chunked_prefill_matches_one_padded_prefill(tiny, monkeypatch):
+    """Prompts of very different lengths: chunked prefill + merged cache == one left-padded prefill."""
+    model, tok = tiny
+    prompts = [tok.encode("hi"), tok.encode("word " * 60), tok.encode("ok then"), tok.encode("word " * 58)]
+    eng = TransformersEngine(model, tok)
+    a = eng.generate(prompts, n=2, max_new_tokens=10, temperature=0.0)
+    assert eng.last_stats.forward_calls > 10  # several prefill chunks ran
+    import reflrl.engine as E
+    monkeypatch.setattr(E, "length_chunks", lambda lengths: [list(range(len(lengths)))])
+    b = eng.generate(prompts, n=2, max_new_tokens=10, temperature=0.0)
+    assert [s.token_ids for s in a] == [s.token_ids for s in b]
+    for x, y in zip(a, b):
+        assert x.logprobs == pytest.approx(y.logprobs, abs=1e-4)

@@ -325,20 +325,55 @@ def test_multi_turn_training_step(tmp_path):
 
 
 def test_dscl_sampling_and_curriculum_are_wired_and_checkpointed(tmp_path):
-    cfg = tiny_cfg(tmp_path, **{"train.steps": 2, "train.save_every": 1, "env.reward": "fine",
+    cfg = tiny_cfg(tmp_path, **{"train.steps": 4, "train.save_every": 2, "env.reward": "fine",
                                 "sampling.sampler": "rds", "sampling.curriculum": True,
-                                "sampling.warmup_gate": False})
+                                "sampling.warmup_gate": False, "algo.prefilter_k": 0})
     tr = scripted_trainer(cfg, tmp_path / "run")
     try:
-        tr.run()
+        summary = tr.run()
     finally:
         tr.close()
     rows = [r for r in tr.log.read_metrics() if r["phase"] == "train"]
-    assert all("dscl/keep_rate" in r for r in rows)
+    assert all("dscl/keep_rate" in r and "dscl/stage" in r and "dscl/stage_changed" in r for r in rows)
+    # visibility (papers/002 Fig. 3): one epoch row per finished epoch (6 tasks / 2 per step = 3
+    # steps) and one for the epoch the run stopped in, with shares of the categories summing to 1
+    epochs = [r for r in tr.log.read_metrics() if r["phase"] == "epoch"]
+    assert [(r["epoch"], r["dscl/partial"]) for r in epochs] == [(0, 0.0), (1, 1.0)]
+    assert epochs[0]["dscl/prompts"] == 6
+    for r in epochs:
+        assert sum(r[f"dscl/share_{c}"] for c in ("a", "b1", "b2", "c1", "c2")) == pytest.approx(1.0)
+    assert summary["sampling"]["sampler"] == "rds" and set(summary["sampling"]["epochs"]) == {"0", "1"}
+    assert summary["rollouts"] == 4 * 2 * cfg.rollout.n  # no refill: steps x prompts x n
     ck = json.loads((sorted((tmp_path / "run" / "checkpoints").iterdir())[-1] / "state.json").read_text())
     assert ck["sampling"]["sampler"] == "rds"
     with pytest.raises(C.ConfigError):
         T.Trainer(tiny_cfg(tmp_path / "x", **{"sampling.curriculum": True}), tmp_path / "x" / "run")
+
+
+def test_rollout_engine_openai_is_refused_without_off_policy_consent_and_routes_rollouts(tmp_path):
+    """rollout.engine='openai': a server samples from its own weights, which the trainer cannot sync, so
+    the config is refused unless rollout.engine_off_policy=true; then rollouts (only) go to it."""
+    from reflrl.engines.openai_engine import OpenAIEngine
+
+    with pytest.raises(C.ConfigError, match="engine_off_policy"):
+        tiny_cfg(tmp_path, **{"rollout.engine": "openai", "rollout.engine_base_url": "http://127.0.0.1:9/v1"})
+    with pytest.raises(C.ConfigError, match="engine_base_url"):
+        tiny_cfg(tmp_path, **{"rollout.engine": "openai", "rollout.engine_off_policy": True})
+    with pytest.raises(C.ConfigError, match="rollout.engine"):
+        tiny_cfg(tmp_path, **{"rollout.engine": "vllm"})
+    cfg = tiny_cfg(tmp_path, **{"rollout.engine": "openai", "rollout.engine_base_url": "http://127.0.0.1:9/v1",
+                                "rollout.engine_off_policy": True, "train.steps": 1, "train.save_every": 0})
+    tr = T.Trainer(cfg, tmp_path / "run", progress=False, quiet=True)
+    try:
+        assert isinstance(tr.remote_engine, OpenAIEngine) and tr.rollout_engine is tr.remote_engine
+        assert tr.remote_engine.model == "tiny-random"  # engine_model null = model.name
+        answers = answer_by_task(tr.train_tasks + tr.splits["test"])
+        tr.remote_engine = ScriptedEngine(tr.tokenizer, answers)  # stands in for the server
+        tr.engine = None  # the local engine must not sample rollouts
+        m = tr.train_step()
+    finally:
+        tr.close()
+    assert tr.remote_engine.calls and m["update_skipped"] == 0.0
 
 
 def test_cli_rejects_bad_config_with_status_2(tmp_path, capsys):

@@ -44,6 +44,15 @@ def test_tool_rerl_recipe_passes_verls_validation(local_model):
     assert conf.trainer.n_gpus_per_node == 8
 
 
+def test_reflection_level_and_log_cap_reach_verls_loss(local_model):
+    """The CPU trainer's eq. 2 settings (reflection.level, reflection.log_cap) pick the verl loss; a
+    cap the registered verl losses do not use is refused rather than silently ignored."""
+    conf = build_verl_config(load_recipe(RECIPES[0], [f"model.name={local_model}", "reflection.level=token"]))
+    assert conf.actor_rollout_ref.actor.policy_loss.loss_mode == "reflrl_tool_rerl_token"
+    with pytest.raises(ConfigError, match="log_cap"):
+        build_verl_config(load_recipe(RECIPES[0], [f"model.name={local_model}", "reflection.log_cap=3"]))
+
+
 def test_grpo_efficient_recipe_passes_verls_validation(local_model):
     conf = build_verl_config(load_recipe(RECIPES[1], [f"model.name={local_model}", "verl.n_gpus_per_node=4",
                                                       "verl.reflection.mark_unrepaired=false"]))

@@ -31,6 +31,38 @@ the mean threshold is the same point either way (0.5 is the middle of [-3, 4]); 
 differs (0.1 raw = 0.002 on [0, 1]).
 
 Variances are population variances (divide by n), as ``Var`` in eqs. 10-11 is not qualified.
+
+Metrics (what ``reflrl train`` writes to the run folder when ``sampling.sampler != "none"`` or
+``sampling.curriculum`` is on; for ``reflrl report`` and anyone plotting Fig. 3 / Table 5):
+
+* ``metrics.jsonl``, ``phase="train"`` rows, one per RL step (``step`` = steps done):
+
+  - ``dscl/stage``: curriculum stage after this step (1 format, 2 name+key, 3 value; tracked even
+    when ``curriculum`` is off, for the sampler's warm-up gate);
+  - ``dscl/stage_changed``: 1.0 on the step where the stage moved, else 0.0; on that step only,
+    ``dscl/transition`` = ``{"step", "from", "to", "values"}`` (``values``: the windowed eq. 8 means
+    that passed the gate; JSON only, not a TensorBoard scalar);
+  - ``dscl/window_batches`` and ``dscl/win_format`` / ``_name`` / ``_key`` / ``_value``: batches in
+    the eq. 8 window and the windowed mean of each sub-reward (fractions in [0, 1]);
+  - ``dscl/sampler_active``: 1.0 once the sampler filters (after the warm-up gate), else 0.0;
+  - ``dscl/groups_in``, ``dscl/groups_kept``, ``dscl/keep_rate``: prompt groups seen / kept by the
+    sampler this step (all sampling rounds of the step summed);
+  - ``dscl/batch_a`` / ``_b1`` / ``_b2`` / ``_c1`` / ``_c2``: share of this step's groups in each
+    category (sec. 4.2.2), summing to 1.
+
+* ``metrics.jsonl``, ``phase="epoch"`` rows (:meth:`SamplingController.epoch_record`): one when an
+  epoch of the training prompts ends (logged at the step whose sampling began the next epoch) and
+  one for the current epoch when the run stops (``dscl/partial`` = 1.0 if it was cut short). If an
+  epoch appears twice (e.g. after ``--resume``), the later row wins. Keys: ``epoch``,
+  ``dscl/partial``, ``dscl/share_a`` / ``_b1`` / ``_b2`` / ``_c1`` / ``_c2`` (share of the
+  epoch's distinct prompts by their latest category; sum to 1), ``dscl/share_b1_c1`` (Table 5's
+  "b.1 & c.1" row), ``dscl/prompts`` (distinct prompts seen), ``dscl/kept`` / ``dscl/dropped``
+  (sampler decisions, repeats included), ``dscl/stage`` (stage at the time of the row) and
+  ``dscl/sampler`` (its name).
+
+* ``summary.json`` key ``"sampling"`` (:meth:`SamplingController.summary`): sampler, curriculum on
+  or off, final stage, every transition and ``epochs`` = epoch -> the shares above; ``null`` when
+  neither a sampler nor the curriculum is configured.
 """
 
 from __future__ import annotations
@@ -662,7 +694,17 @@ class SamplingController:
         self.seed = int(seed)
         self.history = RewardHistory(history_max_len)
         self.shares = CategoryShares()
-        self._last: dict[str, float] = {}
+        self._step: int | None = None  # the step the per-step tallies below belong to
+        self._tally: dict[str, float] = {}  # per step, summed over its sampling rounds
+        self._step_transitions: list[StageTransition] = []
+
+    def _begin(self, step: int) -> None:
+        """Start the per-step tallies afresh when ``step`` is a new step (a step may have several
+        sampling rounds, DAPO-style refills: they all add to the same step's metrics)."""
+        if self._step != int(step):
+            self._step = int(step)
+            self._tally = {}
+            self._step_transitions = []
 
     @classmethod
     def from_config(cls, sc: Any, *, reward_name: str, batches_per_epoch: int, seed: int = 0
@@ -682,9 +724,12 @@ class SamplingController:
     # -- TDCL -------------------------------------------------------------------------------------
     def observe_subrewards(self, step: int, rows: Iterable[Mapping[str, float]]) -> StageTransition | None:
         """Feed the batch's sub-reward fractions to the stage machine; returns a transition, if any."""
+        self._begin(step)
         ev = self.curriculum.observe_batch(step, rows)
-        if ev is not None and self.reset_history_on_stage and self.curriculum.weighted:
-            self.history.clear()
+        if ev is not None:
+            self._step_transitions.append(ev)
+            if self.reset_history_on_stage and self.curriculum.weighted:
+                self.history.clear()
         return ev
 
     def reward(self, parts: Mapping[str, float], gold: Sequence[ToolCall], env_reward: float) -> float:
@@ -708,6 +753,7 @@ class SamplingController:
         applies the sampler when :attr:`active` (else keeps all). Groups with no rewards (all
         rollouts masked) are not kept and leave no trace in the history.
         """
+        self._begin(step)
         idx = [i for i, (_, rs) in enumerate(groups) if len(rs) > 0]
         stats = [self.history.update(groups[i][0], groups[i][1]) for i in idx]
         cats = [categorize(s, self.params) for s in stats]
@@ -720,11 +766,13 @@ class SamplingController:
         for j, i in enumerate(idx):
             keep[i] = bool(sub[j])
             self.shares.record(epoch, groups[i][0], cats[j], keep[i])
-        n = max(1, len(stats))
-        self._last = {"dscl/sampler_active": float(self.active), "dscl/groups_in": float(len(stats)),
-                      "dscl/groups_kept": float(sum(sub)), "dscl/keep_rate": sum(sub) / n}
+        t = self._tally
+        t["active"] = float(self.active)
+        t["rounds"] = t.get("rounds", 0.0) + 1
+        t["in"] = t.get("in", 0.0) + len(stats)
+        t["kept"] = t.get("kept", 0.0) + sum(bool(x) for x in sub)
         for c in CATEGORIES:
-            self._last[f"dscl/batch_{_slug(c)}"] = cats.count(c) / n
+            t[c] = t.get(c, 0.0) + cats.count(c)
         return keep
 
     def to_request(self, target: int, have: int, keep_rate: float | None, max_request: int | None = None) -> int:
@@ -732,11 +780,42 @@ class SamplingController:
         return groups_to_request(target, have, keep_rate, max_request=max_request) if self.refill else 0
 
     # -- logging / checkpoints ------------------------------------------------------------------
-    def step_metrics(self) -> dict[str, float]:
-        return {**self.curriculum.metrics(), **self._last}
+    def step_metrics(self) -> dict[str, Any]:
+        """The current step's metrics (keys in the module docstring, "Metrics"): the stage machine's
+        state, whether the stage changed during this step, and the sampler's decisions and the
+        batch's category shares summed over the step's sampling rounds."""
+        out: dict[str, Any] = dict(self.curriculum.metrics())
+        out["dscl/stage_changed"] = float(bool(self._step_transitions))
+        if self._step_transitions:
+            ev = self._step_transitions[-1]
+            out["dscl/transition"] = {**ev.to_dict(), "from": self._step_transitions[0].from_stage}
+        t = self._tally
+        if "in" in t:
+            n = max(1.0, t["in"])
+            out.update({"dscl/sampler_active": t["active"], "dscl/groups_in": t["in"],
+                        "dscl/groups_kept": t["kept"], "dscl/keep_rate": t["kept"] / n})
+            for c in CATEGORIES:
+                out[f"dscl/batch_{_slug(c)}"] = t[c] / n
+        return out
 
     def epoch_metrics(self, epoch: int) -> dict[str, float]:
+        """Category shares and sampler decisions of ``epoch`` (:meth:`CategoryShares.epoch_metrics`)."""
         return self.shares.epoch_metrics(epoch)
+
+    def epoch_record(self, epoch: int, *, partial: bool = False) -> dict[str, Any]:
+        """One ``phase="epoch"`` record of metrics.jsonl (module docstring, "Metrics"): the epoch,
+        whether it was cut short by the end of the run, its category shares and decisions, the stage
+        at its end and the stage transitions that happened during it (by step)."""
+        return {"epoch": int(epoch), "dscl/partial": float(bool(partial)), **self.epoch_metrics(epoch),
+                "dscl/stage": float(self.curriculum.stage), "dscl/sampler": self.sampler_name}
+
+    def summary(self) -> dict[str, Any]:
+        """For summary.json: sampler, final stage, every stage transition and the per-epoch category
+        shares (Fig. 3 / Table 5 of papers/002), the last (possibly partial) epoch included."""
+        return {"sampler": self.sampler_name, "curriculum": self.curriculum.weighted,
+                "stage": self.curriculum.stage,
+                "transitions": [t.to_dict() for t in self.curriculum.transitions],
+                "epochs": {str(e): m for e, m in self.shares.table().items()}}
 
     def state_dict(self) -> dict[str, Any]:
         return {"sampler": self.sampler_name, "curriculum": self.curriculum.state_dict(),

@@ -184,6 +184,21 @@ def verl_keys(cfg: Config, s: VerlSettings) -> dict[str, Any]:
     if a.advantage not in ADVANTAGE_MAP:
         raise ConfigError(f"algo.advantage={a.advantage!r} has no verl counterpart; use one of {sorted(ADVANTAGE_MAP)}")
     loss_mode = POLICY_LOSS_MAP[a.policy_loss]
+    rf = getattr(cfg, "reflection", None)
+    if loss_mode == "reflrl_tool_rerl" and rf is not None:
+        # the ratio level and log cap of eq. 2, as the CPU trainer applies them (reflection.level / log_cap)
+        from reflrl.algos.importance import DEFAULT_LOG_CAP
+
+        from .losses import LOSS_LEVELS
+
+        by_level = {lv: name for name, lv in LOSS_LEVELS.items()}
+        if rf.level not in by_level:
+            raise ConfigError(f"reflection.level={rf.level!r} has no verl loss; use one of {sorted(by_level)}")
+        loss_mode = by_level[rf.level]
+        if float(rf.log_cap) != DEFAULT_LOG_CAP:
+            raise ConfigError(f"reflection.log_cap={rf.log_cap}: the verl losses are registered with log_cap "
+                              f"{DEFAULT_LOG_CAP} (reflrl.verl_backend.losses.register_losses); other caps are "
+                              "not supported on the verl backend")
     arr, act = "actor_rollout_ref.", "actor_rollout_ref.actor."
     k: dict[str, Any] = {
         "data.train_files": s.train_files,

@@ -1,0 +1,152 @@
+"""Tool-ReRL's comparison (003_febfc96bcceb98f2.txt, Table 1) on the embedded default, several seeds each.
+
+    .venv/bin/python scripts/paper_table.py [--variants grpo,ref,cot_is,tool_rerl] [--seeds 3]
+        [--faults rate_limit=0.1] [--budget-minutes M] [--set key=value ...] [--out runs/paper_table]
+        [--json FILE]
+
+Each (variant, seed) runs `reflrl train --config configs/<variant>.yaml` in its own process (exactly
+what a user runs: model loading, warm-up and both evaluations included), one after the other, and the
+run's summary.json is read back. Printed per variant: held-out accuracy after training (mean ± std over
+seeds) and its gain over the start, the recovered-trajectory ratio (failed rollouts recovered by
+reflection / failed rollouts, over all seeds), tool calls per trajectory with a learning signal, RL
+steps and wall time; then whether the paper's ordering holds (tool_rerl > cot_is > grpo; ref not better
+than cot when both ran).
+
+With the real model each run takes the recipe's 14-minute budget (4 variants x 3 seeds: about 3 hours
+on 2 cores); --budget-minutes shortens every run (train.time_budget_min). A smoke test with the tiny
+random model:
+
+    .venv/bin/python scripts/paper_table.py --seeds 1 --set model.name=tiny-random --set model.dtype=float32 \\
+        --set model.trainable=all --set warmup.enabled=false --set data.n_train=8 --set data.n_test=4 \\
+        --set data.n_val=0 --set rollout.max_new_tokens=16 --set train.steps=2
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import time
+from datetime import datetime
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+DEFAULT_VARIANTS = "grpo,ref,cot_is,tool_rerl"
+
+
+def mean_std(xs: list[float], fmt: str = ".3f") -> str:
+    xs = [x for x in xs if x is not None]
+    if not xs:
+        return "n/a"
+    m = statistics.mean(xs)
+    s = statistics.stdev(xs) if len(xs) > 1 else 0.0
+    return f"{m:{fmt}} ± {s:{fmt}}"
+
+
+def run_one(variant: str, seed: int, args: argparse.Namespace, stamp: str) -> dict:
+    """One `reflrl train` subprocess; returns the row read from its summary.json."""
+    name = f"{variant}-{stamp}-s{seed}"
+    cfg = ROOT / "configs" / f"{variant}.yaml"
+    if not cfg.is_file():
+        raise SystemExit(f"paper_table: no config {cfg} for variant {variant!r}")
+    cmd = [sys.executable, "-m", "reflrl.trainer", "--config", str(cfg), "--faults", args.faults,
+           "--seed", str(seed), "--name", name, "--no-progress", "--quiet", "--set", f"train.out_dir={args.out}"]
+    if args.budget_minutes is not None:
+        cmd += ["--set", f"train.time_budget_min={args.budget_minutes}"]
+    for o in args.overrides:
+        cmd += ["--set", o]
+    print(f"{variant} seed {seed}: {' '.join(cmd[2:])}", flush=True)
+    t0 = time.perf_counter()
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+    wall = time.perf_counter() - t0
+    if proc.returncode != 0:
+        print(proc.stdout[-2000:], proc.stderr[-4000:], sep="\n", file=sys.stderr)
+        raise RuntimeError(f"{variant} seed {seed}: reflrl train failed with status {proc.returncode}")
+    s = json.loads((Path(args.out) / name / "summary.json").read_text())
+    rec = s.get("recovery") or {}
+    row = {"variant": variant, "seed": seed, "before": s["accuracy_before"], "after": s["accuracy_after"],
+           "steps": s["steps"], "wall_s": wall, "failed": rec.get("failed", 0.0),
+           "recovered": rec.get("recovered_by_reflection", 0.0), "recovered_ratio": rec.get("recovered_ratio"),
+           "tool_calls": rec.get("tool_calls"), "signal_trajectories": rec.get("signal_trajectories"),
+           "tool_calls_per_signal": rec.get("tool_calls_per_signal"),
+           "weight_mean_last": (rec.get("weight_mean_per_step") or [None])[-1], "run_dir": s["run_dir"]}
+    print(f"  accuracy {row['before']:.1%} -> {row['after']:.1%}, {row['steps']} steps, {wall / 60:.1f} min, "
+          f"recovered {row['recovered']:.0f}/{row['failed']:.0f}, tool calls/signal "
+          f"{'n/a' if row['tool_calls_per_signal'] is None else format(row['tool_calls_per_signal'], '.2f')}",
+          flush=True)
+    return row
+
+
+def table(rows: list[dict], variants: list[str]) -> tuple[str, dict[str, float]]:
+    """The markdown table and each variant's mean accuracy after training."""
+    out = ["| variant | seeds | held-out acc. after | gain | recovered ratio | tool calls / signal | RL steps | wall min |",
+           "|---|---|---|---|---|---|---|---|"]
+    means: dict[str, float] = {}
+    for v in variants:
+        rs = [r for r in rows if r["variant"] == v]
+        if not rs:
+            continue
+        after = [r["after"] for r in rs]
+        means[v] = statistics.mean(after)
+        failed = sum(r["failed"] for r in rs)
+        ratio = f"{sum(r['recovered'] for r in rs) / failed:.1%}" if failed else "n/a"
+        sig = sum(r["signal_trajectories"] or 0 for r in rs)
+        calls = sum(r["tool_calls"] or 0 for r in rs)
+        tps = f"{calls / sig:.2f}" if sig else "n/a"
+        out.append(f"| {v} | {len(rs)} | {mean_std(after)} | {mean_std([r['after'] - r['before'] for r in rs])} | "
+                   f"{ratio} | {tps} | {mean_std([float(r['steps']) for r in rs], '.1f')} | "
+                   f"{mean_std([r['wall_s'] / 60 for r in rs], '.1f')} |")
+    return "\n".join(out), means
+
+
+def ordering(means: dict[str, float]) -> list[str]:
+    """Whether the paper's ordering holds on these means (sec. 4.2: tool_rerl > cot_is > grpo; +Ref not
+    better than +CoT)."""
+    lines = []
+    chain = [v for v in ("tool_rerl", "cot_is", "grpo") if v in means]
+    if len(chain) >= 2:
+        ok = all(means[a] > means[b] for a, b in zip(chain, chain[1:]))
+        lines.append(f"{' > '.join(chain)}: {'holds' if ok else 'does NOT hold'} "
+                     f"({', '.join(f'{v} {means[v]:.3f}' for v in chain)})")
+    if "ref" in means and "cot" in means:
+        ok = means["ref"] <= means["cot"]
+        lines.append(f"ref not better than cot: {'holds' if ok else 'does NOT hold'} "
+                     f"(ref {means['ref']:.3f}, cot {means['cot']:.3f})")
+    return lines
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--variants", default=DEFAULT_VARIANTS, help="comma-separated configs/<variant>.yaml names")
+    p.add_argument("--seeds", type=int, default=3, help="seeds per variant (train.seed 0..N-1)")
+    p.add_argument("--faults", default="rate_limit=0.1", help="fault spec passed to reflrl train")
+    p.add_argument("--budget-minutes", type=float, help="train.time_budget_min of every run (default: the recipe's)")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="config override for every run (repeatable)")
+    p.add_argument("--out", default=str(ROOT / "runs" / "paper_table"), help="parent folder of the runs")
+    p.add_argument("--json", help="write the per-run rows to this JSON file")
+    args = p.parse_args(argv)
+    variants = [v.strip() for v in args.variants.split(",") if v.strip()]
+    stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
+    rows = []
+    try:
+        for v in variants:
+            for seed in range(args.seeds):
+                rows.append(run_one(v, seed, args, stamp))
+    except RuntimeError as e:
+        print(f"paper_table: {e}", file=sys.stderr)
+        return 1
+    text, means = table(rows, variants)
+    print(f"\nfaults {args.faults!r}, {args.seeds} seed(s) per variant"
+          + (f", {args.budget_minutes} min per run" if args.budget_minutes is not None else ""))
+    print(text)
+    for line in ordering(means):
+        print(line)
+    if args.json:
+        Path(args.json).write_text(json.dumps({"rows": rows, "faults": args.faults, "variants": variants}, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

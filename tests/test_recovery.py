@@ -1,0 +1,376 @@
+"""Tool-ReRL in the trainer: triage, batched reflection, repaired rollouts in their groups, eq. 2 on q,
+variants, accounting (reflrl.recovery; 003_febfc96bcceb98f2.txt sec. 3.2-3.3, A.3, appendix C)."""
+from __future__ import annotations
+
+import asyncio
+import copy
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from reflrl import config as C
+from reflrl import recovery as RC
+from reflrl import rollout as R
+from reflrl import trainer as T
+from reflrl.critic import Critique, CritiqueRequest, RuleCritic
+from reflrl.envs.parsing import format_calls
+from reflrl.envs.types import ToolCall
+from reflrl.reflection import RETRY_HEADER, Generation
+
+from test_rollout import ScriptedEngine, gold_text
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def tiny_cfg(tmp_path: Path, variant: str = "tool_rerl", **over) -> C.Config:
+    sets = [f"train.out_dir={tmp_path}", "train.run_name=run", "data.n_train=6", "data.n_test=4",
+            "data.n_val=0", "warmup.enabled=false", "rollout.max_new_tokens=200", "algo.downsample_m=0",
+            f"reflection.variant={variant}", "train.save_every=0"]
+    sets += [f"{k}={v}" for k, v in over.items()]
+    return C.load_config(ROOT / "configs" / "tiny.yaml", sets)
+
+
+def repairing_answer(tasks):
+    """Gold for even samples, a wrong call for odd ones; under q* (the retry prompt) always gold."""
+    def answer(prompt_text: str, j: int) -> str:
+        task = next(t for t in tasks if t.query in prompt_text)
+        if RETRY_HEADER in prompt_text or j % 2 == 0:
+            return gold_text(task)
+        return format_calls([ToolCall(task.gold[0][0].name, {"nonsense": j})], "hermes")
+    return answer
+
+
+def make_trainer(cfg, run_dir, answer=None):
+    tr = T.Trainer(cfg, run_dir, progress=False, quiet=True)
+    tasks = tr.train_tasks + tr.splits["test"]
+    tr.engine = ScriptedEngine(tr.tokenizer, (answer or repairing_answer)(tasks))
+    return tr
+
+
+# ----------------------------------------------------------------------------- variants and config
+def test_variants_in_sync_and_configs_load():
+    assert tuple(RC.VARIANTS) == C.VARIANTS
+    for name in ("grpo", "cot", "ref", "cot_is", "tool_rerl", "external", "external_is", "dpo", "ppo"):
+        cfg = C.load_config(ROOT / "configs" / f"{name}.yaml")
+        assert cfg.reflection.variant == name
+        assert cfg.model.name == "smollm2-135m-instruct" and cfg.train.time_budget_min == 14.0  # base: default.yaml
+    assert RC.think_of(C.load_config(None, ["reflection.variant=cot_is"]))
+    assert not RC.think_of(C.load_config(None, ["reflection.variant=tool_rerl"]))
+    assert RC.think_of(C.load_config(None, ["reflection.variant=tool_rerl", "reflection.think=true"]))
+    with pytest.raises(C.ConfigError, match="value head"):
+        RC.check_cpu_support(C.load_config(ROOT / "configs" / "ppo.yaml"))
+    with pytest.raises(C.ConfigError, match="critic_base_url"):
+        C.load_config(None, ["reflection.variant=external"])
+    with pytest.raises(C.ConfigError, match="max_turns"):
+        C.load_config(None, ["reflection.variant=tool_rerl", "rollout.max_turns=3"])
+    with pytest.raises(C.ConfigError, match="reflection.variant"):
+        C.load_config(None, ["reflection.variant=toolrerl"])
+
+
+def test_cli_ppo_exits_with_the_reason(capsys):
+    assert T.main(["--config", str(ROOT / "configs" / "ppo.yaml")]) == 2
+    assert "value head" in capsys.readouterr().err
+
+
+def test_self_thought_critic_uses_the_models_own_thought():
+    from reflrl.envs.parsing import parse
+
+    gold = [ToolCall("f", {"a": 1})]
+    wrong = "<think>I guess a is 2</think>\n" + format_calls([ToolCall("f", {"a": 2})], "hermes")
+    c = RC.SelfThoughtCritic(RuleCritic()).critique(
+        CritiqueRequest(query="q", response=wrong, parse=parse(wrong, "hermes"), gold=gold))
+    assert c.score == "negative" and c.reflection == "Your own reasoning was: I guess a is 2"
+    right = format_calls(gold, "hermes")
+    assert RC.SelfThoughtCritic(RuleCritic()).critique(
+        CritiqueRequest(query="q", response=right, parse=parse(right, "hermes"), gold=gold)).positive
+
+
+def test_round_batcher_serves_one_call_per_round():
+    calls = []
+
+    def sample(batch):
+        calls.append(len(batch))
+        return [Generation(f"g{len(calls)}") for _ in batch]
+
+    b = RC.RoundBatcher(3, sample)
+
+    async def client(rounds):
+        try:
+            out = []
+            for _ in range(rounds):
+                await asyncio.sleep(0.001 * rounds)  # critic / env work in between
+                out.append((await b.generate([{"role": "user", "content": "x"}])).text)
+            return out
+        finally:
+            b.done()
+
+    async def main():
+        return await asyncio.gather(client(1), client(3), client(2))
+
+    res = asyncio.run(main())
+    assert calls == [3, 2, 1] and b.calls == 3
+    assert res == [["g1"], ["g1", "g2", "g3"], ["g1", "g2"]]
+
+
+# ----------------------------------------------------------------------------- eq. 2 in the update
+def _ids(tok, messages):
+    return list(R.render_prompt(tok, messages))
+
+
+def _hand_logprob(model, prompt, response):
+    ids = torch.tensor([prompt + response])
+    with torch.no_grad():
+        logits = model(input_ids=ids).logits[0].double()
+    return sum(float(logits[len(prompt) + j - 1][t] - torch.logsumexp(logits[len(prompt) + j - 1], -1))
+               for j, t in enumerate(response))
+
+
+def _repaired_batch(tok, model, q_msgs, qstar_msgs, response, adv=1.0, other=None):
+    """A batch with one repaired row (tau* trained on q, behaviour log-probs under q* recorded as
+    sampling-time log-probs) and optionally an ordinary row."""
+    q, q_star = _ids(tok, q_msgs), _ids(tok, qstar_msgs)
+    resp = tok(response, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor([q_star + resp])).logits[0].float()
+    lps = torch.log_softmax(logits, -1)
+    beh = [float(lps[len(q_star) + j - 1, t]) for j, t in enumerate(resp)]
+    t = R.Trajectory(task=None, group=0, prompt_ids=q)
+    t.append_action(resp, beh)
+    t.repair = type("Rec", (), {"repaired": True})()
+    trajs, advs = [t], [adv]
+    if other is not None:
+        o = R.Trajectory(task=None, group=0, prompt_ids=q)
+        ids = tok(other, add_special_tokens=False)["input_ids"]
+        o.append_action(ids, [-1.0] * len(ids))
+        trajs.append(o)
+        advs.append(-adv)
+    return T.make_batch(trajs, advs, 0), q, q_star, resp
+
+
+MSGS = [{"role": "system", "content": "You can call get_weather(city: str)."},
+        {"role": "user", "content": "What's the weather in Paris?"}]
+TAU = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    from reflrl.models import load_model
+
+    model, tok = load_model("tiny-random", dtype="float32", trainable="all", seed=0)
+    return model, tok
+
+
+def test_trainer_update_weight_is_pi_q_over_pi_qstar_by_hand(tiny):
+    model, tok = tiny
+    from reflrl.reflection import Attempt, augmented_messages
+
+    q_star_msgs = augmented_messages(MSGS, [Attempt("", "get_weather()", "The call is missing the argument 'city'.")])
+    batch, q, q_star, resp = _repaired_batch(tok, model, MSGS, q_star_msgs, TAU, other="no call")
+    assert batch.repaired.tolist() == [True, False]
+    assert batch.prompts[int(batch.owner[0])] == q  # tau* is trained on the ORIGINAL prompt's tokens
+    expected = math.exp(_hand_logprob(model, q, resp) - _hand_logprob(model, q_star, resp))
+    assert abs(math.log(expected)) > 1e-3
+    m = copy.deepcopy(model)
+    opt = torch.optim.AdamW([p for p in m.parameters() if p.requires_grad], lr=0.0)
+    cfg = C.AlgoConfig(micro_batch_size=1)  # one row per micro-batch: the weight stats are pooled exactly
+    out = T.policy_update(m, opt, batch, cfg, importance={"level": "sequence", "log_cap": 50.0})
+    assert out["rerl/count"] == 1.0
+    assert out["rerl/weight_mean"] == pytest.approx(expected, rel=1e-3)
+    assert out["rerl/weight_std"] == 0.0 and math.isfinite(out["loss"])
+
+
+def test_identical_prompts_weight_one_and_plain_loss_and_ref_has_no_weight(tiny):
+    model, tok = tiny
+    batch, *_ = _repaired_batch(tok, model, MSGS, MSGS, TAU, adv=1.3, other="no call")
+    res = {}
+    for name, imp in (("is", {"level": "sequence", "log_cap": 5.0}), ("plain", None)):
+        m = copy.deepcopy(model)
+        opt = torch.optim.SGD([p for p in m.parameters() if p.requires_grad], lr=0.1)
+        out = T.policy_update(m, opt, batch, C.AlgoConfig(micro_batch_size=8, clip_high=0.2), importance=imp)
+        res[name] = (out, [p.detach().clone() for p in m.parameters()])
+    out_is, p_is = res["is"]
+    out_plain, p_plain = res["plain"]
+    assert out_is["rerl/weight_mean"] == pytest.approx(1.0, abs=1e-4)
+    assert out_is["loss"] == pytest.approx(out_plain["loss"], rel=1e-5)  # behaviour from a full forward: float noise
+    assert out_is["grad_norm"] == pytest.approx(out_plain["grad_norm"], rel=1e-4)
+    assert all(torch.allclose(a, b, atol=1e-5) for a, b in zip(p_is, p_plain))
+    assert "rerl/count" not in out_plain  # `ref`: the repaired row is trained with no weight
+
+
+def test_weight_clipping_bounds_the_update(tiny):
+    """A repair whose behaviour log-probs are absurd (ratio e^+-hundreds) gives a finite update whose
+    repaired-row gradient is bounded by the cap (test_importance checks the bound exactly)."""
+    model, tok = tiny
+    batch, *_ = _repaired_batch(tok, model, MSGS, MSGS, TAU, adv=1.0)
+    for shift in (-300.0, 300.0):
+        b = copy.deepcopy(batch)
+        b.engine_logprobs = b.engine_logprobs + shift * b.response_mask.float()
+        m = copy.deepcopy(model)
+        opt = torch.optim.SGD([p for p in m.parameters() if p.requires_grad], lr=0.0)
+        out = T.policy_update(m, opt, b, C.AlgoConfig(grad_clip=0.0), importance={"level": "sequence", "log_cap": 5.0})
+        assert math.isfinite(out["loss"]) and math.isfinite(out["grad_norm"])
+        assert out["rerl/capped_frac"] == 1.0
+        assert out["grad_norm"] == 0.0  # beyond the cap (or outside the clip on eq. 2's side): no gradient
+
+
+# ----------------------------------------------------------------------------- the train step
+def test_tool_rerl_step_repairs_batches_trains_and_accounts(tmp_path):
+    cfg = tiny_cfg(tmp_path, "tool_rerl")
+    tr = make_trainer(cfg, tmp_path / "run")
+    try:
+        tr.engine.calls.clear()
+        m = tr.train_step()
+        tr.step += 1
+        n_fail = int(m["reflect/failed"])
+        assert n_fail == 4  # 2 prompts x 4 rollouts, the odd samples are wrong
+        # one rollout call, then ONE batched call for all failures (they are all repaired in round 1)
+        assert tr.engine.calls == [8, n_fail]
+        assert m["reflect/recovered_by_reflection"] == n_fail and m["reflect/generate_calls"] == 1
+        assert m["reflect/failed_policy_error"] == n_fail and m["reflect/discarded"] == 0
+        assert m["critic/calls"] == 2 * n_fail  # each failure and each retry is critiqued
+        assert m["correct_rate"] == 0.5  # the policy's own samples, not the repairs
+        # every failure was replaced by its repair in its group: all rewards equal, zero advantage
+        assert m["zero_var_ratio"] == 1.0 and m["signal_trajectories"] == 0 and m["repaired_trained"] == 0
+        summary = tr.summary()
+        rec = summary["recovery"]
+        assert rec["variant"] == "tool_rerl" and rec["failed"] == n_fail and rec["recovered_ratio"] == 1.0
+        assert rec["rollout_tool_calls"] > 0 and rec["reflection_tool_calls"] > 0
+        assert rec["critic_calls"] == 2 * n_fail and rec["critic_latency_mean_s"] is not None
+        text = T.format_summary({**summary, "eval_after": {}, "accuracy_before": None, "accuracy_after": None})
+        assert "recovered by reflection" in text and "calls per signal" in text
+    finally:
+        tr.close()
+
+
+def test_repaired_rollouts_in_groups_carry_the_record(tmp_path):
+    cfg = tiny_cfg(tmp_path, "tool_rerl", **{"rollout.n": 4})
+    tr = make_trainer(cfg, tmp_path / "run")
+    try:
+        trajs = tr.rollout([0, 1], 0, {})
+        before = [t.prompt_ids for t in trajs]
+        res = tr.recover(trajs, 0)
+        rep = [t for t in trajs if t.repaired]
+        assert len(rep) == 4 and res.counts["recovered_by_reflection"] == 4
+        for t in rep:
+            r = t.repair
+            assert t.prompt_ids == t.original.prompt_ids == before[trajs.index(t)]  # q's tokens
+            assert r.prompt_messages[-1]["content"] == t.task.query  # q
+            assert r.augmented_messages[-1]["content"].startswith(RETRY_HEADER)  # q* (appendix C)
+            assert r.attempts and r.attempts[0].action == t.original.texts[0]
+            assert t.old_logprobs == r.behaviour_logprobs and len(r.behaviour_logprobs) == len(r.response_ids)
+            assert t.correct and not t.masked and t.group == t.original.group
+            assert not t.original.correct
+    finally:
+        tr.close()
+
+
+def test_mixed_group_gets_a_learning_signal_from_repairs(tmp_path):
+    """A group whose rollouts all fail has zero variance without reflection; its repairs give it one."""
+    cfg = tiny_cfg(tmp_path, "tool_rerl", **{"reflection.max_per_step": 2})
+    def answer_fn(tasks):
+        def answer(text, j):
+            task = next(t for t in tasks if t.query in text)
+            if RETRY_HEADER in text:
+                return gold_text(task)
+            return format_calls([ToolCall(task.gold[0][0].name, {"nonsense": j})], "hermes")
+        return answer
+    tr = make_trainer(cfg, tmp_path / "run", answer_fn)
+    try:
+        m = tr.train_step()
+        assert m["reflect/failed"] == 8 and m["reflect/reflected"] == 2 and m["reflect/recovered_by_reflection"] == 2
+        assert m["reflect/unrecovered"] == 6 and m["signal_trajectories"] > 0 and m["update_skipped"] == 0.0
+        assert m["tool_calls_per_signal"] == pytest.approx(m["tool_calls"] / m["signal_trajectories"])
+        assert m["rerl/count"] >= 1
+    finally:
+        tr.close()
+
+
+def test_ref_variant_trains_repairs_without_weight(tmp_path):
+    cfg = tiny_cfg(tmp_path, "ref", **{"reflection.max_per_step": 1})
+    tr = make_trainer(cfg, tmp_path / "run")
+    try:
+        m = tr.train_step()
+        assert m["reflect/recovered_by_reflection"] == 1 and m["repaired_trained"] == 1
+        assert "rerl/count" not in m and m["update_skipped"] == 0.0
+    finally:
+        tr.close()
+
+
+class Garbage:
+    name = "garbage"
+
+    def __init__(self):
+        self.n = 0
+
+    async def acritique(self, request: CritiqueRequest) -> Critique:
+        self.n += 1
+        if self.n % 2:
+            raise RuntimeError("critic endpoint exploded")
+        return Critique("negative", "", raw="vania executeppm", parsed=False)
+
+    def critique(self, request):  # pragma: no cover
+        raise NotImplementedError
+
+
+def test_garbage_critic_does_not_crash_a_train_step(tmp_path):
+    cfg = tiny_cfg(tmp_path, "tool_rerl")
+    tr = make_trainer(cfg, tmp_path / "run")
+    tr.critic = Garbage()
+    try:
+        m = tr.train_step()
+        assert m["reflect/failed"] == 4 and m["reflect/recovered_by_reflection"] == 0
+        assert m["reflect/reflection_errors"] == 2 and m["critic/unparseable"] == 2
+        assert m["reflect/unrecovered"] == 4 and m["update_skipped"] == 0.0  # GRPO on the failures as usual
+    finally:
+        tr.close()
+
+
+def test_env_faults_are_triaged_and_reflected_with_the_fault(tmp_path):
+    cfg = tiny_cfg(tmp_path, "tool_rerl", **{"env.faults": "rate_limit=0.6", "env.retry.max_attempts": 1})
+    def all_gold(tasks):
+        return lambda text, j: gold_text(next(t for t in tasks if t.query in text))
+    tr = make_trainer(cfg, tmp_path / "run", all_gold)
+    try:
+        trajs = tr.rollout([0, 1], 0, {})
+        masked = [k for k, t in enumerate(trajs) if t.masked]
+        assert masked, "the fault plan should mask some rollouts"
+        res = tr.recover(trajs, 0)
+        assert res.counts["failed_env_fault"] == len(masked) and res.counts["failed_policy_error"] == 0
+        recs = [r for r in res.records if r.cause == "env_fault"]
+        assert recs and all("rate limit" in r.critiques[0].analysis for r in recs)
+        assert res.counts["recovered_env_fault"] + res.counts["discarded"] == len(masked)
+    finally:
+        tr.close()
+
+
+def test_dpo_variant_trains_on_failure_repair_pairs(tmp_path):
+    cfg = tiny_cfg(tmp_path, "dpo")
+    tr = make_trainer(cfg, tmp_path / "run")
+    try:
+        before = {n: p.detach().clone() for n, p in tr.model.named_parameters() if p.requires_grad}
+        m = tr.train_step()
+        assert m["dpo/pairs"] == 4 and m["signal_trajectories"] == 8 and m["update_skipped"] == 0.0
+        assert m["dpo/loss"] == pytest.approx(math.log(2), abs=1e-4)  # reference == policy at the first step
+        assert any(not torch.equal(before[n], p) for n, p in tr.model.named_parameters() if p.requires_grad)
+    finally:
+        tr.close()
+
+
+def test_group_add_keeps_the_failures_negative_signal(tmp_path):
+    """reflection.group=add: every failure is repaired, yet the groups keep their variance (the
+    failures stay, the repairs join them); with 'replace' the same step has no signal at all."""
+    cfg = tiny_cfg(tmp_path, "tool_rerl", **{"reflection.group": "add"})
+    tr = make_trainer(cfg, tmp_path / "run")
+    try:
+        m = tr.train_step()
+        assert m["reflect/recovered_by_reflection"] == 4 and m["correct_rate"] == 0.5
+        assert m["zero_var_ratio"] == 0.0 and m["signal_trajectories"] == 12  # 2 groups of 4 + 2 repairs
+        assert m["repaired_trained"] == 4 and m["rerl/count"] == 4 and m["update_skipped"] == 0.0
+        trajs = tr.rollout([0], 5, {})
+        tr.recover(trajs, 5)
+        assert len(trajs) == 6 and [t.group for t in trajs] == [0] * 6
+        assert len(RC.own_rollouts(trajs)) == 4 and sum(t.repaired for t in trajs) == 2
+    finally:
+        tr.close()
