@@ -110,8 +110,10 @@ def train_sft(model: torch.nn.Module, tokenizer: Any, examples: Sequence[SFTExam
     """Fine-tune the trainable parameters on ``examples`` for ``steps`` optimizer steps.
 
     Batches are drawn from a seeded shuffle, epoch after epoch. A fresh AdamW is used (its state is
-    not carried into RL). Linear warm-up over ``warmup_steps`` then cosine decay to 10% of lr.
-    Stops early when ``time_budget_s`` runs out. Returns {"steps", "loss_first", "loss_last", "seconds"}.
+    not carried into RL). Linear warm-up over ``warmup_steps`` then cosine decay to 10% of lr, where
+    the schedule's progress is the larger of steps done / ``steps`` and time spent / ``time_budget_s``:
+    a warm-up that the time budget ends early has still decayed its learning rate (on a slow machine
+    it takes fewer steps, not an unfinished schedule). Stops when either runs out. Returns {"steps", "loss_first", "loss_last", "seconds"}.
     """
     if not examples:
         raise ValueError("SFT warm-up has no examples (no training task has gold calls)")
@@ -120,10 +122,12 @@ def train_sft(model: torch.nn.Module, tokenizer: Any, examples: Sequence[SFTExam
         raise ValueError("the model has no trainable parameters")
     opt = torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay)
 
-    def lr_at(s: int) -> float:
+    def lr_at(s: int, elapsed: float = 0.0) -> float:
         if warmup_steps and s < warmup_steps:
             return lr * (s + 1) / warmup_steps
         frac = (s - warmup_steps) / max(1, steps - warmup_steps)
+        if time_budget_s:  # a time-capped warm-up still anneals: progress is the larger of steps and time
+            frac = max(frac, elapsed / time_budget_s)
         return lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, frac))))
 
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else end_of_turn_id(tokenizer)
@@ -145,8 +149,9 @@ def train_sft(model: torch.nn.Module, tokenizer: Any, examples: Sequence[SFTExam
             batches = _epoch_batches(examples, batch_size, rng)
         idx = batches.pop()
         batch = collate([examples[i] for i in idx], pad)
+        cur_lr = lr_at(s, time.perf_counter() - t0)
         for g in opt.param_groups:
-            g["lr"] = lr_at(s)
+            g["lr"] = cur_lr
         loss = sft_loss(model, batch)
         if not torch.isfinite(loss):
             raise FloatingPointError(f"SFT loss is {float(loss.detach())} at step {s}")
@@ -157,7 +162,7 @@ def train_sft(model: torch.nn.Module, tokenizer: Any, examples: Sequence[SFTExam
         losses.append(float(loss.detach()))
         done += 1
         if log is not None:
-            log(s, {"sft_loss": losses[-1], "grad_norm": float(gn), "lr": lr_at(s),
+            log(s, {"sft_loss": losses[-1], "grad_norm": float(gn), "lr": cur_lr,
                     "tokens": int(batch["attention_mask"].sum())})
         if bar is not None:
             bar.update(1)

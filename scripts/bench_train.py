@@ -179,7 +179,8 @@ def bench_overhead(model, tok, trajs, repeats):
 # ------------------------------------------------------------------------------------------ (d)
 def bench_concurrency(engine, tok, tasks, n, max_new_tokens, latency_ms, multi_turn, repeats):
     """The same rollouts twice: episodes stepped concurrently vs one tool call at a time, every tool
-    call delayed ``latency_ms`` by the server (fault 'latency' at probability 1, wall-clock)."""
+    call delayed ``latency_ms`` by the server (fault 'latency' at probability 1). The envs use the
+    SYSTEM clock: in-process envs default to a virtual clock, on which latency costs no wall time."""
     import gymnasium as gym
 
     import reflrl.envs  # noqa: F401
@@ -190,7 +191,7 @@ def bench_concurrency(engine, tok, tasks, n, max_new_tokens, latency_ms, multi_t
     res = {}
     for mode in (True, False):
         envs = [gym.make(env_id, dataset=tasks, seed=k, faults=faults, prompt_style="compact",
-                         concurrent_calls=mode, timeout=30.0).unwrapped
+                         concurrent_calls=mode, timeout=30.0, clock="system").unwrapped
                 for k in range(len(tasks) * n)]
         cfg = R.RolloutConfig(max_new_tokens=max_new_tokens, temperature=1.0, concurrent=mode,
                               max_turns=3 if multi_turn else 1, max_total_tokens=1024)
