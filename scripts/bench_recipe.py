@@ -61,10 +61,18 @@ def main(argv=None) -> int:
         row = {"seed": seed, "before": s["accuracy_before"], "after": s["accuracy_after"],
                "format_before": s.get("format_rate_before"), "format_after": s.get("format_rate_after"),
                "steps": s["steps"], "wall_s": wall, "masked": s["masked_trajectories"],
-               "faults": s["faults"]["faults_by_kind"], "run_dir": s["run_dir"]}
+               "faults": s["faults"]["faults_by_kind"], "run_dir": s["run_dir"],
+               "warmup_steps": (s.get("warmup") or {}).get("sft_steps"), "recovery": s.get("recovery") or {}}
         rows.append(row)
         print(f"seed {seed}: accuracy {row['before']:.1%} -> {row['after']:.1%}, {row['steps']} RL steps, "
-              f"wall {wall / 60:.1f} min, faults {row['faults']}, masked rollouts {row['masked']}", flush=True)
+              f"wall {wall / 60:.1f} min, {row['warmup_steps']} warm-up steps, faults {row['faults']}, "
+              f"masked rollouts {row['masked']}", flush=True)
+        rec = row["recovery"]
+        if rec:
+            print(f"  recovery ({rec.get('variant')}): {rec.get('failed', 0):.0f} failed of {rec.get('rollouts', 0):.0f} "
+                  f"rollouts, {rec.get('recovered_by_retry', 0):.0f} recovered by retry, "
+                  f"{rec.get('recovered_by_reflection', 0):.0f} by reflection ({rec.get('reflected', 0):.0f} reflected), "
+                  f"{rec.get('tool_calls_per_signal') or float('nan'):.2f} tool calls per learning signal", flush=True)
     before = [r["before"] for r in rows]
     after = [r["after"] for r in rows]
     gain = [a - b for a, b in zip(after, before)]
