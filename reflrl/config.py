@@ -111,7 +111,7 @@ class RolloutConfig:
     max_new_tokens: int = _f(64, "new tokens per assistant turn")
     max_turns: int = _f(1, "assistant turns per episode (multi-turn envs)")
     max_total_tokens: int = _f(1024, "prompt + response token cap for multi-turn episodes")
-    engine: str = _f("transformers", "who samples the RL rollouts: 'transformers' (the trained model itself, in process) | 'openai' (an OpenAI-compatible server with its OWN weights, never synced: needs engine_off_policy=true; docs/scale-out.md)")
+    engine: str = _f("transformers", "who samples the RL rollouts: 'transformers' (the trained model itself, in process) | 'vllm' (vLLM offline engine on one GPU, weights pushed after every update: on-policy; needs the gpu extra) | 'openai' (an OpenAI-compatible server with its OWN weights, never synced: needs engine_off_policy=true; docs/scale-out.md)")
     engine_base_url: str | None = _f(None, "engine='openai': the server's base URL, e.g. http://127.0.0.1:8000/v1 (needs /v1/completions with token-id prompts, as vllm serve)")
     engine_model: str | None = _f(None, "engine='openai': the served model name; null = model.name")
     engine_off_policy: bool = _f(False, "engine='openai': accept that rollouts come from the server's frozen weights while the local model trains (off-policy after the first update, no importance correction)")
@@ -404,7 +404,7 @@ def validate(cfg: Config) -> Config:
     need(0 < r.top_p <= 1, f"rollout.top_p: must be in (0, 1], got {r.top_p}")
     need(r.max_new_tokens >= 1, f"rollout.max_new_tokens: must be >= 1, got {r.max_new_tokens}")
     need(r.max_turns >= 1, f"rollout.max_turns: must be >= 1, got {r.max_turns}")
-    _choice(e, "rollout.engine", r.engine, ("transformers", "openai"))
+    _choice(e, "rollout.engine", r.engine, ("transformers", "vllm", "openai"))
     if r.engine == "openai":
         need(bool(r.engine_base_url), "rollout.engine_base_url: rollout.engine='openai' needs the server's URL, "
              "e.g. http://127.0.0.1:8000/v1")
@@ -412,7 +412,7 @@ def validate(cfg: Config) -> Config:
              "trainer cannot sync the updated policy to it (an OpenAI-compatible API has no weight upload), so "
              "every rollout after the first update is off-policy and uncorrected; set "
              "rollout.engine_off_policy=true to train that way anyway, or use rollout.engine='transformers' "
-             "(on-policy; vLLM with weight sync: the verl backend, docs/scale-out.md)")
+             "or rollout.engine='vllm' (on-policy, weights pushed after every update; GPU))")
     need(r.max_total_tokens >= r.max_new_tokens,
          f"rollout.max_total_tokens: must be >= rollout.max_new_tokens ({r.max_new_tokens}), got {r.max_total_tokens}")
 

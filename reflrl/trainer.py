@@ -540,7 +540,9 @@ class Trainer:
 
     def _remote_engine(self):
         """The remote engine that samples RL rollouts (``rollout.engine``). 'transformers': None (rollouts
-        come from ``self.engine``, the trained model itself, so they are always on-policy). 'openai': an OpenAI-compatible
+        come from ``self.engine``, the trained model itself, so they are always on-policy). 'vllm': the vLLM
+        offline engine (reflrl.engines.vllm_engine, one GPU), whose weights :meth:`train_step` replaces after
+        every update, so rollouts stay on-policy. 'openai': an OpenAI-compatible
         server (reflrl.engines.openai_engine) that samples from ITS OWN weights; the trainer cannot push
         updates to it (``update_weights`` raises), so after the first update the rollouts are
         off-policy and the loss does not correct for it. Config validation refuses it unless
@@ -550,10 +552,21 @@ class Trainer:
             return None
         from .engines import get_engine
 
+        if r.engine == "vllm":  # on-policy: train_step pushes the weights after every update
+            return get_engine("vllm", model_path=self._model_path(), dtype=self.cfg.model.dtype,
+                              seed=self.cfg.train.seed)
+
         print(f"[reflrl] warning: rollouts come from {r.engine_base_url} (rollout.engine=openai), whose weights "
               "are never synced with the trained model: off-policy after the first update", file=sys.stderr)
         return get_engine("openai", base_url=r.engine_base_url, model=r.engine_model or self.cfg.model.name,
                           tokenizer=self.tokenizer, max_concurrency=max(1, self.cfg.env.concurrency))
+
+    def _model_path(self) -> str:
+        """A folder or hub id vLLM can load for ``model.name`` (the embedded GGUF: its converted copy)."""
+        from .models import _convert_embedded
+
+        name = self.cfg.model.name
+        return str(_convert_embedded()) if name == "smollm2-135m-instruct" else name
 
     def _make_envs(self, count: int) -> list:
         import gymnasium as gym
@@ -769,6 +782,8 @@ class Trainer:
             metrics.update(policy_update(self.model, self.optimizer, batch, a, importance=imp,
                                          temperature=cfg.rollout.temperature, ref_model=self.ref_model))
         metrics["update_skipped"] = float("loss" not in metrics)
+        if "loss" in metrics and self.cfg.rollout.engine == "vllm":
+            self.remote_engine.update_weights(self.model)  # the next rollouts sample the updated policy
         update_s = time.perf_counter() - t_up
 
         # 4. bookkeeping (reward/accuracy of the policy's own samples; `masked`: left out of the loss)

@@ -360,7 +360,7 @@ def test_rollout_engine_openai_is_refused_without_off_policy_consent_and_routes_
     with pytest.raises(C.ConfigError, match="engine_base_url"):
         tiny_cfg(tmp_path, **{"rollout.engine": "openai", "rollout.engine_off_policy": True})
     with pytest.raises(C.ConfigError, match="rollout.engine"):
-        tiny_cfg(tmp_path, **{"rollout.engine": "vllm"})
+        tiny_cfg(tmp_path, **{"rollout.engine": "sglang"})
     cfg = tiny_cfg(tmp_path, **{"rollout.engine": "openai", "rollout.engine_base_url": "http://127.0.0.1:9/v1",
                                 "rollout.engine_off_policy": True, "train.steps": 1, "train.save_every": 0})
     tr = T.Trainer(cfg, tmp_path / "run", progress=False, quiet=True)
@@ -374,6 +374,45 @@ def test_rollout_engine_openai_is_refused_without_off_policy_consent_and_routes_
     finally:
         tr.close()
     assert tr.remote_engine.calls and m["update_skipped"] == 0.0
+
+
+def test_rollout_engine_vllm_needs_vllm_and_gets_the_weights_after_every_update(tmp_path, monkeypatch):
+    """rollout.engine='vllm': without vLLM (this CPU machine) the trainer stops with an error naming the
+    gpu extra; with an engine (a stand-in here: vLLM cannot run on the CPU) rollouts go to it and the
+    trained weights are pushed to it after each update, so sampling stays on-policy."""
+    import importlib.util
+
+    cfg = tiny_cfg(tmp_path, **{"rollout.engine": "vllm", "train.steps": 1, "train.save_every": 0})
+    if importlib.util.find_spec("vllm") is None:
+        with pytest.raises(ImportError, match=r"\.\[gpu\]"):
+            T.Trainer(cfg, tmp_path / "run0", progress=False, quiet=True)
+    pushed = []
+
+    class Recording(ScriptedEngine):
+        def update_weights(self, model):
+            pushed.append({k: v.detach().clone() for k, v in model.named_parameters() if v.requires_grad})
+
+    import reflrl.engines as engines
+
+    made = {}
+
+    def fake_get_engine(name, **kw):
+        made.update(kw, name=name)
+        return None  # replaced below, once the tokenizer exists
+
+    monkeypatch.setattr(engines, "get_engine", fake_get_engine)
+    tr = T.Trainer(cfg, tmp_path / "run", progress=False, quiet=True)
+    try:
+        assert made["name"] == "vllm" and made["model_path"] == "tiny-random"
+        tr.remote_engine = Recording(tr.tokenizer, answer_by_task(tr.train_tasks + tr.splits["test"]))
+        m = tr.train_step()
+    finally:
+        tr.close()
+    assert tr.remote_engine.calls, "rollouts must come from the vllm engine"
+    assert m["update_skipped"] == 0.0 and len(pushed) == 1
+    for name, p in tr.model.named_parameters():
+        if p.requires_grad:
+            assert torch.equal(pushed[0][name], p.detach())  # the updated weights, not the old ones
 
 
 def test_cli_rejects_bad_config_with_status_2(tmp_path, capsys):
