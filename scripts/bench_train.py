@@ -10,7 +10,9 @@
 (c) training-step overhead over a bare transformers forward+backward(+AdamW step) on the same
     tokens (target <= 1.25x);
 (d) rollout wall time with concurrent episodes vs one-at-a-time tool calls, 200 ms tool latency
-    (VerlTool sec. 3.3, Table 3 reports 1.22-1.97x; target >= 2x).
+    (VerlTool sec. 3.3, Table 3 reports 1.22-1.97x; target >= 2x): with the warmed-up policy
+    (single- and multi-turn; on a CPU its generation dominates), and with a gold-answer replay engine
+    that takes generation out and measures the environment side alone.
 
 Everything runs in this process, sequentially; each figure is a ratio of two timings taken back to
 back on the same inputs (median of --repeats).
@@ -177,7 +179,38 @@ def bench_overhead(model, tok, trajs, repeats):
 
 
 # ------------------------------------------------------------------------------------------ (d)
-def bench_concurrency(engine, tok, tasks, n, max_new_tokens, latency_ms, multi_turn, repeats):
+class GoldReplayEngine:
+    """A RolloutEngine that answers each task's prompt with its gold calls at once (no model): with
+    generation out of the way, (d) with this engine measures the environment side alone -- how much
+    of the tool latency concurrent episodes hide. Used only in this benchmark, and labelled so."""
+
+    def __init__(self, tok, tasks, prompt_style: str = "compact"):
+        from reflrl.engine import Sample  # noqa: F401  (the protocol's sample type)
+        from reflrl.envs.parsing import format_calls
+        from reflrl.envs.prompts import build_messages
+        from reflrl.rollout import render_prompt
+
+        self.answers = {}
+        for t in tasks:
+            key = tuple(render_prompt(tok, build_messages(t, style=prompt_style)))
+            self.answers[key] = tok(format_calls(list(t.gold[0]), "hermes"), add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+
+    def generate(self, prompts, n=1, max_new_tokens=256, temperature=1.0, top_p=1.0, stop_ids=None, seed=0):
+        from reflrl.engine import Sample
+
+        out = []
+        for i, p in enumerate(prompts):
+            ids = self.answers.get(tuple(p))
+            if ids is None:
+                raise KeyError("GoldReplayEngine: a prompt that is not a task's first turn")
+            out.extend(Sample(i, list(p), list(ids), [0.0] * len(ids), "stop") for _ in range(n))
+        return out
+
+    def update_weights(self, model) -> None:
+        pass
+
+
+def bench_concurrency(engine, tok, tasks, n, max_new_tokens, latency_ms, multi_turn, repeats, label="policy"):
     """The same rollouts twice: episodes stepped concurrently vs one tool call at a time, every tool
     call delayed ``latency_ms`` by the server (fault 'latency' at probability 1). The envs use the
     SYSTEM clock: in-process envs default to a virtual clock, on which latency costs no wall time."""
@@ -209,7 +242,7 @@ def bench_concurrency(engine, tok, tasks, n, max_new_tokens, latency_ms, multi_t
         loop.close()
     (tc, ttc), (ts, tts) = res[True], res[False]
     r = ts / tc
-    kind = "multi-turn (up to 3 turns)" if multi_turn else "single-turn"
+    kind = ("multi-turn (up to 3 turns)" if multi_turn else "single-turn") + f", {label}"
     print(f"(d) {kind} rollout of {len(tasks)}x{n} episodes, {latency_ms} ms per tool call: concurrent {tc:.2f}s "
           f"(generate {ttc['generate_s']:.2f}s), one-at-a-time {ts:.2f}s -> {r:.2f}x (target >= 2) "
           f"{'OK' if r >= 2 else 'MISSED'}")
@@ -267,6 +300,10 @@ def main(argv=None) -> int:
                                                         args.latency_ms, False, args.d_repeats)
         out["d_concurrency_multi"] = bench_concurrency(engine, tok, tasks, args.n, args.max_new_tokens,
                                                        args.latency_ms, True, args.d_repeats)
+        gold_tasks = synthetic_splits(n_train=args.prompts, n_val=0, n_test=0, seed=5)["train"]  # single + parallel
+        out["d_concurrency_gold"] = bench_concurrency(GoldReplayEngine(tok, gold_tasks), tok, gold_tasks, args.n,
+                                                      args.max_new_tokens, args.latency_ms, False, args.d_repeats,
+                                                      label="gold-answer replay (environment side only, no model)")
     if args.json:
         Path(args.json).write_text(json.dumps(out, indent=2))
     return 0
