@@ -11,22 +11,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
-import subprocess
 import sys
-import time
 from datetime import datetime
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def mean_std(xs: list[float]) -> str:
-    if not xs:
-        return "n/a"
-    m = statistics.mean(xs)
-    s = statistics.stdev(xs) if len(xs) > 1 else 0.0
-    return f"{m:.3f} ± {s:.3f}"
+from reflrl.experiment.runner import fmt_mean_std as mean_std, run_train, train_command
 
 
 def main(argv=None) -> int:
@@ -43,21 +35,14 @@ def main(argv=None) -> int:
     rows = []
     for seed in seeds:
         name = f"recipe-{stamp}-s{seed}"
-        cmd = [sys.executable, "-m", "reflrl.trainer", "--faults", args.faults, "--seed", str(seed),
-               "--name", name, "--no-progress", "--set", f"train.out_dir={args.out}"]
-        if args.config:
-            cmd += ["--config", args.config]
-        for o in args.overrides:
-            cmd += ["--set", o]
+        cmd = train_command(seed=seed, name=name, out_dir=args.out, config=args.config, faults=args.faults,
+                            overrides=args.overrides)
         print(f"seed {seed}: {' '.join(cmd[1:])}", flush=True)
-        t0 = time.perf_counter()
-        proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
-        wall = time.perf_counter() - t0
-        if proc.returncode != 0:
-            print(proc.stdout[-2000:], proc.stderr[-4000:], sep="\n", file=sys.stderr)
-            print(f"seed {seed}: reflrl train failed with status {proc.returncode}", file=sys.stderr)
+        try:
+            s, wall = run_train(cmd, Path(args.out) / name, cwd=ROOT)
+        except RuntimeError as e:
+            print(f"seed {seed}: {e}", file=sys.stderr)
             return 1
-        s = json.loads((Path(args.out) / name / "summary.json").read_text())
         row = {"seed": seed, "before": s["accuracy_before"], "after": s["accuracy_after"],
                "format_before": s.get("format_rate_before"), "format_after": s.get("format_rate_after"),
                "steps": s["steps"], "wall_s": wall, "masked": s["masked_trajectories"],

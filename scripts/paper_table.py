@@ -25,9 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import subprocess
 import sys
-import time
 from datetime import datetime
 from pathlib import Path
 
@@ -35,13 +33,7 @@ ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_VARIANTS = "grpo,ref,cot_is,tool_rerl"
 
 
-def mean_std(xs: list[float], fmt: str = ".3f") -> str:
-    xs = [x for x in xs if x is not None]
-    if not xs:
-        return "n/a"
-    m = statistics.mean(xs)
-    s = statistics.stdev(xs) if len(xs) > 1 else 0.0
-    return f"{m:{fmt}} ± {s:{fmt}}"
+from reflrl.experiment.runner import fmt_mean_std as mean_std, run_train, train_command
 
 
 def run_one(variant: str, seed: int, args: argparse.Namespace, stamp: str) -> dict:
@@ -50,20 +42,14 @@ def run_one(variant: str, seed: int, args: argparse.Namespace, stamp: str) -> di
     cfg = ROOT / "configs" / f"{variant}.yaml"
     if not cfg.is_file():
         raise SystemExit(f"paper_table: no config {cfg} for variant {variant!r}")
-    cmd = [sys.executable, "-m", "reflrl.trainer", "--config", str(cfg), "--faults", args.faults,
-           "--seed", str(seed), "--name", name, "--no-progress", "--quiet", "--set", f"train.out_dir={args.out}"]
-    if args.budget_minutes is not None:
-        cmd += ["--set", f"train.time_budget_min={args.budget_minutes}"]
-    for o in args.overrides:
-        cmd += ["--set", o]
+    over = ([f"train.time_budget_min={args.budget_minutes}"] if args.budget_minutes is not None else []) + list(args.overrides)
+    cmd = train_command(seed=seed, name=name, out_dir=args.out, config=cfg, faults=args.faults, overrides=over)
     print(f"{variant} seed {seed}: {' '.join(cmd[2:])}", flush=True)
-    t0 = time.perf_counter()
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
-    wall = time.perf_counter() - t0
-    if proc.returncode != 0:
-        print(proc.stdout[-2000:], proc.stderr[-4000:], sep="\n", file=sys.stderr)
-        raise RuntimeError(f"{variant} seed {seed}: reflrl train failed with status {proc.returncode}")
-    s = json.loads((Path(args.out) / name / "summary.json").read_text())
+    try:
+        s, wall = run_train(cmd, Path(args.out) / name, cwd=ROOT)
+    except RuntimeError as e:
+        print(str(e), file=sys.stderr)
+        raise RuntimeError(f"{variant} seed {seed}: reflrl train failed") from None
     rec = s.get("recovery") or {}
     row = {"variant": variant, "seed": seed, "before": s["accuracy_before"], "after": s["accuracy_after"],
            "steps": s["steps"], "wall_s": wall, "failed": rec.get("failed", 0.0),
@@ -128,6 +114,8 @@ def main(argv=None) -> int:
     p.add_argument("--json", help="write the per-run rows to this JSON file")
     args = p.parse_args(argv)
     variants = [v.strip() for v in args.variants.split(",") if v.strip()]
+    if args.seeds < 1 or not variants:
+        p.error(f"--seeds must be >= 1 (got {args.seeds}) and --variants must name at least one config")
     stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
     rows = []
     try:

@@ -22,10 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
-import subprocess
 import sys
-import time
 from datetime import datetime
 from pathlib import Path
 
@@ -42,13 +39,11 @@ METHODS: dict[str, tuple[str, str]] = {  # key -> (label as in papers/002 Table 
 }
 
 
+from reflrl.experiment.runner import fmt_mean_std, run_train  # noqa: E402
+
+
 def mean_std(xs: list[float], fmt: str = "{:.3f}") -> str:
-    xs = [x for x in xs if x is not None]
-    if not xs:
-        return "n/a"
-    m = statistics.mean(xs)
-    s = statistics.stdev(xs) if len(xs) > 1 else 0.0
-    return f"{fmt.format(m)} ± {fmt.format(s)}"
+    return fmt_mean_std(xs, fmt[2:-1])  # "{:.3f}" -> ".3f"
 
 
 def command(method: str, seed: int, name: str, args: argparse.Namespace) -> list[str]:
@@ -121,16 +116,13 @@ def main(argv=None) -> int:
             name = f"{m}-{stamp}-s{seed}"
             cmd = command(m, seed, name, args)
             print(f"{m} seed {seed}: {' '.join(cmd[2:])}", flush=True)
-            t0 = time.perf_counter()
-            proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
-            wall = time.perf_counter() - t0
-            summary_path = Path(args.out) / name / "summary.json"
-            if proc.returncode != 0 or not summary_path.is_file():
-                print(proc.stdout[-2000:], proc.stderr[-4000:], sep="\n", file=sys.stderr)
-                print(f"{m} seed {seed}: reflrl train failed with status {proc.returncode}", file=sys.stderr)
+            try:
+                summary, wall = run_train(cmd, Path(args.out) / name, cwd=ROOT)
+            except RuntimeError as e:
+                print(f"{m} seed {seed}: {e}", file=sys.stderr)
                 failed.append(f"{m}/s{seed}")
                 continue
-            r = row_from_summary(m, seed, json.loads(summary_path.read_text()), wall)
+            r = row_from_summary(m, seed, summary, wall)
             rows.append(r)
             print(f"  accuracy {r['before']:.1%} -> {r['after']:.1%}, {r['steps']} RL steps "
                   f"({r['stop_reason']}), {r['rollouts']} rollouts, stage {r['stage']}, wall {wall / 60:.1f} min",
