@@ -1,0 +1,34 @@
+"""reflrl.experiment.runner: what the table scripts share."""
+from __future__ import annotations
+
+import json
+import sys
+
+import pytest
+
+from reflrl.experiment.runner import fmt_mean_std, run_train, train_command
+
+
+def test_fmt_mean_std():
+    assert fmt_mean_std([1.0, 2.0, 3.0]) == "2.000 ± 1.000"
+    assert fmt_mean_std([0.5, None], ".1f") == "0.5 ± 0.0"
+    assert fmt_mean_std([None]) == "n/a"
+
+
+def test_train_command_carries_every_setting():
+    cmd = train_command(seed=2, name="x", out_dir="/o", config="c.yaml", faults="rate_limit=0.1", overrides=["a.b=1"])
+    assert cmd[1:3] == ["-m", "reflrl.trainer"]
+    for part in (["--seed", "2"], ["--config", "c.yaml"], ["--faults", "rate_limit=0.1"], ["--set", "a.b=1"],
+                 ["--set", "train.out_dir=/o"]):
+        assert any(cmd[j:j + 2] == part for j in range(len(cmd) - 1)), part
+
+
+def test_run_train_returns_summary_or_raises_with_the_output(tmp_path):
+    (tmp_path / "summary.json").write_text(json.dumps({"accuracy_after": 0.5}))
+    summary, wall = run_train([sys.executable, "-c", "print('ok')"], tmp_path)
+    assert summary == {"accuracy_after": 0.5} and wall > 0
+    with pytest.raises(RuntimeError, match="status 3") as e:
+        run_train([sys.executable, "-c", "import sys; print('boom'); sys.exit(3)"], tmp_path)
+    assert "boom" in str(e.value)
+    with pytest.raises(RuntimeError, match="status 0"):  # exit 0 but no summary: not a silent empty row
+        run_train([sys.executable, "-c", "pass"], tmp_path / "missing")
