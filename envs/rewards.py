@@ -159,7 +159,11 @@ def map_range(r: float, r_min: float, r_max: float, lo: float, hi: float) -> flo
 def fine_parts(pred: ParseResult, gold: list[ToolCall]) -> dict[str, float]:
     """The sub-rewards of DSCL sec. 3 (papers/002), for a prediction and its gold calls.
 
-    - ``format`` (eq. 1): 1 if the message is well formed in the chosen format (``pred.ok``).
+    - ``format`` (eq. 1): 1 if "all required fields appear": the message is well formed in the
+      chosen format (``pred.ok``) AND it has the field the gold answer needs -- a tool call when
+      gold has calls, a plain answer (no call) when gold has none, as ToolRL's format check
+      (which DSCL's eq. 1 follows) requires ``<tool_call>`` or ``<response>`` per the gold. So
+      a plain-text reply to a task that needs a call gets no format credit (total -3).
     - ``name`` (eq. 2): |N_pred n N_gold| / |N_pred u N_gold| over tool names, counted as
       multisets (equal to eq. 2 when names are distinct; a repeated parallel call must be
       repeated), 1.0 when both are empty.
@@ -174,7 +178,7 @@ def fine_parts(pred: ParseResult, gold: list[ToolCall]) -> dict[str, float]:
     - ``max_name_key`` = 1 + |Y| and ``max_value`` = sum_i |K(y_i)|: the maxima used by eq. 6.
     """
     calls = pred.calls if pred.ok else []
-    r_format = 1.0 if pred.ok else 0.0
+    r_format = 1.0 if pred.ok and bool(calls) == bool(gold) else 0.0
     r_name = _jaccard([c.name for c in calls], [g.name for g in gold])
     r_key = 0.0
     r_value = 0.0

@@ -61,6 +61,7 @@ class ModelConfig:
     lora_r: int = _f(16, "LoRA rank (trainable='lora')")
     lora_alpha: int | None = _f(None, "LoRA alpha; null = 2 * lora_r")
     lora_dropout: float = _f(0.0, "LoRA dropout")
+    init_from: str | None = _f(None, "start from a reflrl checkpoint folder (RUN/checkpoints/step_N): its trainable parameters, exact dtype, not its optimizer or step; model.name/trainable must match the run that wrote it (e.g. RL variants from one shared warm-up); null = the model as loaded")
 
 
 @dataclass
@@ -452,6 +453,11 @@ def validate(cfg: Config) -> Config:
     need(not s.curriculum or v.reward.startswith("fine"),
          f"sampling.curriculum: needs a fine-grained reward (env.reward='fine'), got env.reward={v.reward!r}")
 
+    if cfg.model.init_from is not None:
+        ck = Path(str(cfg.model.init_from)).expanduser()
+        need((ck / "trainable.pt").is_file(),
+             f"model.init_from: {cfg.model.init_from} is not a reflrl checkpoint folder (no trainable.pt; "
+             "expected RUN/checkpoints/step_N)")
     w = cfg.warmup
     need(w.enabled in ("auto", True, False), f"warmup.enabled: expected 'auto', true or false, got {_show(w.enabled)}")
     need(0 <= w.format_rate_threshold <= 1,

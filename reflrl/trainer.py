@@ -491,6 +491,8 @@ class Trainer:
         self.model, self.tokenizer = load_model(m.name, dtype=m.dtype, trainable=m.trainable, lora_r=m.lora_r,
                                                 lora_alpha=m.lora_alpha, lora_dropout=m.lora_dropout,
                                                 seed=tr.seed, trainable_dtype=m.trainable_dtype)
+        if m.init_from:  # e.g. RL variants that share one warm-up (scripts/paper_table.py --warm-start)
+            load_checkpoint(Path(m.init_from).expanduser(), model=self.model, optimizer=None, restore_rng=False)
         self.load_s = time.perf_counter() - t0
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
         self.engine = TransformersEngine(self.model, self.tokenizer,

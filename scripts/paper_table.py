@@ -13,7 +13,9 @@ steps and wall time; then whether the paper's ordering holds (tool_rerl > cot_is
 than cot when both ran).
 
 With the real model each run takes the recipe's 14-minute budget (4 variants x 3 seeds: about 3 hours
-on 2 cores); --budget-minutes shortens every run (train.time_budget_min). A smoke test with the tiny
+on 2 cores); --budget-minutes shortens every run (train.time_budget_min), and --warm-start pays the warm-up once
+per seed instead of once per run (every variant of a seed then starts RL from the same checkpoint,
+which is also the fairer comparison). A smoke test with the tiny
 random model:
 
     .venv/bin/python scripts/paper_table.py --seeds 1 --set model.name=tiny-random --set model.dtype=float32 \\
@@ -33,7 +35,7 @@ ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_VARIANTS = "grpo,ref,cot_is,tool_rerl"
 
 
-from reflrl.experiment.runner import fmt_mean_std as mean_std, run_train, train_command
+from reflrl.experiment.runner import fmt_mean_std as mean_std, run_train, train_command, warm_start
 
 
 def run_one(variant: str, seed: int, args: argparse.Namespace, stamp: str) -> dict:
@@ -43,6 +45,8 @@ def run_one(variant: str, seed: int, args: argparse.Namespace, stamp: str) -> di
     if not cfg.is_file():
         raise SystemExit(f"paper_table: no config {cfg} for variant {variant!r}")
     over = ([f"train.time_budget_min={args.budget_minutes}"] if args.budget_minutes is not None else []) + list(args.overrides)
+    if args.warm_start:
+        over = args.warm_overrides[seed] + over
     cmd = train_command(seed=seed, name=name, out_dir=args.out, config=cfg, faults=args.faults, overrides=over)
     print(f"{variant} seed {seed}: {' '.join(cmd[2:])}", flush=True)
     try:
@@ -112,27 +116,41 @@ def main(argv=None) -> int:
                    help="config override for every run (repeatable)")
     p.add_argument("--out", default=str(ROOT / "runs" / "paper_table"), help="parent folder of the runs")
     p.add_argument("--json", help="write the per-run rows to this JSON file")
+    p.add_argument("--warm-start", nargs="?", const="auto", metavar="RUN_PATTERN",
+                   help="start every variant of a seed from ONE shared warm-up (model.init_from): alone, a "
+                        "warm-up-only run per seed under --out; or existing default-recipe run folders, e.g. "
+                        "'runs/bench_recipe/recipe-X-s{seed}'. 'before' is then the warmed-up accuracy")
     args = p.parse_args(argv)
     variants = [v.strip() for v in args.variants.split(",") if v.strip()]
     if args.seeds < 1 or not variants:
         p.error(f"--seeds must be >= 1 (got {args.seeds}) and --variants must name at least one config")
     stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
     rows = []
+    args.warm_overrides = {}
     try:
+        if args.warm_start:
+            for seed in range(args.seeds):
+                args.warm_overrides[seed], info = warm_start(args.warm_start, seed, out_dir=args.out,
+                                                             faults=args.faults, overrides=args.overrides, cwd=ROOT)
+                print(f"seed {seed} starts from {info['checkpoint']}", flush=True)
         for v in variants:
             for seed in range(args.seeds):
                 rows.append(run_one(v, seed, args, stamp))
-    except RuntimeError as e:
+    except (RuntimeError, FileNotFoundError, ValueError) as e:
         print(f"paper_table: {e}", file=sys.stderr)
         return 1
     text, means = table(rows, variants)
     print(f"\nfaults {args.faults!r}, {args.seeds} seed(s) per variant"
-          + (f", {args.budget_minutes} min per run" if args.budget_minutes is not None else ""))
+          + (f", {args.budget_minutes} min per run" if args.budget_minutes is not None else "")
+          + (f", every variant from the seed's shared warm-up ({args.warm_start}; 'gain' is RL's alone)"
+             if args.warm_start else ""))
     print(text)
     for line in ordering(means):
         print(line)
     if args.json:
-        Path(args.json).write_text(json.dumps({"rows": rows, "faults": args.faults, "variants": variants}, indent=2))
+        Path(args.json).write_text(json.dumps({"rows": rows, "faults": args.faults, "variants": variants,
+                                               "budget_minutes": args.budget_minutes, "warm_start": args.warm_start,
+                                               "overrides": args.overrides}, indent=2))
     return 0
 
 

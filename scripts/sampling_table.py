@@ -17,6 +17,11 @@ the test split; the same split and the same starting model for every method), it
 accuracy before, wall time of the process, RL steps run, rollouts sampled (``rollouts`` in
 summary.json: every RL rollout generated, DAPO-style refills included) and the curriculum stage
 reached. About ``budget x methods x seeds`` of wall time: 7 x 3 x 14 min ~ 5 hours at the defaults.
+
+``--warm-start`` pays the supervised warm-up once per seed (every method of that seed starts RL from
+the same checkpoint; 'before' is then the warmed-up accuracy and 'gain' RL's alone), and
+``--merge A.json B.json`` prints one table from the --json files of several partial runs (e.g. the
+methods split over two processes).
 """
 from __future__ import annotations
 
@@ -39,7 +44,7 @@ METHODS: dict[str, tuple[str, str]] = {  # key -> (label as in papers/002 Table 
 }
 
 
-from reflrl.experiment.runner import fmt_mean_std, run_train  # noqa: E402
+from reflrl.experiment.runner import fmt_mean_std, run_train, warm_start  # noqa: E402
 
 
 def mean_std(xs: list[float], fmt: str = "{:.3f}") -> str:
@@ -54,7 +59,7 @@ def command(method: str, seed: int, name: str, args: argparse.Namespace) -> list
            "--set", f"train.steps={args.steps}"]
     if args.faults is not None:
         cmd += ["--faults", args.faults]
-    for o in args.overrides:
+    for o in [*getattr(args, "warm_overrides", {}).get(seed, []), *args.overrides]:
         cmd += ["--set", o]
     return cmd
 
@@ -99,7 +104,17 @@ def main(argv=None) -> int:
                    help="extra config override for every run (repeatable)")
     p.add_argument("--out", default=str(ROOT / "runs" / "sampling_table"), help="parent folder of the runs")
     p.add_argument("--json", help="write the per-run rows to this JSON file")
+    p.add_argument("--merge", nargs="+", metavar="JSON", help="print one table from these --json files and exit")
+    p.add_argument("--warm-start", nargs="?", const="auto", metavar="RUN_PATTERN",
+                   help="start every method of a seed from ONE shared warm-up (model.init_from): alone, a "
+                        "warm-up-only run per seed under --out; or existing default-recipe run folders, e.g. "
+                        "'runs/bench_recipe/recipe-X-s{seed}'. 'before' is then the warmed-up accuracy")
     args = p.parse_args(argv)
+    if args.merge:
+        rows = [r for f in args.merge for r in json.loads(Path(f).read_text())["rows"]]
+        present = [m for m in METHODS if any(r["method"] == m for r in rows)]
+        print(format_table(rows, present))
+        return 0
     seeds = [int(s) for s in args.seeds.split(",") if s.strip()]
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     unknown = [m for m in methods if m not in METHODS]
@@ -111,6 +126,16 @@ def main(argv=None) -> int:
     stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
     rows: list[dict] = []
     failed: list[str] = []
+    args.warm_overrides = {}
+    if args.warm_start:
+        for seed in seeds:
+            try:
+                args.warm_overrides[seed], info = warm_start(args.warm_start, seed, out_dir=args.out,
+                                                             faults=args.faults, overrides=args.overrides, cwd=ROOT)
+            except (RuntimeError, FileNotFoundError, ValueError) as e:
+                print(f"sampling_table: {e}", file=sys.stderr)
+                return 1
+            print(f"seed {seed} starts from {info['checkpoint']}", flush=True)
     for seed in seeds:
         for m in methods:
             name = f"{m}-{stamp}-s{seed}"
@@ -129,12 +154,15 @@ def main(argv=None) -> int:
                   flush=True)
     n_test = rows[0]["n_test"] if rows else None
     print(f"\n{len(seeds)} seed(s), budget {args.budget_minutes:g} min per run, faults "
-          f"{args.faults or 'none'}, {n_test} held-out tasks (greedy exact match)\n")
+          f"{args.faults or 'none'}, {n_test} held-out tasks (greedy exact match)"
+          + (f", every method from the seed's shared warm-up ({args.warm_start}; 'gain' is RL's alone)"
+             if args.warm_start else "") + "\n")
     print(format_table(rows, methods), flush=True)
     if args.json:
         Path(args.json).write_text(json.dumps({"rows": rows, "budget_minutes": args.budget_minutes,
                                                "seeds": seeds, "faults": args.faults,
-                                               "overrides": args.overrides}, indent=2))
+                                               "overrides": args.overrides, "warm_start": args.warm_start},
+                                              indent=2))
     if failed:
         print(f"\nfailed runs: {', '.join(failed)}", file=sys.stderr)
         return 1

@@ -125,8 +125,13 @@ def test_fine_format_failure_and_no_call_cases():
     gold = [TC("f", {"a": 1})]
     assert get_reward("fine")(BAD, gold).total == -3.0
     assert get_reward("fine")(ok(content="sunny"), []).total == 4.0
-    # a call where a text answer was expected: name 0 of Max 1 -> -3, plus format 1
-    assert get_reward("fine")(ok(TC("f")), []).total == -2.0
+    # a call where a text answer was expected: the required field (the answer) is missing,
+    # format 0; name 0 of Max 1 -> -3
+    r = get_reward("fine")(ok(TC("f")), [])
+    assert r.parts["format"] == 0.0 and r.total == -3.0
+    # a plain-text reply where a call was needed: well formed, but the tool-call field is missing
+    r = get_reward("fine")(ok(content="I cannot look that up."), gold)
+    assert r.parts["format"] == 0.0 and r.total == -3.0
     # right name, no arguments given, wrong everything else
     r = get_reward("fine")(ok(TC("f")), gold)
     assert r.parts["key"] == 0.0 and r.total == pytest.approx(1 + 6 * 1 / 3 - 3)

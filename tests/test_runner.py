@@ -32,3 +32,20 @@ def test_run_train_returns_summary_or_raises_with_the_output(tmp_path):
     assert "boom" in str(e.value)
     with pytest.raises(RuntimeError, match="status 0"):  # exit 0 but no summary: not a silent empty row
         run_train([sys.executable, "-c", "pass"], tmp_path / "missing")
+
+
+def test_warm_start_points_each_seed_at_its_step0_checkpoint_and_names_a_missing_one(tmp_path):
+    from reflrl.experiment.runner import warm_start
+
+    ck = tmp_path / "recipe-s1" / "checkpoints" / "step_000000"
+    ck.mkdir(parents=True)
+    (ck / "trainable.pt").write_bytes(b"x")
+    (ck / "state.json").write_text(json.dumps({"warmup": {"ran": True, "sft_steps": 7},
+                                               "eval_before": {"accuracy": 0.0}}))
+    over, info = warm_start(str(tmp_path / "recipe-s{seed}"), 1, out_dir=tmp_path)
+    assert over == [f"model.init_from={ck.resolve()}", "warmup.enabled=false"]
+    assert info["warmup"]["sft_steps"] == 7 and info["accuracy_base"] == 0.0
+    with pytest.raises(FileNotFoundError, match="seed 2: .*recipe-s2.*step_000000"):
+        warm_start(str(tmp_path / "recipe-s{seed}"), 2, out_dir=tmp_path)
+    with pytest.raises(ValueError, match="seed"):
+        warm_start(str(tmp_path / "recipe"), 2, out_dir=tmp_path)

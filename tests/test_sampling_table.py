@@ -42,3 +42,30 @@ def test_sampling_table_runs_each_method_as_reflrl_train_and_prints_the_table(tm
         cfg = (Path(r["run_dir"]) / "config.yaml").read_text()
         assert "time_budget_min: 5" in cfg
     assert rows[0]["stage"] is None and rows[1]["stage"] == 1
+
+
+def test_warm_start_runs_one_warmup_per_seed_and_every_method_starts_from_it(tmp_path, capsys):
+    st = load_script()
+    argv = ["--seeds", "0", "--methods", "toolrl,smv", "--budget-minutes", "5", "--steps", "1",
+            "--out", str(tmp_path), "--json", str(tmp_path / "rows.json"), "--warm-start"]
+    for o in TINY:
+        argv += ["--set", o]
+    assert st.main(argv) == 0
+    ck = (tmp_path / "warmup-s0" / "checkpoints" / "step_000000").resolve()
+    assert (ck / "trainable.pt").is_file()
+    warm = json.loads((tmp_path / "warmup-s0" / "summary.json").read_text())
+    assert warm["steps"] == 0
+    rows = json.loads((tmp_path / "rows.json").read_text())["rows"]
+    for r in rows:
+        cfg = (Path(r["run_dir"]) / "config.yaml").read_text()
+        assert f"init_from: {ck}" in cfg and "enabled: false" in cfg
+        assert r["before"] == warm["accuracy_after"]  # the same start point, evaluated again
+    capsys.readouterr()
+    # --merge: one table from partial --json files
+    half = tmp_path / "half.json"
+    half.write_text(json.dumps({"rows": rows[:1]}))
+    rest = tmp_path / "rest.json"
+    rest.write_text(json.dumps({"rows": rows[1:]}))
+    assert st.main(["--merge", str(half), str(rest)]) == 0
+    out = capsys.readouterr().out
+    assert "| ToolRL (GRPO) | 1 |" in out and "| w/ SMV | 1 |" in out

@@ -461,3 +461,28 @@ def test_sft_epoch_batches_cover_every_example_once_with_little_padding():
     assert tok.decode(e.answer_ids[:-1]).startswith("<tool_call>")
     b = collate([e], pad_id=0)
     assert int(b["response_mask"].sum()) == len(e.answer_ids)
+
+
+def test_init_from_starts_from_a_checkpoints_trainable_params_not_its_step_or_optimizer(tmp_path):
+    cfg_a = tiny_cfg(tmp_path / "a", **{"train.steps": 1, "train.save_every": 0})
+    a = scripted_trainer(cfg_a, tmp_path / "a" / "run")
+    try:
+        a.run()
+    finally:
+        a.close()
+    trained = trainable(a.model)
+    ck = tmp_path / "a" / "run" / "checkpoints" / "step_000001"
+    cfg_b = tiny_cfg(tmp_path / "b", **{"train.steps": 1, "model.init_from": str(ck)})
+    b = T.Trainer(cfg_b, tmp_path / "b" / "run", progress=False, quiet=True)
+    try:
+        fresh = T.Trainer(tiny_cfg(tmp_path / "c"), tmp_path / "c" / "run", progress=False, quiet=True)
+        fresh.close()
+        got = trainable(b.model)
+        assert got.keys() == trained.keys()
+        assert all(torch.equal(got[n], trained[n]) for n in got)  # exact, dtype kept
+        assert any(not torch.equal(got[n], trainable(fresh.model)[n]) for n in got)  # not the plain init
+        assert b.step == 0 and not b.optimizer.state  # a new run: step 0, fresh optimizer
+    finally:
+        b.close()
+    with pytest.raises(C.ConfigError, match="model.init_from: .* not a reflrl checkpoint"):
+        tiny_cfg(tmp_path / "d", **{"model.init_from": str(tmp_path / "nowhere")})

@@ -40,6 +40,45 @@ def run_train(cmd: list[str], run_dir: str | Path, cwd: str | Path | None = None
     return json.loads(summary.read_text()), wall
 
 
+def warm_start(spec: str, seed: int, *, out_dir: str | Path, faults: str | None = None,
+               overrides: Sequence[str] = (), cwd: str | Path | None = None) -> tuple[list[str], dict[str, Any]]:
+    """Overrides that start a run from seed ``seed``'s shared warm-up, and that warm-up's summary.
+
+    Comparisons of RL variants (paper_table, sampling_table) differ only after the warm-up, so every
+    variant of a seed can start from ONE warm-up checkpoint (``model.init_from``, ``warmup.enabled=
+    false``): the RL part is compared from the same point, and the warm-up is paid once per seed.
+
+    ``spec``: ``"auto"`` = the run folder ``out_dir/warmup-s<seed>``, made by a warm-up-only
+    ``reflrl train --set train.steps=0`` (default recipe, same ``faults``/``overrides``) unless it
+    already has its summary; otherwise a run-folder pattern with ``{seed}``, e.g.
+    ``runs/bench_recipe/recipe-X-s{seed}`` (any run of the default recipe: its step-0 checkpoint is
+    the state right after the warm-up). Raises FileNotFoundError naming a missing checkpoint.
+    """
+    if spec == "auto":
+        run_dir = Path(out_dir) / f"warmup-s{seed}"
+        if not (run_dir / "summary.json").is_file():
+            if run_dir.exists():
+                import shutil
+
+                shutil.rmtree(run_dir)  # an interrupted warm-up: start it again
+            cmd = train_command(seed=seed, name=run_dir.name, out_dir=out_dir, faults=faults,
+                                overrides=[*overrides, "train.steps=0"])
+            print(f"warm-up seed {seed}: {' '.join(cmd[2:])}", flush=True)
+            run_train(cmd, run_dir, cwd=cwd)
+    else:
+        if "{seed}" not in spec:
+            raise ValueError(f"warm start {spec!r}: expected 'auto' or a run-folder pattern with {{seed}}")
+        run_dir = Path(spec.format(seed=seed))
+    ck = run_dir / "checkpoints" / "step_000000"
+    if not (ck / "trainable.pt").is_file():
+        raise FileNotFoundError(f"warm start for seed {seed}: {ck} has no trainable.pt (the step-0 checkpoint, "
+                                "written right after the warm-up, is missing)")
+    state = json.loads((ck / "state.json").read_text())
+    info = {"run_dir": str(run_dir), "checkpoint": str(ck), "warmup": state.get("warmup", {}),
+            "accuracy_base": state.get("eval_before", {}).get("accuracy")}
+    return [f"model.init_from={ck.resolve()}", "warmup.enabled=false"], info
+
+
 def fmt_mean_std(xs: Sequence[float | None], fmt: str = ".3f") -> str:
     """'mean ± std' of the non-None values (sample std; 0 for one value), 'n/a' when there are none."""
     vals = [float(x) for x in xs if x is not None]
