@@ -69,3 +69,18 @@ def test_warm_start_runs_one_warmup_per_seed_and_every_method_starts_from_it(tmp
     assert st.main(["--merge", str(half), str(rest)]) == 0
     out = capsys.readouterr().out
     assert "| ToolRL (GRPO) | 1 |" in out and "| w/ SMV | 1 |" in out
+
+
+def test_recipes_follow_papers_002_settings():
+    from reflrl import config as C
+
+    st = load_script()
+    for key, (_, path) in st.METHODS.items():
+        cfg = C.load_config(ROOT / path)
+        assert cfg.reflection.variant == "grpo", key  # the paper's samplers run on plain GRPO
+        assert cfg.env.reward == "fine", key
+    # sec. 5.2: SMV and SMR run "with curriculum learning based on our methodology"
+    for key in ("smv", "smr", "tdcl", "dscl"):
+        assert C.load_config(ROOT / st.METHODS[key][1]).sampling.curriculum, key
+    for key in ("toolrl", "dapo", "rds"):
+        assert not C.load_config(ROOT / st.METHODS[key][1]).sampling.curriculum, key
