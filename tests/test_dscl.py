@@ -365,7 +365,7 @@ def test_state_dicts_round_trip_through_json():
 
 # ------------------------------------------------------------------------- configs
 @pytest.mark.parametrize("name, sampler, curriculum", [
-    ("dscl", "rds", True), ("dapo", "dapo", False), ("smv", "smv", False), ("smr", "smr", False),
+    ("dscl", "rds", True), ("dapo", "dapo", False), ("smv", "smv", True), ("smr", "smr", True),
     ("rds", "rds", False), ("tdcl", "none", True), ("toolrl", "none", False),
 ])
 def test_yaml_configs_load(name, sampler, curriculum):
@@ -389,8 +389,10 @@ def test_sampling_configs_start_from_the_default_recipe(name):
 
     default = load_config(ROOT / "configs" / "default.yaml")
     diff = config_diff(load_config(ROOT / "configs" / f"{name}.yaml"), default)
-    assert set(diff) <= {"env.reward", "algo.dynamic_sampling"} | {k for k in diff if k.startswith("sampling.")}
+    assert set(diff) <= ({"env.reward", "algo.dynamic_sampling", "reflection.variant"}
+                         | {k for k in diff if k.startswith("sampling.")})
     assert diff["env.reward"] == ("binary", "fine")
+    assert diff["reflection.variant"] == ("tool_rerl", "grpo")  # papers/002 compares samplers on plain GRPO
 
 
 def test_step_metrics_sum_the_rounds_of_a_step_and_flag_transitions():
