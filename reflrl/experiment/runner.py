@@ -4,6 +4,7 @@ tail of its output, so a table never silently misses a row."""
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 import time
@@ -58,8 +59,6 @@ def warm_start(spec: str, seed: int, *, out_dir: str | Path, faults: str | None 
         run_dir = Path(out_dir) / f"warmup-s{seed}"
         if not (run_dir / "summary.json").is_file():
             if run_dir.exists():
-                import shutil
-
                 shutil.rmtree(run_dir)  # an interrupted warm-up: start it again
             cmd = train_command(seed=seed, name=run_dir.name, out_dir=out_dir, faults=faults,
                                 overrides=[*overrides, "train.steps=0"])
