@@ -35,7 +35,7 @@ ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_VARIANTS = "grpo,ref,cot_is,tool_rerl"
 
 
-from reflrl.experiment.runner import fmt_mean_std as mean_std, run_train, train_command, warm_start
+from reflrl.experiment.runner import fmt_mean_std as mean_std, run_train, train_command, WARM_START_HELP, warm_starts
 
 
 def run_one(variant: str, seed: int, args: argparse.Namespace, stamp: str) -> dict:
@@ -45,8 +45,7 @@ def run_one(variant: str, seed: int, args: argparse.Namespace, stamp: str) -> di
     if not cfg.is_file():
         raise SystemExit(f"paper_table: no config {cfg} for variant {variant!r}")
     over = ([f"train.time_budget_min={args.budget_minutes}"] if args.budget_minutes is not None else []) + list(args.overrides)
-    if args.warm_start:
-        over = args.warm_overrides[seed] + over
+    over = args.warm_overrides.get(seed, []) + over
     cmd = train_command(seed=seed, name=name, out_dir=args.out, config=cfg, faults=args.faults, overrides=over)
     print(f"{variant} seed {seed}: {' '.join(cmd[2:])}", flush=True)
     try:
@@ -116,23 +115,16 @@ def main(argv=None) -> int:
                    help="config override for every run (repeatable)")
     p.add_argument("--out", default=str(ROOT / "runs" / "paper_table"), help="parent folder of the runs")
     p.add_argument("--json", help="write the per-run rows to this JSON file")
-    p.add_argument("--warm-start", nargs="?", const="auto", metavar="RUN_PATTERN",
-                   help="start every variant of a seed from ONE shared warm-up (model.init_from): alone, a "
-                        "warm-up-only run per seed under --out; or existing default-recipe run folders, e.g. "
-                        "'runs/bench_recipe/recipe-X-s{seed}'. 'before' is then the warmed-up accuracy")
+    p.add_argument("--warm-start", nargs="?", const="auto", metavar="RUN_PATTERN", help=WARM_START_HELP)
     args = p.parse_args(argv)
     variants = [v.strip() for v in args.variants.split(",") if v.strip()]
     if args.seeds < 1 or not variants:
         p.error(f"--seeds must be >= 1 (got {args.seeds}) and --variants must name at least one config")
     stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
     rows = []
-    args.warm_overrides = {}
     try:
-        if args.warm_start:
-            for seed in range(args.seeds):
-                args.warm_overrides[seed], info = warm_start(args.warm_start, seed, out_dir=args.out,
-                                                             faults=args.faults, overrides=args.overrides, cwd=ROOT)
-                print(f"seed {seed} starts from {info['checkpoint']}", flush=True)
+        args.warm_overrides = warm_starts(args.warm_start, range(args.seeds), out_dir=args.out,
+                                          faults=args.faults, overrides=args.overrides, cwd=ROOT)
         for v in variants:
             for seed in range(args.seeds):
                 rows.append(run_one(v, seed, args, stamp))

@@ -44,7 +44,7 @@ METHODS: dict[str, tuple[str, str]] = {  # key -> (label as in papers/002 Table 
 }
 
 
-from reflrl.experiment.runner import fmt_mean_std, run_train, warm_start  # noqa: E402
+from reflrl.experiment.runner import fmt_mean_std, run_train, WARM_START_HELP, warm_starts  # noqa: E402
 
 
 def mean_std(xs: list[float], fmt: str = "{:.3f}") -> str:
@@ -105,10 +105,7 @@ def main(argv=None) -> int:
     p.add_argument("--out", default=str(ROOT / "runs" / "sampling_table"), help="parent folder of the runs")
     p.add_argument("--json", help="write the per-run rows to this JSON file")
     p.add_argument("--merge", nargs="+", metavar="JSON", help="print one table from these --json files and exit")
-    p.add_argument("--warm-start", nargs="?", const="auto", metavar="RUN_PATTERN",
-                   help="start every method of a seed from ONE shared warm-up (model.init_from): alone, a "
-                        "warm-up-only run per seed under --out; or existing default-recipe run folders, e.g. "
-                        "'runs/bench_recipe/recipe-X-s{seed}'. 'before' is then the warmed-up accuracy")
+    p.add_argument("--warm-start", nargs="?", const="auto", metavar="RUN_PATTERN", help=WARM_START_HELP)
     args = p.parse_args(argv)
     if args.merge:
         rows = [r for f in args.merge for r in json.loads(Path(f).read_text())["rows"]]
@@ -126,16 +123,12 @@ def main(argv=None) -> int:
     stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
     rows: list[dict] = []
     failed: list[str] = []
-    args.warm_overrides = {}
-    if args.warm_start:
-        for seed in seeds:
-            try:
-                args.warm_overrides[seed], info = warm_start(args.warm_start, seed, out_dir=args.out,
-                                                             faults=args.faults, overrides=args.overrides, cwd=ROOT)
-            except (RuntimeError, FileNotFoundError, ValueError) as e:
-                print(f"sampling_table: {e}", file=sys.stderr)
-                return 1
-            print(f"seed {seed} starts from {info['checkpoint']}", flush=True)
+    try:
+        args.warm_overrides = warm_starts(args.warm_start, seeds, out_dir=args.out, faults=args.faults,
+                                          overrides=args.overrides, cwd=ROOT)
+    except (RuntimeError, FileNotFoundError, ValueError) as e:
+        print(f"sampling_table: {e}", file=sys.stderr)
+        return 1
     for seed in seeds:
         for m in methods:
             name = f"{m}-{stamp}-s{seed}"

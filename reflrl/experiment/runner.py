@@ -78,6 +78,22 @@ def warm_start(spec: str, seed: int, *, out_dir: str | Path, faults: str | None 
     return [f"model.init_from={ck.resolve()}", "warmup.enabled=false"], info
 
 
+WARM_START_HELP = ("start every method of a seed from ONE shared warm-up (model.init_from): alone, a "
+                   "warm-up-only run per seed under --out; or existing default-recipe run folders, e.g. "
+                   "'runs/bench_recipe/recipe-X-s{seed}'. 'before' is then the warmed-up accuracy")
+
+
+def warm_starts(spec: str | None, seeds: Sequence[int], *, out_dir: str | Path, faults: str | None = None,
+                overrides: Sequence[str] = (), cwd: str | Path | None = None) -> dict[int, list[str]]:
+    """:func:`warm_start` for every seed (``{}`` when ``spec`` is None), printing where each starts."""
+    out: dict[int, list[str]] = {}
+    if spec:
+        for seed in seeds:
+            out[seed], info = warm_start(spec, seed, out_dir=out_dir, faults=faults, overrides=overrides, cwd=cwd)
+            print(f"seed {seed} starts from {info['checkpoint']}", flush=True)
+    return out
+
+
 def fmt_mean_std(xs: Sequence[float | None], fmt: str = ".3f") -> str:
     """'mean ± std' of the non-None values (sample std; 0 for one value), 'n/a' when there are none."""
     vals = [float(x) for x in xs if x is not None]
