@@ -1,6 +1,6 @@
 """The critic interface: what a frozen critic is asked and what it answers.
 
-Tool-ReRL (``003_febfc96bcceb98f2.txt``, sec. 3.2 and appendix C, "Step 2: Critique"): after a
+Tool-ReRL (Reflective Reinforcement Tool Learning, sec. 3.2 and appendix C, "Step 2: Critique"): after a
 failed attempt, a *frozen* critic scores the response against the ground truth and writes a
 one-sentence analysis in the Score/Analysis format::
 

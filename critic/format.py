@@ -1,4 +1,4 @@
-"""The critic prompt and answer format of Tool-ReRL, appendix C (``003_febfc96bcceb98f2.txt``).
+"""The critic prompt and answer format of Tool-ReRL, appendix C (Reflective Reinforcement Tool Learning).
 
 - :data:`CRITIC_INSTRUCTION`: "The full critic instruction" of appendix C, verbatim (the PDF's
   line wraps inside sentences are joined; the two format lines are kept as lines).

@@ -1,6 +1,6 @@
 """The LLM critic: appendix C's critic prompt sent to any OpenAI-compatible endpoint.
 
-Tool-ReRL (``003_febfc96bcceb98f2.txt``, appendix C) scores attempts with "a frozen critic model"
+Tool-ReRL (Reflective Reinforcement Tool Learning, appendix C) scores attempts with "a frozen critic model"
 given the critic instruction (system message) and the evaluation template with the response and
 the ground truth (user message); the answer is parsed STRICTLY in the Score/Analysis format
 (:func:`reflrl.critic.format.parse_critique`).

@@ -1,6 +1,6 @@
 """The policy model itself as critic ("internal" reasoning; Table 2 ablation).
 
-Tool-ReRL's ablation (``003_febfc96bcceb98f2.txt``, sec. 4.3, Table 2) compares reasoning produced
+Tool-ReRL's ablation (Tool-ReRL, sec. 4.3, Table 2) compares reasoning produced
 by the policy itself ("Internal") with reasoning from an external model ("External"). This critic
 sends the same appendix C prompt as :class:`reflrl.critic.llm.LLMCritic` to the policy being
 trained, through a ``generate`` callable, so this module never imports the trainer or torch.

@@ -1,7 +1,7 @@
 """Critics by name: ``get_critic("rule" | "llm" | "policy", **kwargs)``.
 
 "rule" is the embedded default (no model); "llm" talks to an OpenAI-compatible endpoint;
-"policy" asks the policy model itself (Table 2's "Internal" ablation, ``003_febfc96bcceb98f2.txt``
+"policy" asks the policy model itself (Table 2's "Internal" ablation, Tool-ReRL
 sec. 4.3). Model critics are imported lazily, so ``get_critic("rule")`` never imports ``openai``.
 """
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """The rule-based critic: compares a response with the ground truth, no model needed.
 
-The embedded default critic of Tool-ReRL runs (``003_febfc96bcceb98f2.txt``, sec. 3.2 and
+The embedded default critic of Tool-ReRL runs (Tool-ReRL, sec. 3.2 and
 appendix C). Like the paper's frozen critic it sees the ground truth and answers in the
 Score/Analysis format with ONE sentence saying precisely what is wrong, in this order of checks:
 

@@ -23,7 +23,7 @@ from .types import Task
 Generate = Callable[[list[dict[str, Any]]], str]
 
 
-def load_generator(model: str, *, dtype: str = "bfloat16", max_new_tokens: int = 128,
+def load_generator(model: str, *, dtype: str = "auto", max_new_tokens: int = 128,
                    temperature: float = 0.0, top_p: float = 1.0, seed: int = 0) -> Generate:
     """Load ``model`` (``reflrl.models.load_model``) and return ``generate(messages) -> text``.
 

@@ -436,5 +436,31 @@ def format_calls(calls: list[ToolCall], fmt: str = "hermes") -> str:
     return "\n".join(out)
 
 
+# --------------------------------------------------------------------------------------------
+# when an answer is complete (generation may stop)
+# --------------------------------------------------------------------------------------------
+
+
+def answer_complete(text: str, fmt: str = "hermes") -> bool:
+    """Is a partial answer's tool-call part finished, so generation can stop here?
+
+    hermes: True once a ``</tool_call>`` closes a block and the model has gone on with something
+    other than whitespace or the start of another ``<tool_call>`` block: the calls are complete and
+    what follows is trailing text, which no call can come out of (a complete answer is the end of
+    the turn or the end of its tool-call block(s)). Scoring the text up to this point scores the
+    calls exactly; a plain-text answer is complete only at the end of the turn. Other formats
+    (pythonic, react): False (their answers end with the turn).
+    """
+    if fmt not in ("hermes", "auto"):
+        return False
+    k = text.rfind(_CLOSE)
+    if k < 0:
+        return False
+    tail = text[k + len(_CLOSE):].lstrip()
+    if not tail:
+        return False
+    return not _OPEN.startswith(tail[: len(_OPEN)])
+
+
 __all__ = ["MAX_CHARS", "FORMATS", "PARSERS", "parse", "parse_hermes", "parse_pythonic",
-           "parse_react", "format_calls", "check_format"]
+           "parse_react", "format_calls", "check_format", "answer_complete"]

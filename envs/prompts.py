@@ -1,6 +1,6 @@
 """Chat messages for a Task: the system prompt with the tool list, the user query, tool results.
 
-Tools are shown in the system prompt (the "context template" of papers/000 sec. 3, which works
+Tools are shown in the system prompt (the "context template" of the efficiency paper (arXiv:2606.00135) sec. 3, which works
 for any chat model, including ones whose chat template has no tool support):
 
 - ``style="json"``: every tool's full JSON schema inside ``<tools></tools>``, one per line, in the

@@ -7,14 +7,14 @@ look one up with :func:`get_reward` (registry :data:`REWARDS`; add your own with
 Registered rewards
 ------------------
 - ``binary``: eq. 8 of "On Effectiveness and Efficiency of Agentic Tool-calling and RL Training"
-  (papers/000, appendix E): ``r = 1 if FormatCorrect and ToolCallMatch else 0``. FormatCorrect is
+  (the efficiency paper (arXiv:2606.00135), appendix E): ``r = 1 if FormatCorrect and ToolCallMatch else 0``. FormatCorrect is
   the chosen parser's format check (``pred.ok``: the tool-call markup is present and well formed).
 - ``binary_think``: eq. 8 exactly as the paper's single-turn setting states it (following
   Tool-N1): FormatCorrect also requires a ``<think>...</think>`` block, so use it with a prompt
   that asks for one (``prompts.system_prompt(..., think=True)``).
 - ``binary_match``: the paper's multi-turn setting ("we remove the limit of format correctness and
   only judge the output based on tool call correctness"): ``r = ToolCallMatch``.
-- ``fine``: DSCL's fine-grained reward (papers/002, sec. 3, eqs. 1-6; itself ToolRL's,
+- ``fine``: DSCL's fine-grained reward (sec. 3, eqs. 1-6; itself ToolRL's,
   Qian et al. 2025): format + tool name + parameter keys + parameter values, the correctness part
   mapped to [-3, 3], total in [-3, 4].
 - ``fine_stage1`` / ``fine_stage2`` / ``fine_stage3``: DSCL eq. 7 with the stage weights of sec.
@@ -111,13 +111,13 @@ def has_think(pred: ParseResult) -> bool:
 
 
 # --------------------------------------------------------------------------------------------
-# binary (papers/000 appendix E, eq. 8)
+# binary (the efficiency paper (arXiv:2606.00135) appendix E, eq. 8)
 # --------------------------------------------------------------------------------------------
 
 
 def binary_reward(pred: ParseResult, gold: list[ToolCall], *, think: bool = False,
                   check_format: bool = True) -> RewardResult:
-    """Eq. 8 (papers/000, appendix E): ``r = 1[FormatCorrect and ToolCallMatch]``.
+    """Eq. 8 (the efficiency paper (arXiv:2606.00135), appendix E): ``r = 1[FormatCorrect and ToolCallMatch]``.
 
     FormatCorrect = ``pred.ok`` (and, with ``think=True``, a ``<think>`` block as in the paper's
     single-turn setting). ``check_format=False`` is the paper's multi-turn setting (match only).
@@ -130,7 +130,7 @@ def binary_reward(pred: ParseResult, gold: list[ToolCall], *, think: bool = Fals
 
 
 # --------------------------------------------------------------------------------------------
-# fine-grained (DSCL, papers/002 sec. 3 eqs. 1-6, sec. 4.1.1 eq. 7)
+# fine-grained (DSCL sec. 3 eqs. 1-6, sec. 4.1.1 eq. 7)
 # --------------------------------------------------------------------------------------------
 
 
@@ -150,14 +150,14 @@ def _values_correct(pred_args: dict[str, Any], gold_args: dict[str, Any]) -> int
 
 
 def map_range(r: float, r_min: float, r_max: float, lo: float, hi: float) -> float:
-    """Eq. 6 (papers/002): M_lo^hi(R) = (hi - lo) * (R - Min(R)) / (Max(R) - Min(R)) + lo."""
+    """Eq. 6 (DSCL): M_lo^hi(R) = (hi - lo) * (R - Min(R)) / (Max(R) - Min(R)) + lo."""
     if r_max <= r_min:
         return hi
     return (hi - lo) * (r - r_min) / (r_max - r_min) + lo
 
 
 def fine_parts(pred: ParseResult, gold: list[ToolCall]) -> dict[str, float]:
-    """The sub-rewards of DSCL sec. 3 (papers/002), for a prediction and its gold calls.
+    """The sub-rewards of DSCL sec. 3, for a prediction and its gold calls.
 
     - ``format`` (eq. 1): 1 if "all required fields appear": the message is well formed in the
       chosen format (``pred.ok``) AND it has the field the gold answer needs -- a tool call when
@@ -208,7 +208,7 @@ def fine_parts(pred: ParseResult, gold: list[ToolCall]) -> dict[str, float]:
 
 def fine_reward(pred: ParseResult, gold: list[ToolCall], *,
                 lambdas: tuple[float, float, float] = (1.0, 1.0, 1.0)) -> RewardResult:
-    """DSCL's fine-grained reward (papers/002).
+    """DSCL's fine-grained reward.
 
     With the default lambdas this is eq. 5: ``R = R_format + M_{-3}^{3}(R_name + R_key +
     R_value)``; in general eq. 7: ``R = l1*R_format + M_{-3}^{4-l1}(l2*(R_name + R_key) +
@@ -238,7 +238,7 @@ DSCL_STAGE_LAMBDAS: dict[int, tuple[float, float, float]] = {
     2: (0.5, 1.5, 0.5),
     3: (0.5, 0.5, 2.5),
 }
-"""(lambda1, lambda2, lambda3) of DSCL's three curriculum stages (papers/002 sec. 4.1.1)."""
+"""(lambda1, lambda2, lambda3) of DSCL's three curriculum stages (DSCL sec. 4.1.1)."""
 
 REWARDS: dict[str, RewardFn] = {
     "binary": lambda pred, gold: binary_reward(pred, gold),

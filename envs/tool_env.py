@@ -16,7 +16,7 @@ conversation rendered as plain text.
 
 Faults (``faults="rate_limit=0.1,..."``) are injected by the tool server and observed by the
 client exactly as a real HTTP client sees them; the client's retry policy retries them. Env faults
-are never turned into negative rewards (Tool-ReRL, ``003_febfc96bcceb98f2.txt`` sec. 1 and 3.2:
+are never turned into negative rewards (Tool-ReRL, sec. 1 and 3.2:
 environment-caused failures are not the policy's errors): the reward depends only on the policy's
 parsed calls against the gold calls; a fault that retries did not recover sets
 ``info["masked"] = True`` so the trainer drops the rollout from the loss.
@@ -174,7 +174,7 @@ class ToolCallEnv(gym.Env[str, str]):
             same faults while the tasks vary (or the reverse).
         seed: the env seed used by the first ``reset()`` without a seed (None = fresh entropy).
         reward: reward name in ``reflrl.envs.rewards`` (``"binary"``: exact match with format
-            check, paper 000 appendix E eq. 8; ``"fine"``: DSCL eqs. 1-6, range [-3, 4]).
+            check, efficiency paper (arXiv:2606.00135) appendix E eq. 8; ``"fine"``: DSCL eqs. 1-6, range [-3, 4]).
         parser: ``"hermes"`` | ``"pythonic"`` | ``"react"`` | ``"auto"``.
         prompt_style: how tools are listed in the system prompt (``reflrl.envs.prompts``): ``"json"``
             (full schemas, Hermes/Qwen layout) or ``"compact"`` (one signature line per tool).

@@ -97,7 +97,7 @@ def build_parser() -> argparse.ArgumentParser:
                            "when a small model makes no call")
     demo.add_argument("--server-url", default=None,
                       help="tool server URL (from 'reflrl tools serve'); default: in-process")
-    demo.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"),
+    demo.add_argument("--dtype", default="auto", choices=("auto", "bfloat16", "float32"),
                       help="model precision on the CPU")
 
     check = env_sub.add_parser(

@@ -3,7 +3,7 @@
 Every hyperparameter is declared once, below, with its default and a one-line help text
 (``_f(default, "help")``); :func:`config_help` lists them all and :func:`save_config` writes
 them as comments into a run folder's ``config.yaml``. Defaults are the code's defaults; the
-default recipe lives in ``configs/default.yaml``.
+default recipe lives in ``configs/default.yaml`` (:func:`default_recipe`, shipped in the package).
 
     cfg = load_config("configs/default.yaml", ["algo.clip_high=0.3", "env.faults=rate_limit=0.1"])
     save_config(cfg, run_dir / "config.yaml")      # reloads to an equal Config
@@ -55,7 +55,7 @@ class ModelConfig:
     """The policy model (see reflrl.models)."""
 
     name: str = _f("smollm2-135m-instruct", "registry name ('smollm2-135m-instruct', 'tiny-random'), HF id or local path")
-    dtype: str = _f("bfloat16", "weights/compute dtype on the CPU: 'float32' | 'bfloat16'")
+    dtype: str = _f("auto", "weights/compute dtype on the CPU: 'auto' (bfloat16 only where the CPU computes it natively, else float32; reflrl.precision) | 'float32' | 'bfloat16'")
     trainable: str = _f("top_layers:6", "what trains: 'all' | 'none' | 'lora' | 'top_layers:K' (the top K decoder layers + head)")
     trainable_dtype: str | None = _f("float32", "dtype of the trainable parameters (float32 master weights); null = same as dtype")
     lora_r: int = _f(16, "LoRA rank (trainable='lora')")
@@ -94,7 +94,7 @@ class EnvConfig:
     id: str = _f("reflrl/ToolCall-v0", "gymnasium id: 'reflrl/ToolCall-v0' (single-turn) | 'reflrl/ToolCallMultiTurn-v0'")
     faults: str = _f("", "fault spec, e.g. 'rate_limit=0.1,timeout=0.05' ('' = no faults; --faults sets it)")
     fault_seed: int | None = _f(None, "seed of the fault stream; null = derived from the env seed")
-    reward: str = _f("binary", "reward name in reflrl.envs.rewards: 'binary' (exact match, paper 000 eq. 8) | 'fine' (DSCL) | ...")
+    reward: str = _f("binary", "reward name in reflrl.envs.rewards: 'binary' (exact match, efficiency paper (arXiv:2606.00135) eq. 8) | 'fine' (DSCL) | ...")
     parser: str = _f("hermes", "tool-call parser: 'hermes' | 'pythonic' | 'react' | 'auto'")
     max_steps: int | None = _f(None, "assistant messages per episode before truncation; null = env default")
     retry: RetryConfig = _f(RetryConfig, "retry policy of the tool client")
@@ -109,7 +109,9 @@ class RolloutConfig:
     batch_prompts: int = _f(8, "prompts per training step")
     temperature: float = _f(1.0, "sampling temperature")
     top_p: float = _f(1.0, "nucleus sampling threshold (1.0 = off)")
-    max_new_tokens: int = _f(64, "new tokens per assistant turn")
+    max_new_tokens: int = _f(64, "new tokens per assistant turn at most (every task)")
+    answer_cap: float | None = _f(None, "per-task token cap sized to the gold answer: ceil(answer_cap x the gold answer's tokens) + 16 (+ 128 with a <think> block), at most max_new_tokens; rollouts, reflection retries and evaluation alike; null = max_new_tokens for every task")
+    stop_at_complete: bool = _f(True, "stop an answer as soon as it is complete: the end of the turn, or the end of its tool-call block(s) when other text follows (hermes format; reflrl.envs.parsing.answer_complete)")
     max_turns: int = _f(1, "assistant turns per episode (multi-turn envs)")
     max_total_tokens: int = _f(1024, "prompt + response token cap for multi-turn episodes")
     engine: str = _f("transformers", "who samples the RL rollouts: 'transformers' (the trained model itself, in process) | 'vllm' (vLLM offline engine on one GPU, weights pushed after every update: on-policy; needs the gpu extra) | 'openai' (an OpenAI-compatible server with its OWN weights, never synced: needs engine_off_policy=true; docs/scale-out.md)")
@@ -122,18 +124,18 @@ class RolloutConfig:
 class AlgoConfig:
     """The RL algorithm (see reflrl.algos)."""
 
-    advantage: str = _f("grpo", "advantage estimator: 'grpo' (paper 000 eq. 2) | 'dr_grpo' | 'rloo' | 'gae' (PPO, needs a value head)")
+    advantage: str = _f("grpo", "advantage estimator: 'grpo' (efficiency paper, arXiv:2606.00135, eq. 2) | 'dr_grpo' | 'rloo' | 'gae' (PPO, needs a value head)")
     adv_eps: float = _f(1e-6, "epsilon added to the group std in GRPO")
     gamma: float = _f(1.0, "discount (GAE)")
     lam: float = _f(1.0, "GAE lambda")
     policy_loss: str = _f("clip_higher", "policy loss: 'clip_higher' | 'ppo_clip' (same function; set clip_high = clip_low for symmetric)")
-    clip_low: float = _f(0.2, "epsilon_low of the ratio clip (paper 000 appendix F: 0.2)")
-    clip_high: float = _f(0.28, "epsilon_high of the ratio clip, clip-higher (paper 000 appendix F: 0.28)")
+    clip_low: float = _f(0.2, "epsilon_low of the ratio clip (efficiency paper, arXiv:2606.00135, appendix F: 0.2)")
+    clip_high: float = _f(0.28, "epsilon_high of the ratio clip, clip-higher (efficiency paper, arXiv:2606.00135, appendix F: 0.28)")
     dual_clip_c: float | None = _f(None, "dual-clip constant c > 1 for negative advantages; null = off")
     loss_agg: str = _f("token-mean", "loss aggregation: 'token-mean' | 'seq-mean-token-mean' | 'seq-mean-token-sum' | 'seq-mean-token-sum-norm'")
-    kl_coef: float = _f(0.0, "weight of the KL-to-reference loss (0 = no reference model, as paper 000)")
+    kl_coef: float = _f(0.0, "weight of the KL-to-reference loss (0 = no reference model, as the efficiency paper)")
     kl_estimator: str = _f("low_var_kl", "KL estimator: 'k1' | 'k2' | 'k3'/'low_var_kl' | 'abs' | 'mse'")
-    entropy_coef: float = _f(0.0, "entropy bonus weight (0 = off, as paper 000)")
+    entropy_coef: float = _f(0.0, "entropy bonus weight (0 = off, as the efficiency paper)")
     value_coef: float = _f(0.5, "critic loss weight (advantage='gae')")
     value_clip: float | None = _f(0.2, "critic value clip range (advantage='gae'); null = off")
     lr: float = _f(1e-5, "policy learning rate (AdamW)")
@@ -141,15 +143,15 @@ class AlgoConfig:
     grad_clip: float = _f(1.0, "max global grad norm (0 = no clipping)")
     epochs_per_batch: int = _f(1, "optimisation passes over each rollout batch (1 = on-policy)")
     micro_batch_size: int = _f(8, "sequences per forward/backward (gradient accumulation over the batch)")
-    downsample_m: int = _f(0, "max-variance down-sampling (paper 000 sec. 4.2): train on m of n rollouts; 0 = off")
-    prefilter_k: int = _f(0, "online pre-rollout filter (paper 000 sec. 4.1): skip prompts all-correct for k epochs; 0 = off")
+    downsample_m: int = _f(0, "max-variance down-sampling (efficiency paper, arXiv:2606.00135, sec. 4.2): train on m of n rollouts; 0 = off")
+    prefilter_k: int = _f(0, "online pre-rollout filter (efficiency paper, arXiv:2606.00135, sec. 4.1): skip prompts all-correct for k epochs; 0 = off")
     dynamic_sampling: bool = _f(False, "DAPO dynamic sampling: drop zero-variance groups and refill the batch")
     max_refill_rounds: int = _f(3, "dynamic sampling: extra sampling rounds per step at most")
 
 
 @dataclass
 class SamplingConfig:
-    """Prompt-level dynamic sampling and the DSCL curriculum (reflrl.algos.dscl; papers/002)."""
+    """Prompt-level dynamic sampling and the DSCL curriculum (reflrl.algos.dscl)."""
 
     sampler: str = _f("none", "group filter after rollouts: 'none' | 'dapo' (drop zero-variance groups) | 'smv' (max variance) | 'smr' (mean reward band) | 'rds' (DSCL sec. 4.2)")
     warmup_gate: bool = _f(True, "the sampler acts only after the format stage converged (DSCL sec. 6.4, Table 3); false = from the first step")
@@ -184,7 +186,8 @@ class WarmupConfig:
     steps: int = _f(60, "SFT optimiser steps")
     lr: float = _f(5e-5, "SFT learning rate")
     batch_size: int = _f(8, "SFT examples per step")
-    time_budget_min: float | None = _f(None, "stop warm-up after this many minutes; null = no limit")
+    time_budget_min: float | None = _f(None, "guard: cut the warm-up after this many minutes (reported as a cut: the result is then not the recipe's); null = no limit")
+    eval_after: bool = _f(True, "evaluate the held-out split right after the warm-up, so the summary tells the warm-up's gain from RL's (one more evaluation)")
 
 
 @dataclass
@@ -192,7 +195,7 @@ class TrainConfig:
     """The run: length, evaluation, checkpoints, logging."""
 
     steps: int = _f(40, "RL training steps")
-    time_budget_min: float | None = _f(15.0, "stop training cleanly after this many minutes (whole run); null = no limit")
+    time_budget_min: float | None = _f(30.0, "guard on the whole run's minutes: a phase it would overrun (warm-up, RL) is cut, the final evaluation still runs, and the run says loudly that its result is not the recipe's (summary 'budget_cut', exit status 3); null = no limit")
     eval_every: int = _f(0, "evaluate on the validation split every N steps (0 = only before/after)")
     save_every: int = _f(10, "checkpoint every N steps (0 = only at the end)")
     keep_checkpoints: int = _f(2, "checkpoints kept in the run folder (older ones are pruned)")
@@ -206,7 +209,7 @@ class TrainConfig:
 @dataclass
 class ReflectionConfig:
     """Tool-ReRL's reflection-recovery loop and the paper's baselines (reflrl.recovery;
-    003_febfc96bcceb98f2.txt sec. 3.2-3.3, Table 1, Table 2)."""
+    Tool-ReRL sec. 3.2-3.3, Table 1, Table 2)."""
 
     variant: str = _f("grpo", "method by name (Tool-ReRL Table 1/2): 'grpo' (no reflection) | 'ppo' (needs a value head: verl backend only) | 'cot' (thought then call) | 'ref' (repaired trajectories trained as on-policy, no correction) | 'cot_is' (own thought in q*, importance-weighted) | 'external' / 'external_is' (reasoning from the critic endpoint, without / with the weight) | 'tool_rerl' (critic reflection + eq. 2) | 'dpo' (DPO on failure/repair pairs)")
     critic: str = _f("rule", "frozen critic for 'ref', 'tool_rerl', 'dpo': 'rule' (embedded, no model) | 'llm' (critic_base_url) | 'policy' (the policy itself)")
@@ -242,6 +245,7 @@ class Config:
 
 # ---------------------------------------------------------------------------------- choices
 DTYPES = ("float32", "bfloat16")
+MODEL_DTYPES = ("auto", *DTYPES)  # reflrl.precision.DTYPE_NAMES
 PARSERS = ("hermes", "pythonic", "react", "auto")
 PROMPT_STYLES = ("compact", "json")
 LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
@@ -373,7 +377,7 @@ def validate(cfg: Config) -> Config:
             e.append(msg)
 
     m = cfg.model
-    _choice(e, "model.dtype", m.dtype, DTYPES)
+    _choice(e, "model.dtype", m.dtype, MODEL_DTYPES)
     if m.trainable_dtype is not None:
         _choice(e, "model.trainable_dtype", m.trainable_dtype, DTYPES)
     t = m.trainable
@@ -405,6 +409,8 @@ def validate(cfg: Config) -> Config:
     need(0 < r.top_p <= 1, f"rollout.top_p: must be in (0, 1], got {r.top_p}")
     need(r.max_new_tokens >= 1, f"rollout.max_new_tokens: must be >= 1, got {r.max_new_tokens}")
     need(r.max_turns >= 1, f"rollout.max_turns: must be >= 1, got {r.max_turns}")
+    need(r.answer_cap is None or r.answer_cap >= 1.0,
+         f"rollout.answer_cap: must be >= 1 (a multiple of the gold answer's length) or null, got {r.answer_cap}")
     _choice(e, "rollout.engine", r.engine, ("transformers", "vllm", "openai"))
     if r.engine == "openai":
         need(bool(r.engine_base_url), "rollout.engine_base_url: rollout.engine='openai' needs the server's URL, "
@@ -571,6 +577,20 @@ def _merge(base: dict, extra: dict) -> dict:
 
 
 # ---------------------------------------------------------------------------------- public API
+def recipes_dir() -> Path:
+    """The folder of the shipped YAML recipes: ``configs/`` of a checkout (editable install) or
+    ``reflrl/configs/`` of an installed wheel, found the same way in both (package data of
+    ``reflrl.configs``), so ``reflrl train`` runs the same default recipe wherever it is installed."""
+    from importlib.resources import files
+
+    return Path(str(files("reflrl.configs")))
+
+
+def default_recipe() -> Path:
+    """``default.yaml``: the recipe ``reflrl train`` runs when no ``--config`` is given."""
+    return recipes_dir() / "default.yaml"
+
+
 def config_from_dict(data: dict | None) -> Config:
     """Config from a nested mapping (missing keys take defaults), type-checked and validated."""
     return validate(_build(Config, data or {}, ""))

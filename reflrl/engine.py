@@ -5,9 +5,10 @@ transformers KV cache (no ``model.generate``), because that loop can (a) prefill
 and copy its cache to the ``n`` samples (GRPO groups share the prompt), (b) compute only the
 chosen token's log-prob per step instead of keeping full-vocabulary scores for all steps, and
 (c) drop finished rows from the batch, and (d) decode with an in-place KV cache and copy-free
-grouped-query attention (:mod:`reflrl.fast_decode`, ~3x faster steps on the CPU). Other engines (vLLM, an OpenAI-compatible server) will
-implement the same protocol later; they hold their own copy of the weights, hence
-``update_weights``.
+grouped-query attention (:mod:`reflrl.fast_decode`, ~3x faster steps on the CPU), and (e) stop each
+row at its own cap or as soon as its answer is complete (``stop_when``). The other engines in
+:mod:`reflrl.engines` (vLLM, any OpenAI-compatible server) implement the same protocol; they hold
+their own copy of the weights, hence ``update_weights``.
 
 Log-prob convention (all engines): ``Sample.logprobs[i]`` is
 ``log softmax(logits / temperature)[token_ids[i]]`` -- the temperature-scaled distribution, before
@@ -20,7 +21,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any, Literal, Protocol, runtime_checkable
+from typing import Any, Callable, Literal, Protocol, Sequence, runtime_checkable
 
 import torch
 import torch.nn.functional as F
@@ -59,20 +60,63 @@ class RolloutEngine(Protocol):
         self,
         prompts: list[list[int]],
         n: int = 1,
-        max_new_tokens: int = 256,
+        max_new_tokens: int | Sequence[int] = 256,
         temperature: float = 1.0,
         top_p: float = 1.0,
         stop_ids: list[int] | None = None,
         seed: int = 0,
+        stop_when: Callable[[str], bool] | None = None,
     ) -> list[Sample]:
         """Sample ``n`` completions per prompt; returns ``len(prompts) * n`` samples ordered
         prompt-major (samples ``i*n .. i*n+n-1`` belong to prompt ``i``). Deterministic given
-        ``seed`` and the same inputs."""
+        ``seed`` and the same inputs. ``max_new_tokens``: one cap, or one per prompt.
+        ``stop_when(text)``: a sample also stops (finish_reason "stop") after the first token at
+        which its decoded text satisfies it (e.g. :func:`reflrl.envs.parsing.answer_complete`);
+        engines that cannot stop early cut the sample there afterwards (:func:`cut_at`)."""
         ...
 
     def update_weights(self, model: nn.Module) -> None:
         """Make the engine sample from ``model``'s current weights."""
         ...
+
+
+def per_prompt_caps(max_new_tokens: int | Sequence[int], n_prompts: int) -> list[int]:
+    """``max_new_tokens`` as one cap per prompt (ValueError naming a bad cap or a length mismatch)."""
+    caps = [int(max_new_tokens)] * n_prompts if isinstance(max_new_tokens, int) else [int(c) for c in max_new_tokens]
+    if len(caps) != n_prompts:
+        raise ValueError(f"max_new_tokens has {len(caps)} caps for {n_prompts} prompts")
+    for i, c in enumerate(caps):
+        if c < 1:
+            raise ValueError(f"max_new_tokens={c} (prompt {i}): must be >= 1")
+    return caps
+
+
+class PieceDecoder:
+    """Decoded text of single token ids, memoized (the stop test reads a sample's text token by token)."""
+
+    def __init__(self, tokenizer: Any):
+        self.tokenizer = tokenizer
+        self._memo: dict[int, str] = {}
+
+    def __call__(self, token_id: int) -> str:
+        piece = self._memo.get(token_id)
+        if piece is None:
+            piece = self._memo[token_id] = self.tokenizer.decode([token_id], skip_special_tokens=True)
+        return piece
+
+
+def cut_at(sample: Sample, stop_when: Callable[[str], bool], decode: Callable[[int], str]) -> Sample:
+    """``sample`` cut after the first token at which its text satisfies ``stop_when`` (finish "stop"),
+    or unchanged: what an engine that cannot stop early returns, so every engine answers alike."""
+    text = ""
+    for i, t in enumerate(sample.token_ids):
+        text += decode(t)
+        if stop_when(text):
+            if i + 1 == len(sample.token_ids) and sample.finish_reason == "stop":
+                return sample
+            return Sample(sample.prompt_index, sample.prompt_ids, list(sample.token_ids[: i + 1]),
+                          list(sample.logprobs[: i + 1]), "stop")
+    return sample
 
 
 @dataclass
@@ -156,17 +200,19 @@ class TransformersEngine:
         self,
         prompts: list[list[int]],
         n: int = 1,
-        max_new_tokens: int = 256,
+        max_new_tokens: int | Sequence[int] = 256,
         temperature: float = 1.0,
         top_p: float = 1.0,
         stop_ids: list[int] | None = None,
         seed: int = 0,
+        stop_when: Callable[[str], bool] | None = None,
     ) -> list[Sample]:
-        """See :meth:`RolloutEngine.generate`. Prompts must be non-empty lists of token ids."""
+        """See :meth:`RolloutEngine.generate`. Prompts must be non-empty lists of token ids. A row
+        leaves the decoding batch as soon as it samples a stop id, reaches its prompt's cap, or its
+        text satisfies ``stop_when``, so short answers cost no more than their tokens."""
         if n < 1:
             raise ValueError(f"n={n}: must be >= 1")
-        if max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens={max_new_tokens}: must be >= 1")
+        caps = per_prompt_caps(max_new_tokens, len(prompts))
         if not 0.0 < top_p <= 1.0:
             raise ValueError(f"top_p={top_p}: must be in (0, 1]")
         for i, p in enumerate(prompts):
@@ -189,8 +235,8 @@ class TransformersEngine:
                 for s in range(0, len(prompts), per_group):
                     out.extend(
                         self._generate_group(
-                            prompts[s : s + per_group], s, n, max_new_tokens, temperature,
-                            top_p, stop_ids, gen, w32, b32,
+                            prompts[s : s + per_group], s, n, caps[s : s + per_group], temperature,
+                            top_p, stop_ids, gen, w32, b32, stop_when,
                         )
                     )
         finally:
@@ -233,15 +279,17 @@ class TransformersEngine:
         prompts: list[list[int]],
         offset: int,
         n: int,
-        max_new: int,
+        caps: list[int],
         temperature: float,
         top_p: float,
         stop_ids: list[int],
         gen: torch.Generator,
         w32: torch.Tensor,
         b32: torch.Tensor | None,
+        stop_when: Callable[[str], bool] | None = None,
     ) -> list[Sample]:
         decoder = self.model.get_decoder()
+        max_new = max(caps)
         st = self.last_stats
         num, width = len(prompts), max(len(p) for p in prompts)
         mask = torch.zeros((num, width), dtype=torch.long)
@@ -260,15 +308,29 @@ class TransformersEngine:
         toks: list[list[int]] = [[] for _ in range(rows)]
         lps: list[list[float]] = [[] for _ in range(rows)]
         finish: list[FinishReason] = ["length"] * rows
+        row_cap = [caps[r // n] for r in range(rows)]
+        texts = [""] * rows
+        piece = PieceDecoder(self.tokenizer) if stop_when is not None else None
         for step in range(max_new):
             logits = F.linear(h.float(), w32, b32)
             tok, lp = sample_next(logits, temperature, top_p, gen)
-            for r, t, l in zip(active.tolist(), tok.tolist(), lp.tolist()):
+            done = torch.isin(tok, stop) if stop.numel() else torch.zeros_like(tok, dtype=torch.bool)
+            flags = done.tolist()
+            for j, (r, t, l) in enumerate(zip(active.tolist(), tok.tolist(), lp.tolist())):
                 toks[r].append(t)
                 lps[r].append(l)
-            done = torch.isin(tok, stop) if stop.numel() else torch.zeros_like(tok, dtype=torch.bool)
-            for r in active[done].tolist():
-                finish[r] = "stop"
+                if flags[j]:
+                    finish[r] = "stop"
+                    continue
+                if piece is not None:
+                    texts[r] += piece(t)
+                    if stop_when(texts[r]):
+                        finish[r] = "stop"
+                        flags[j] = True
+                        continue
+                if len(toks[r]) >= row_cap[r]:
+                    flags[j] = True  # finish stays "length"
+            done = torch.tensor(flags, dtype=torch.bool)
             if step == max_new - 1:
                 break
             if bool(done.any()):

@@ -8,7 +8,11 @@
   one tool call in the expected format — what decides whether GRPO gets any signal (the warm-up
   rule of the default recipe).
 
-Both run batched through the rollout engine on prompts rendered exactly like rollouts.
+Both run batched through the rollout engine on prompts rendered exactly like rollouts, with the
+rollouts' generation settings (``gen``, a :class:`reflrl.rollout.RolloutConfig`): each answer stops
+as soon as it is complete (the end of the turn, or the end of its tool-call blocks when other text
+follows: ``gen.stop_at_complete``) and at a token cap sized to its gold answer (``gen.answer_cap``),
+so a model that rambles costs about what one that answers does.
 """
 from __future__ import annotations
 
@@ -21,13 +25,14 @@ from reflrl.envs.parsing import parse
 from reflrl.envs.rewards import calls_match
 from reflrl.envs.types import Task
 
-from .rollout import render_prompt
+from .rollout import RolloutConfig, answer_token_cap, render_prompt
 
 
 @dataclass
 class EvalResult:
     """accuracy and format_rate in [0, 1] over n tasks (or n samples for format_rate);
-    stderr: binomial standard error of accuracy; seconds: wall time."""
+    stderr: binomial standard error of accuracy; seconds: wall time; new_tokens: tokens generated;
+    capped: answers that reached their token cap (not complete when cut)."""
 
     accuracy: float
     format_rate: float
@@ -35,27 +40,37 @@ class EvalResult:
     stderr: float = 0.0
     seconds: float = 0.0
     per_task: list[dict[str, Any]] = field(default_factory=list)
+    new_tokens: int = 0
+    capped: int = 0
 
     def to_dict(self, with_tasks: bool = False) -> dict[str, Any]:
         d = {"accuracy": self.accuracy, "format_rate": self.format_rate, "n": self.n,
-             "stderr": self.stderr, "seconds": round(self.seconds, 2)}
+             "stderr": self.stderr, "seconds": round(self.seconds, 2), "new_tokens": self.new_tokens,
+             "capped": self.capped}
         if with_tasks:
             d["per_task"] = self.per_task
         return d
 
 
-def _generate_texts(engine: Any, tokenizer: Any, prompts: list[list[int]], *, batch_size: int,
-                    max_new_tokens: int, temperature: float, seed: int = 0) -> list[str]:
-    """Decoded completions, in the order of ``prompts``; batches group prompts of similar length."""
+def _generate_texts(engine: Any, tokenizer: Any, prompts: list[list[int]], caps: list[int], gen: RolloutConfig, *,
+                    batch_size: int, temperature: float, seed: int = 0) -> tuple[list[str], int, int]:
+    """(decoded completions in the order of ``prompts``, new tokens, answers cut at their cap);
+    batches group prompts of similar length; each answer has its own cap and stops when complete."""
     order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
     out: list[str] = [""] * len(prompts)
+    extra: dict[str, Any] = {}
+    if gen.stop_when() is not None:
+        extra["stop_when"] = gen.stop_when()
+    tokens = capped = 0
     for s in range(0, len(order), batch_size):
         chunk = order[s: s + batch_size]
-        samples = engine.generate([prompts[i] for i in chunk], n=1, max_new_tokens=max_new_tokens,
-                                  temperature=temperature, seed=seed + s)
+        samples = engine.generate([prompts[i] for i in chunk], n=1, max_new_tokens=[caps[i] for i in chunk],
+                                  temperature=temperature, seed=seed + s, **extra)
         for i, smp in zip(chunk, samples):
             out[i] = tokenizer.decode(list(smp.token_ids), skip_special_tokens=True)
-    return out
+            tokens += len(smp.token_ids)
+            capped += smp.finish_reason == "length"
+    return out, tokens, capped
 
 
 def _format_ok(text: str, fmt: str) -> bool:
@@ -64,19 +79,22 @@ def _format_ok(text: str, fmt: str) -> bool:
 
 
 def evaluate(engine: Any, tokenizer: Any, tasks: Sequence[Task], messages_fn: Callable[[Task], list[dict]],
-             *, fmt: str = "hermes", batch_size: int = 16, max_new_tokens: int = 64,
-             keep_texts: bool = False) -> EvalResult:
+             gen: RolloutConfig | None = None, *, batch_size: int = 16, keep_texts: bool = False) -> EvalResult:
     """Greedy exact-match accuracy on ``tasks`` (first-turn gold calls); batched generation.
 
-    ``messages_fn(task)`` gives the chat messages of a task (the same rendering as rollouts).
+    ``messages_fn(task)`` gives the chat messages of a task (the same rendering as rollouts); ``gen``:
+    the rollouts' settings (format, token caps, early stop; default ``RolloutConfig()``).
     The returned format_rate here is the share of GREEDY answers that parse as a call."""
     t0 = time.perf_counter()
+    gen = gen or RolloutConfig()
+    fmt = gen.fmt
     tasks = list(tasks)
     if not tasks:
         raise ValueError("evaluate: no tasks")
     prompts = [render_prompt(tokenizer, messages_fn(t)) for t in tasks]
-    texts = _generate_texts(engine, tokenizer, prompts, batch_size=batch_size,
-                            max_new_tokens=max_new_tokens, temperature=0.0)
+    caps = [answer_token_cap(t, tokenizer, gen) for t in tasks]
+    texts, new_tokens, capped = _generate_texts(engine, tokenizer, prompts, caps, gen, batch_size=batch_size,
+                                                temperature=0.0)
     per = []
     correct = fmt_ok = 0
     for t, text in zip(tasks, texts):
@@ -92,18 +110,20 @@ def evaluate(engine: Any, tokenizer: Any, tasks: Sequence[Task], messages_fn: Ca
     n = len(tasks)
     acc = correct / n
     return EvalResult(accuracy=acc, format_rate=fmt_ok / n, n=n, stderr=math.sqrt(acc * (1 - acc) / n),
-                      seconds=time.perf_counter() - t0, per_task=per)
+                      seconds=time.perf_counter() - t0, per_task=per, new_tokens=new_tokens, capped=capped)
 
 
 def format_rate(engine: Any, tokenizer: Any, tasks: Sequence[Task], messages_fn: Callable[[Task], list[dict]],
-                *, fmt: str = "hermes", samples_per_task: int = 1, batch_size: int = 16,
-                max_new_tokens: int = 64, temperature: float = 1.0, seed: int = 0) -> float:
-    """Share of sampled answers (``samples_per_task`` per task, at ``temperature``) that parse as at
-    least one tool call in format ``fmt``."""
-    tasks = list(tasks)
+                gen: RolloutConfig | None = None, *, samples_per_task: int = 1, batch_size: int = 16,
+                seed: int = 0) -> float:
+    """Share of sampled answers (``samples_per_task`` per task, at ``gen.temperature``, with the caps
+    and early stop of ``gen``) that parse as at least one tool call in format ``gen.fmt``."""
+    gen = gen or RolloutConfig()
+    tasks = [t for t in tasks for _ in range(samples_per_task)]
     if not tasks:
         raise ValueError("format_rate: no tasks")
-    prompts = [render_prompt(tokenizer, messages_fn(t)) for t in tasks for _ in range(samples_per_task)]
-    texts = _generate_texts(engine, tokenizer, prompts, batch_size=batch_size,
-                            max_new_tokens=max_new_tokens, temperature=temperature, seed=seed)
-    return sum(_format_ok(x, fmt) for x in texts) / len(texts)
+    prompts = [render_prompt(tokenizer, messages_fn(t)) for t in tasks]
+    caps = [answer_token_cap(t, tokenizer, gen) for t in tasks]
+    texts, _, _ = _generate_texts(engine, tokenizer, prompts, caps, gen, batch_size=batch_size,
+                                  temperature=gen.temperature, seed=seed)
+    return sum(_format_ok(x, gen.fmt) for x in texts) / len(texts)

@@ -7,7 +7,7 @@ the hidden states are gathered only at the positions that predict a response tok
 projection + log-softmax run on those rows in chunks (optionally recomputed in the backward pass
 instead of stored). Log-probs use temperature-scaled logits, ``log_softmax(logits / T)``, the
 distribution the rollout engine samples from (before any top-p truncation), so the importance
-ratio rho of the GRPO objective (``000_54a6bee37c8ce6eb.txt``, sec. 2.2, eq. 3) is 1 when
+ratio rho of the GRPO objective (the efficiency paper (arXiv:2606.00135), sec. 2.2, eq. 3) is 1 when
 nothing changed.
 """
 
@@ -94,7 +94,7 @@ def token_logprobs_from_hidden(
 class ValueHead(nn.Module):
     """Scalar value per position for PPO: Linear(hidden, 1) in float32 on the final hidden states.
 
-    PPO's critic (``003_febfc96bcceb98f2.txt``, appendix A.2, GAE) shares the policy trunk; the head
+    PPO's critic (Tool-ReRL, appendix A.2, GAE) shares the policy trunk; the head
     starts at zero so initial values are 0. ``forward``: hidden [..., H] -> values [...] float32.
     """
 
@@ -161,7 +161,7 @@ def sequence_logprobs_and_values(
     Returns (logprobs [B,T], values [B,T]) float32; ``values[b,t]`` is the value of the state
     before token t (``value_head(h[b,t-1])``), the state in which the response token at t was
     chosen, at response positions (0 elsewhere) -- the alignment GAE needs (appendix A.2 of
-    ``003_febfc96bcceb98f2.txt``).
+    Tool-ReRL).
     """
     h = hidden_states(model, input_ids, attention_mask)
     return _logprobs_from(

@@ -9,8 +9,14 @@ Names understood by :func:`load_model`:
 - ``tiny-random``: a 2-layer, hidden-64 random LlamaForCausalLM with the real SmolLM2 tokenizer
   (vocabulary 49,152), deterministic given ``seed``. For tests.
 - anything else: a Hugging Face id or a local folder (for instance a checkpoint written by
-  :func:`save_checkpoint`), loaded with ``from_pretrained``. ``HF_HUB_OFFLINE=1`` is the default
-  unless the user set it, so an id must already be in the local Hub cache.
+  :func:`save_checkpoint`), loaded with ``from_pretrained``. A folder, the embedded model and the
+  tiny model never contact the Hub; an id is read from the local Hub cache when it is there, and
+  downloaded otherwise (unless the user set ``HF_HUB_OFFLINE=1``). Importing this module sets no
+  environment variable.
+
+Precision (``dtype=``): ``"auto"`` (the default) takes the CPU's rule in :mod:`reflrl.precision`
+(bfloat16 only where the CPU computes it natively, float32 otherwise); ``"float32"`` /
+``"bfloat16"`` force one.
 
 Tokenizer conventions (all names): ``eos`` is ``<|im_end|>`` (id 2) so sampling stops at the end of
 the assistant turn (the GGUF metadata names ``<|im_start|>`` as eos, which is wrong for chat);
@@ -28,9 +34,10 @@ Trainable subsets (``trainable=``):
   Frozen layers stay in ``dtype``; trainable ones are kept in ``trainable_dtype`` (float32 by
   default) and a forward pre-hook casts the hidden states (and rotary tables, float masks) at the
   boundary, and another casts the head's input back to the head's dtype. This is the
-  recommended CPU setting (``dtype="bfloat16", trainable="top_layers:6"``): a quick measurement
-  gave about 2.5 ms/token forward+backward vs 3.4 for pure bfloat16 with everything trainable and
-  7.4 for float32 (FACTS.md); ``scripts/bench_floor.py`` measures all settings in one run.
+  setting of the default recipe on a CPU with native bfloat16 (``dtype="bfloat16",
+  trainable="top_layers:6"``): about 2.5 ms/token forward+backward vs 3.4 for pure bfloat16 with
+  everything trainable and 7.4 for float32 on an AVX512-BF16 CPU; ``scripts/bench_floor.py``
+  measures all settings in one run on yours.
 - ``"lora"``: peft LoRA on q, k, v, o, gate, up, down projections (rank ``lora_r``); the adapter
   weights are float32 (peft's default autocast of adapter dtype).
 """
@@ -49,10 +56,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-
-import torch  # noqa: E402
-from torch import nn  # noqa: E402
+import torch
+from torch import nn
 
 EMBEDDED_NAME = "smollm2-135m-instruct"
 TINY_NAME = "tiny-random"
@@ -217,7 +222,7 @@ def _embedded_tokenizer() -> Any:
     folder = _tokenizer_cache_dir()
     if not folder.is_dir():
         gguf = embedded_gguf_path()
-        tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+        tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name, local_files_only=True)
         fix_chat_tokenizer(tok)
         with _atomic_dir(folder) as tmp:
             tok.save_pretrained(tmp)
@@ -239,7 +244,7 @@ def _convert_embedded() -> Path:
     gguf = embedded_gguf_path()
     t0 = time.perf_counter()
     model = AutoModelForCausalLM.from_pretrained(
-        str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32
+        str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32, local_files_only=True
     )
     _apply_token_ids(model, tok)
     with _atomic_dir(folder) as tmp:
@@ -466,10 +471,19 @@ def count_parameters(model: nn.Module) -> dict[str, int]:
 
 
 def _resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    """A torch dtype from a name; "auto" and "bfloat16" go through :func:`reflrl.precision.resolve_dtype`,
+    whose log line is printed (an explicit bfloat16 on a CPU that emulates it warns with the measured
+    slowdown)."""
     if isinstance(dtype, torch.dtype):
         return dtype
+    if dtype in ("auto", "bfloat16"):
+        from .precision import announce, resolve_dtype
+
+        choice = resolve_dtype(dtype)
+        announce(choice)  # "[reflrl] precision: ... (why)" on stderr, and the slowdown warning if any
+        dtype = choice.dtype
     if dtype not in _DTYPES:
-        raise ValueError(f"dtype={dtype!r}: expected one of {sorted(_DTYPES)}")
+        raise ValueError(f"dtype={dtype!r}: expected one of {sorted(_DTYPES)} or 'auto'")
     return _DTYPES[dtype]
 
 
@@ -484,12 +498,24 @@ def load_tokenizer(name: str) -> Any:
 
 
 def _offline() -> bool:
+    """The user's own ``HF_HUB_OFFLINE`` (read, never set)."""
     return os.environ.get("HF_HUB_OFFLINE", "0").lower() in ("1", "true", "yes", "on")
+
+
+def _from_hub_or_cache(loader: Any, src: str, **kw: Any) -> Any:
+    """``loader(src, ...)`` from the local Hub cache first (no network), then, unless offline, from the
+    Hub itself: a cached id never waits on the network, a new one downloads where there is internet."""
+    try:
+        return loader(src, local_files_only=True, **kw)
+    except OSError:
+        if _offline():
+            raise
+    return loader(src, local_files_only=False, **kw)
 
 
 def load_model(
     name: str = EMBEDDED_NAME,
-    dtype: str | torch.dtype = "bfloat16",
+    dtype: str | torch.dtype = "auto",
     trainable: str = "all",
     lora_r: int = 16,
     lora_alpha: int | None = None,
@@ -501,7 +527,8 @@ def load_model(
 
     Args:
         name: registry name (see module doc), HF id or local folder (e.g. a saved checkpoint).
-        dtype: precision of the (frozen part of the) model: "bfloat16" or "float32".
+        dtype: precision of the (frozen part of the) model: "auto" (:mod:`reflrl.precision`),
+            "bfloat16" or "float32".
         trainable: "all" | "none" | "top_layers:K" | "lora" (see module doc).
         lora_r, lora_alpha, lora_dropout: LoRA settings (alpha defaults to 2 r).
         seed: initialisation seed of ``tiny-random`` (other models are deterministic anyway).
@@ -537,14 +564,15 @@ def load_model(
                 )
             try:
                 tokenizer = fix_chat_tokenizer(_load_tok_folder(src))
-                model = AutoModelForCausalLM.from_pretrained(
-                    src, dtype=torch.float32, local_files_only=_offline() or path.exists()
-                )
+                if path.exists():
+                    model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32, local_files_only=True)
+                else:
+                    model = _from_hub_or_cache(AutoModelForCausalLM.from_pretrained, src, dtype=torch.float32)
             except OSError as e:
                 where = "folder" if path.exists() else "Hugging Face id"
                 hint = (
-                    " (HF_HUB_OFFLINE=1: only models already in the local Hub cache load; set "
-                    "HF_HUB_OFFLINE=0 to download)" if _offline() and not path.exists() else ""
+                    " (HF_HUB_OFFLINE=1 is set: only models already in the local Hub cache load)"
+                    if _offline() and not path.exists() else ""
                 )
                 raise ValueError(
                     f"model {name!r}: not a registry name ({', '.join(REGISTRY)}) and could not "
@@ -574,7 +602,10 @@ def _load_tok_folder(src: str | Path) -> Any:
     key = (str(path.resolve()), path.stat().st_mtime) if is_dir else None
     if key is not None and key in _TOK_MEMO:
         return copy.deepcopy(_TOK_MEMO[key])
-    tok = AutoTokenizer.from_pretrained(str(src), local_files_only=_offline() or is_dir)
+    if is_dir:
+        tok = AutoTokenizer.from_pretrained(str(src), local_files_only=True)
+    else:
+        tok = _from_hub_or_cache(AutoTokenizer.from_pretrained, str(src))
     if key is not None:
         _TOK_MEMO[key] = copy.deepcopy(tok)
     return tok

@@ -1,6 +1,6 @@
 """Tool-ReRL's reflection-recovery loop inside the CPU trainer, the paper's variants, and accounting.
 
-``003_febfc96bcceb98f2.txt`` (Tool-ReRL):
+Tool-ReRL (Reflective Reinforcement Tool Learning):
 
 - sec. 3.2 (Reflection-Recovery Strategy): a failed trajectory tau is not thrown away; a reflection
   module diagnoses it and the augmented query ``q* = [q, t, a, rfl]`` guides the policy to a revised

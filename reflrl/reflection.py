@@ -1,6 +1,6 @@
 """Reflection-guided retries: the retry prompt, the augmented query q*, and the repair driver.
 
-Tool-ReRL (``003_febfc96bcceb98f2.txt``):
+Tool-ReRL (Reflective Reinforcement Tool Learning):
 
 - sec. 3.2: for a failed trajectory, a reflection module writes a reflection ``rfl`` and the
   augmented query ``q* = [q, t, a, rfl]`` (query, the model's thought, its failed action, the

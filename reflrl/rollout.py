@@ -22,10 +22,12 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import math
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
+from reflrl.envs.parsing import answer_complete, format_calls
 from reflrl.envs.types import Task
 
 
@@ -87,7 +89,7 @@ class Trajectory:
 
 @dataclass
 class RolloutConfig:
-    """What a rollout samples: tokens per turn, temperature, turns, concurrency."""
+    """What a rollout samples: tokens per turn, temperature, turns, concurrency, when an answer stops."""
 
     max_new_tokens: int = 64
     temperature: float = 1.0
@@ -96,6 +98,36 @@ class RolloutConfig:
     max_total_tokens: int = 1024      # prompt + response cap for multi-turn episodes
     concurrent: bool = True           # False: step envs one at a time (the baseline bench (d) measures)
     concurrency: int = 64             # at most this many env calls (reset/step) in flight at once
+    answer_cap: float | None = None   # single-turn: per-task cap sized to the gold answer (answer_token_cap)
+    stop_at_complete: bool = False    # stop an answer once its tool calls are complete (answer_complete)
+    fmt: str = "hermes"               # the tool-call format answers are written in
+    think: bool = False               # answers start with a <think> block (adds THINK_TOKENS to the cap)
+
+    def stop_when(self):
+        """The engine's ``stop_when`` test for this config (None: stop at the end of the turn only)."""
+        return functools.partial(answer_complete, fmt=self.fmt) if self.stop_at_complete else None
+
+
+ANSWER_CAP_MARGIN = 16  # tokens added to answer_cap x the gold answer's length
+THINK_TOKENS = 128      # extra tokens for a <think> block
+
+
+def answer_token_cap(task: Task, tokenizer: Any, cfg: RolloutConfig) -> int:
+    """New-token cap of one single-turn answer to ``task``: ``ceil(cfg.answer_cap x g) + 16`` (+ 128
+    with a ``<think>`` block), where g counts the tokens of the task's gold first-turn calls written in
+    ``cfg.fmt`` plus the end-of-turn token; at most ``cfg.max_new_tokens``. A correct answer is about
+    g tokens long, so the cap never cuts one, while a rambling answer costs no more than about
+    ``answer_cap`` correct ones. Tasks without gold calls, and ``cfg.answer_cap=None``, get
+    ``cfg.max_new_tokens``."""
+    if cfg.answer_cap is None or not task.gold or not task.gold[0]:
+        return cfg.max_new_tokens
+    try:
+        text = format_calls(list(task.gold[0]), cfg.fmt)
+    except ValueError:  # a gold call this format cannot write: no basis for a cap
+        return cfg.max_new_tokens
+    g = len(tokenizer(text, add_special_tokens=False)["input_ids"]) + 1
+    cap = math.ceil(cfg.answer_cap * g) + ANSWER_CAP_MARGIN + (THINK_TOKENS if cfg.think else 0)
+    return max(1, min(cfg.max_new_tokens, cap))
 
 
 # ---------------------------------------------------------------------------------------- rendering
@@ -141,15 +173,23 @@ def observation_text(tokenizer: Any, before: list[dict[str, Any]], action_text: 
 
 # ------------------------------------------------------------------------------------ generation
 def generate_batch(engine: Any, prompts: list[list[int]], cfg: RolloutConfig, *, n: int = 1,
-                   max_new_tokens: int | None = None, seed: int = 0
+                   max_new_tokens: int | Sequence[int] | None = None, seed: int = 0
                    ) -> list[tuple[list[int], list[float], bool]]:
-    """One batched engine call: ``n`` samples per prompt (token ids), prompt-major.
+    """One batched engine call: ``n`` samples per prompt (token ids), prompt-major; ``max_new_tokens``:
+    one cap or one per prompt (default ``cfg.max_new_tokens``); answers stop early per
+    ``cfg.stop_when()``.
 
     Returns, per sample, (sampled ids, their log-probs, finished) where finished is False when the
-    sample was cut at max_new_tokens (the engine's finish_reason "length")."""
+    sample was cut at its cap (the engine's finish_reason "length")."""
     mnt = max_new_tokens or cfg.max_new_tokens
+    if not isinstance(mnt, int) and len(set(mnt)) == 1:
+        mnt = int(next(iter(mnt)))
+    extra: dict[str, Any] = {}
+    stop_when = cfg.stop_when()
+    if stop_when is not None:
+        extra["stop_when"] = stop_when
     out = engine.generate(prompts, n=n, max_new_tokens=mnt, temperature=cfg.temperature,
-                          top_p=cfg.top_p, seed=seed)
+                          top_p=cfg.top_p, seed=seed, **extra)
     if len(out) != len(prompts) * n:
         raise ValueError(f"engine returned {len(out)} samples for {len(prompts)} prompts x {n}")
     res = []
@@ -275,9 +315,11 @@ async def _single_turn(engine, tokenizer, envs, trajs: list[Trajectory], cfg: Ro
             [tr.group for tr in trajs] == [g for g in groups for _ in range(len(trajs) // len(groups))]:
         # the n rollouts of a task share its prompt: one prefill per task, n samples each
         samples = generate_batch(engine, [firsts[g].prompt_ids for g in groups], cfg,
-                                 n=len(trajs) // len(groups), seed=seed)
+                                 n=len(trajs) // len(groups), seed=seed,
+                                 max_new_tokens=[answer_token_cap(firsts[g].task, tokenizer, cfg) for g in groups])
     else:
-        samples = generate_batch(engine, [tr.prompt_ids for tr in trajs], cfg, seed=seed)
+        samples = generate_batch(engine, [tr.prompt_ids for tr in trajs], cfg, seed=seed,
+                                 max_new_tokens=[answer_token_cap(tr.task, tokenizer, cfg) for tr in trajs])
     t["generate_s"] += time.perf_counter() - t0
     texts = []
     for tr, (ids, lps, fin) in zip(trajs, samples):

@@ -260,7 +260,7 @@ def create_app(chat: ChatModel) -> Starlette:
     ])
 
 
-def load_chat_model(name: str, dtype: str = "float32", seed: int = 0, max_batch_size: int = 16) -> ChatModel:
+def load_chat_model(name: str, dtype: str = "auto", seed: int = 0, max_batch_size: int = 16) -> ChatModel:
     """Load ``name`` (registry name, HF id or folder) frozen, with a TransformersEngine."""
     from .engine import TransformersEngine
     from .models import load_model
@@ -298,7 +298,8 @@ def main(argv: list[str] | None = None) -> int:
                                  description="OpenAI-compatible chat-completions server for a local model (127.0.0.1)")
     ap.add_argument("--model", default="smollm2-135m-instruct", help="registry name, HF id or checkpoint folder")
     ap.add_argument("--port", type=int, default=8011, help="TCP port on 127.0.0.1 (0 = any free port)")
-    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    ap.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
+                    help="auto: bfloat16 only where the CPU computes it natively, else float32 (reflrl.precision)")
     ap.add_argument("--seed", type=int, default=0, help="init seed of tiny-random")
     ap.add_argument("--max-batch-size", type=int, default=16, help="rows decoded together (n samples)")
     ap.add_argument("--log-level", default="info")

@@ -2,7 +2,7 @@
 
 A 135M instruct model almost never emits a parseable ``<tool_call>`` at first (1 of 20 sampled answers),
 so every GRPO group is all-wrong and has zero advantage: no signal. The warm-up fine-tunes on the
-training split's gold calls (the "SFT" baseline of the efficiency paper, 000_54a6bee37c8ce6eb sec. 3.5)
+training split's gold calls (the "SFT" baseline of the efficiency paper (arXiv:2606.00135), sec. 3.5)
 with the loss on the assistant tokens only, then RL takes over.
 
 Each example is ``prompt_ids`` (the chat template rendering of the task's messages with the assistant
@@ -102,18 +102,28 @@ def sft_loss(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Te
     return -(torch.where(m, lp, torch.zeros_like(lp)).sum() / m.sum().clamp(min=1))
 
 
+def lr_schedule(s: int, *, steps: int, lr: float, warmup_steps: int = 0) -> float:
+    """Learning rate at step ``s`` of ``steps``: linear warm-up over ``warmup_steps``, then cosine decay
+    to 10% of ``lr`` at the last step. Defined by step counts only, so the same seed trains the same
+    weights on a fast or a slow machine."""
+    if warmup_steps and s < warmup_steps:
+        return lr * (s + 1) / warmup_steps
+    frac = (s - warmup_steps) / max(1, steps - warmup_steps)
+    return lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, frac))))
+
+
 def train_sft(model: torch.nn.Module, tokenizer: Any, examples: Sequence[SFTExample], *, steps: int,
               batch_size: int, lr: float, seed: int = 0, grad_clip: float = 1.0, weight_decay: float = 0.0,
-              warmup_steps: int = 0, time_budget_s: float | None = None,
+              warmup_steps: int = 0, should_stop: Callable[[int, float | None], bool] | None = None,
               log: Callable[[int, dict[str, float]], None] | None = None,
-              progress: bool = False) -> dict[str, Any]:
+              on_step: Callable[[int, float], None] | None = None) -> dict[str, Any]:
     """Fine-tune the trainable parameters on ``examples`` for ``steps`` optimizer steps.
 
     Batches are drawn from a seeded shuffle, epoch after epoch. A fresh AdamW is used (its state is
-    not carried into RL). Linear warm-up over ``warmup_steps`` then cosine decay to 10% of lr, where
-    the schedule's progress is the larger of steps done / ``steps`` and time spent / ``time_budget_s``:
-    a warm-up that the time budget ends early has still decayed its learning rate (on a slow machine
-    it takes fewer steps, not an unfinished schedule). Stops when either runs out. Returns {"steps", "loss_first", "loss_last", "seconds"}.
+    not carried into RL); the learning rate follows :func:`lr_schedule`. ``should_stop(done,
+    seconds_per_step)`` is a guard asked before each step (the run's time budget): when it says stop,
+    training ends early and the result says ``cut``. ``on_step(done, loss)`` reports progress.
+    Returns {"steps", "planned", "cut", "loss_first", "loss_last", "seconds"}.
     """
     if not examples:
         raise ValueError("SFT warm-up has no examples (no training task has gold calls)")
@@ -121,35 +131,23 @@ def train_sft(model: torch.nn.Module, tokenizer: Any, examples: Sequence[SFTExam
     if not params:
         raise ValueError("the model has no trainable parameters")
     opt = torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay)
-
-    def lr_at(s: int, elapsed: float = 0.0) -> float:
-        if warmup_steps and s < warmup_steps:
-            return lr * (s + 1) / warmup_steps
-        frac = (s - warmup_steps) / max(1, steps - warmup_steps)
-        if time_budget_s:  # a time-capped warm-up still anneals: progress is the larger of steps and time
-            frac = max(frac, elapsed / time_budget_s)
-        return lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, frac))))
-
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else end_of_turn_id(tokenizer)
     rng = random.Random(seed)
     batches: list[list[int]] = []
     losses: list[float] = []
     t0 = time.perf_counter()
     model.train()
-    bar = None
-    if progress:
-        from tqdm.auto import tqdm
-
-        bar = tqdm(total=steps, desc="sft warm-up", unit="step", leave=False)
     done = 0
+    cut = False
     for s in range(steps):
-        if time_budget_s is not None and time.perf_counter() - t0 > time_budget_s:
+        if should_stop is not None and should_stop(done, (time.perf_counter() - t0) / done if done else None):
+            cut = True
             break
         if not batches:
             batches = _epoch_batches(examples, batch_size, rng)
         idx = batches.pop()
         batch = collate([examples[i] for i in idx], pad)
-        cur_lr = lr_at(s, time.perf_counter() - t0)
+        cur_lr = lr_schedule(s, steps=steps, lr=lr, warmup_steps=warmup_steps)
         for g in opt.param_groups:
             g["lr"] = cur_lr
         loss = sft_loss(model, batch)
@@ -164,13 +162,10 @@ def train_sft(model: torch.nn.Module, tokenizer: Any, examples: Sequence[SFTExam
         if log is not None:
             log(s, {"sft_loss": losses[-1], "grad_norm": float(gn), "lr": cur_lr,
                     "tokens": int(batch["attention_mask"].sum())})
-        if bar is not None:
-            bar.update(1)
-            bar.set_postfix(loss=f"{losses[-1]:.3f}")
-    if bar is not None:
-        bar.close()
+        if on_step is not None:
+            on_step(done, losses[-1])
     model.eval()
     del opt
-    return {"steps": done, "loss_first": losses[0] if losses else None,
+    return {"steps": done, "planned": steps, "cut": cut, "loss_first": losses[0] if losses else None,
             "loss_last": (sum(losses[-5:]) / len(losses[-5:])) if losses else None,
             "seconds": time.perf_counter() - t0}

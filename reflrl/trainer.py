@@ -8,19 +8,19 @@ One path from the config to the loss, in the order it runs (CleanRL style; read 
     warm-up: if the sampled format rate on probe tasks < threshold, SFT on the train split's gold calls
     for each RL step:
         prompts   = next prompts of a seeded per-epoch permutation, minus the prompts the online
-                    pre-rollout filter skips (paper 000 sec. 4.1, eqs. 4-6)
+                    pre-rollout filter skips (efficiency paper, arXiv:2606.00135, sec. 4.1, eqs. 4-6)
         rollouts  = n samples per prompt, env steps run concurrently (VerlTool sec. 3.3)
         filter    <- all-correct streak per prompt
         [DAPO dynamic sampling: drop zero-variance groups and refill]
-        [DSCL (papers/002): curriculum stage reward (eq. 7) and RDS/SMV/SMR prompt selection (eq. 12)]
-        [max-variance down-sampling: keep m of n rollouts per prompt (paper 000 sec. 4.2, eq. 7)]
-        advantages = GRPO group-normalised (paper 000 eq. 2), masked rollouts excluded
-        loss       = clipped surrogate with clip-higher (paper 000 eq. 3, appendix F), token-mean
+        [DSCL: curriculum stage reward (eq. 7) and RDS/SMV/SMR prompt selection (eq. 12)]
+        [max-variance down-sampling: keep m of n rollouts per prompt (efficiency paper, arXiv:2606.00135, sec. 4.2, eq. 7)]
+        advantages = GRPO group-normalised (efficiency paper, arXiv:2606.00135, eq. 2), masked rollouts excluded
+        loss       = clipped surrogate with clip-higher (efficiency paper, arXiv:2606.00135, eq. 3, appendix F), token-mean
         AdamW step with grad clipping
     eval after; summary.json; a short human summary.
 
 Masked rollouts (an env fault the client's retries did not recover) are dropped from the advantage
-groups and from the loss: env faults never become negative rewards (Tool-ReRL 003, sec. 3.2).
+groups and from the loss: env faults never become negative rewards (Tool-ReRL, sec. 3.2).
 
 Old log-probs: with one optimiser step per rollout batch (``algo.epochs_per_batch == 1``) the policy
 that sampled is exactly the current one, so old_logprob = current logprob, detached (ratio 1, the
@@ -34,6 +34,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import copy
+import dataclasses
 import json
 import math
 import os
@@ -50,6 +51,7 @@ import torch
 
 from . import config as C
 from . import rollout as R
+from .budget import EXIT_BUDGET_CUT, budget_cut_text, cut_record
 from .algos import (PreRolloutFilter, drop_zero_variance_groups, get_advantage_fn, get_policy_loss_fn,
                     groups_to_request, kl_loss, max_variance_subset)
 from .recovery import own_rollouts
@@ -58,7 +60,7 @@ from .runlog import RunLog, latest_checkpoint, load_checkpoint
 # ============================================================================ data order
 class PromptSampler:
     """Which training prompts come next: a seeded permutation per epoch, filtered at the start of
-    each epoch by the online pre-rollout filter (paper 000 sec. 4.1, eq. 6).
+    each epoch by the online pre-rollout filter (efficiency paper, arXiv:2606.00135, sec. 4.1, eq. 6).
 
     State (``state_dict``): epoch, position in the epoch's order, and the order itself; with the
     filter's streaks (saved separately) a resumed run draws exactly the same prompts.
@@ -112,7 +114,7 @@ class PromptSampler:
 
 def group_all_correct(group: Sequence[R.Trajectory]) -> bool | None:
     """Were all of a prompt's own live rollouts correct (repairs not counted; None when all were
-    masked)? Logged per step for the temporal stability of all-correct prompts (paper 000 Fig. 5)."""
+    masked)? Logged per step for the temporal stability of all-correct prompts (efficiency paper, arXiv:2606.00135, Fig. 5)."""
     own = [o for o in (t.original if t.original is not None else t for t in group) if not o.masked]
     return all(bool(o.correct) for o in own) if own else None
 
@@ -294,7 +296,7 @@ def select_and_score(groups: Sequence[Sequence[R.Trajectory]], a: C.AlgoConfig
     Per group (the n rollouts of one prompt): masked rollouts (unrecovered env faults) are dropped
     first, so they neither get an advantage nor shift the group baseline (env faults are never
     penalised); then, with ``a.downsample_m``, the m live rollouts of maximal reward variance are
-    kept (paper 000 sec. 4.2, eq. 7); the advantage estimator (GRPO eq. 2 by default) runs on what
+    kept (efficiency paper, arXiv:2606.00135, sec. 4.2, eq. 7); the advantage estimator (GRPO eq. 2 by default) runs on what
     is left. Zero-variance groups get advantage 0.
     Returns (trajectories, advantages [one per trajectory], group ids).
     """
@@ -448,6 +450,11 @@ class Trainer:
         self.progress = progress
         self.quiet = quiet
         self.t_start = time.perf_counter()
+        from .progress import Progress
+
+        # bars on a terminal, plain lines with elapsed time and ETA elsewhere (CI logs, nohup, pipes)
+        self.progress_out = Progress(enabled=progress and not quiet, clock=self.elapsed, start=0.0,
+                                     remaining_after=self._remaining_after)
         tr = cfg.train
         if tr.threads:
             torch.set_num_threads(tr.threads)
@@ -488,7 +495,13 @@ class Trainer:
         hf_logging.disable_progress_bar()  # our own bars only
         t0 = time.perf_counter()
         m = cfg.model
-        self.model, self.tokenizer = load_model(m.name, dtype=m.dtype, trainable=m.trainable, lora_r=m.lora_r,
+        from .precision import resolve_dtype
+
+        self.precision = resolve_dtype(m.dtype)  # 'auto': bfloat16 only where the CPU computes it natively
+        self.say(self.precision.log_line())
+        if self.precision.warning:
+            print(f"[reflrl] warning: {self.precision.warning}", file=sys.stderr, flush=True)
+        self.model, self.tokenizer = load_model(m.name, dtype=self.precision.dtype, trainable=m.trainable, lora_r=m.lora_r,
                                                 lora_alpha=m.lora_alpha, lora_dropout=m.lora_dropout,
                                                 seed=tr.seed, trainable_dtype=m.trainable_dtype)
         if m.init_from:  # e.g. RL variants that share one warm-up (scripts/paper_table.py --warm-start)
@@ -516,7 +529,10 @@ class Trainer:
             max_new_tokens=cfg.rollout.max_new_tokens, temperature=cfg.rollout.temperature,
             top_p=cfg.rollout.top_p, max_turns=cfg.rollout.max_turns,
             max_total_tokens=cfg.rollout.max_total_tokens, concurrent=cfg.env.concurrency > 1,
-            concurrency=cfg.env.concurrency)
+            concurrency=cfg.env.concurrency, answer_cap=cfg.rollout.answer_cap,
+            stop_at_complete=cfg.rollout.stop_at_complete, fmt=self._fmt(), think=self._think())
+        # greedy held-out evaluation: the rollouts' caps and early stop, temperature 0
+        self.eval_cfg = dataclasses.replace(self.rollout_cfg, temperature=0.0)
 
         # ---- run folder and state -------------------------------------------------------
         self.log = RunLog(run_dir, None, resume=resume)
@@ -601,7 +617,13 @@ class Trainer:
         return "hermes" if self.cfg.env.parser == "auto" else self.cfg.env.parser
 
     def elapsed(self) -> float:
-        return self.state["elapsed_before_s"] + (time.perf_counter() - self.t_start)
+        """Seconds of this run so far (across --resume)."""
+        before = self.state["elapsed_before_s"] if hasattr(self, "state") else 0.0
+        return before + (time.perf_counter() - self.t_start)
+
+    def _remaining_after(self) -> float | None:
+        """Estimated seconds after the current phase (progress ETA): during RL, the final evaluation."""
+        return self._eval_estimate_s() if self.state.get("phase") == "rl" else None
 
     def say(self, msg: str) -> None:
         if not self.quiet:
@@ -612,8 +634,8 @@ class Trainer:
         from .evaluate import evaluate
 
         t0 = time.perf_counter()
-        res = evaluate(self.engine, self.tokenizer, self.splits[split], self.messages, fmt=self._fmt(),
-                       batch_size=self.eval_batch, max_new_tokens=self.cfg.rollout.max_new_tokens)
+        res = evaluate(self.engine, self.tokenizer, self.splits[split], self.messages, self.eval_cfg,
+                       batch_size=self.eval_batch)
         self.state["timers"]["eval_s"] += time.perf_counter() - t0
         return res.to_dict()
 
@@ -624,18 +646,18 @@ class Trainer:
         pool = self.splits["val"] or self.train_tasks
         tasks = [pool[i % len(pool)] for i in range(w.probe_n)]
         t0 = time.perf_counter()
-        r = format_rate(self.engine, self.tokenizer, tasks, self.messages, fmt=self._fmt(), batch_size=self.eval_batch,
-                        temperature=self.cfg.rollout.temperature, max_new_tokens=self.cfg.rollout.max_new_tokens,
-                        seed=derive_seed(self.cfg.train.seed, 77))
+        r = format_rate(self.engine, self.tokenizer, tasks, self.messages, self.rollout_cfg,
+                        batch_size=self.eval_batch, seed=derive_seed(self.cfg.train.seed, 77))
         self.state["timers"]["eval_s"] += time.perf_counter() - t0
         return r
 
     # -------------------------------------------------------------------------------- warm-up
     def warmup(self) -> dict[str, Any]:
-        """Supervised warm-up when the format rate is below the threshold (or always/never)."""
+        """Supervised warm-up when the format rate is below the threshold (or always/never): exactly
+        ``warmup.steps`` SFT steps unless the time guard cuts it (then recorded as a budget cut)."""
         from .sft import build_examples, train_sft
 
-        w = self.cfg.warmup
+        w, tr = self.cfg.warmup, self.cfg.train
         out: dict[str, Any] = {"ran": False}
         if w.enabled is False or w.steps == 0:
             return out
@@ -647,12 +669,25 @@ class Trainer:
             return out
         t0 = time.perf_counter()
         examples = build_examples(self.train_tasks, self.tokenizer, self.messages, fmt=self._fmt())
+        # evaluations still to come: after the warm-up (if on) and after RL, each about the first one's cost
+        n_evals = 1 + int(bool(w.eval_after or tr.eval_every))
+        reserve = n_evals * self._eval_estimate_s()
+
+        def should_stop(done: int, sps: float | None) -> bool:
+            est = sps or 0.0
+            if w.time_budget_min is not None and time.perf_counter() - t0 + est > w.time_budget_min * 60:
+                return True
+            return self._over_budget(est + reserve)
+
+        phase = self.progress_out.phase("warm-up", w.steps)
         res = train_sft(self.model, self.tokenizer, examples, steps=w.steps, batch_size=w.batch_size, lr=w.lr,
                         seed=derive_seed(self.cfg.train.seed, 11), grad_clip=self.cfg.algo.grad_clip or 1.0,
-                        warmup_steps=min(5, w.steps // 10),
-                        time_budget_s=self._warmup_budget(),
+                        warmup_steps=min(5, w.steps // 10), should_stop=should_stop,
                         log=lambda s, m: self.log.log(s, m, phase="warmup"),
-                        progress=self.progress and not self.quiet)
+                        on_step=lambda done, loss: phase.update(1, loss=loss))
+        phase.close("cut by the time budget" if res["cut"] else "")
+        if res["cut"]:
+            self._record_cut("warm-up", res["steps"], w.steps)
         self.state["timers"]["warmup_s"] += time.perf_counter() - t0
         out.update(ran=True, **{f"sft_{k}": v for k, v in res.items()})
         if w.probe_n > 0:
@@ -662,19 +697,6 @@ class Trainer:
             self.say(f"warm-up: {res['steps']} SFT steps in {res['seconds']:.0f}s, loss {loss}; format rate "
                      f"{out['format_rate_before']:.0%} -> {out['format_rate_after']:.0%}")
         return out
-
-    def _warmup_budget(self) -> float | None:
-        """Seconds the warm-up may take: warmup.time_budget_min, and within the run's time budget
-        enough left for the final evaluation (budgeted at the cost of the first) and 1.5 minutes
-        of RL."""
-        w, tr = self.cfg.warmup, self.cfg.train
-        limits = []
-        if w.time_budget_min:
-            limits.append(w.time_budget_min * 60)
-        if tr.time_budget_min:
-            eval_cost = self.state.get("eval_before", {}).get("seconds", 0.0)
-            limits.append(max(0.0, tr.time_budget_min * 60 - self.elapsed() - eval_cost - 90))
-        return min(limits) if limits else None
 
     # -------------------------------------------------------------------------------- one RL step
     def rollout(self, task_idx: list[int], round_: int, timings: dict[str, float]) -> list[R.Trajectory]:
@@ -714,7 +736,7 @@ class Trainer:
         zero_var = live_groups = 0
         rounds = 0
         want = B
-        ctl = self.sampling  # DSCL curriculum / prompt-level samplers (papers/002); None = off
+        ctl = self.sampling  # DSCL curriculum / prompt-level samplers (DSCL); None = off
         recoveries: list[Any] = []  # Tool-ReRL per-round results (reflrl.recovery)
         while want > 0:
             idx = self.sampler.next(want)
@@ -824,7 +846,7 @@ class Trainer:
         return metrics
 
     def _dscl_rewards(self, groups: list[list[R.Trajectory]]) -> None:
-        """DSCL TDCL (papers/002 sec. 4.1): feed the batch's sub-reward fractions to the stage
+        """DSCL TDCL (DSCL sec. 4.1): feed the batch's sub-reward fractions to the stage
         machine, then re-score each live rollout with the stage's reward (eq. 7) when the
         curriculum is on (otherwise the env reward is kept)."""
         from .algos.dscl import episode_stage_reward, scored_turn_parts, subreward_fractions
@@ -876,24 +898,31 @@ class Trainer:
 
     # -------------------------------------------------------------------------------- the run
     def run(self) -> dict[str, Any]:
-        """Eval before, warm-up, RL steps (until train.steps or the time budget), eval after, summary."""
+        """Eval before, warm-up, eval after warm-up, RL steps, eval after, summary.
+
+        The recipe is defined by step counts (warm-up steps, RL steps, evaluation sizes, token caps), so
+        the same seed gives the same numbers on a fast or slow, idle or busy machine. The time budget
+        (``train.time_budget_min``, ``warmup.time_budget_min``) is only a guard: a phase it cuts is
+        recorded in ``state["budget_cuts"]`` and reported loudly (log, summary, report, exit status)."""
         cfg, tr = self.cfg, self.cfg.train
         st = self.state
+        st.setdefault("budget_cuts", [])
         if st["phase"] == "start":
             self.say(f"run folder {self.log.path}; model {cfg.model.name} loaded in {self.load_s:.0f}s; "
                      f"{len(self.train_tasks)} train / {len(self.splits['test'])} test tasks; "
                      f"faults: {cfg.env.faults or 'none'}")
-            st["eval_before"] = self.evaluate("test")
+            st["eval_before"] = self._evaluate_phase("eval before", "test")
             self.log.log(0, {f"test_{k}": v for k, v in st["eval_before"].items()}, phase="eval")
             self.say(f"held-out accuracy before: {st['eval_before']['accuracy']:.1%} "
                      f"({st['eval_before']['n']} tasks, {st['eval_before']['seconds']:.0f}s)")
             st["warmup"] = self.warmup()
-            if st["warmup"].get("ran") and tr.eval_every:
+            if st["warmup"].get("ran") and (cfg.warmup.eval_after or tr.eval_every):
                 # what the warm-up alone gives, to tell it apart from RL's gain (costs one more evaluation)
-                st["eval_after_warmup"] = self.evaluate("test")
+                st["eval_after_warmup"] = self._evaluate_phase("eval after warm-up", "test")
                 self.log.log(0, {f"test_after_warmup_{k}": v for k, v in st["eval_after_warmup"].items()},
                              phase="eval")
-                self.say(f"held-out accuracy after warm-up: {st['eval_after_warmup']['accuracy']:.1%}")
+                self.say(f"held-out accuracy after warm-up: {st['eval_after_warmup']['accuracy']:.1%} "
+                         f"({st['eval_after_warmup']['seconds']:.0f}s)")
             st["phase"] = "rl"
             self.save()
         if cfg.algo.kl_coef > 0 and self.ref_model is None:
@@ -901,19 +930,15 @@ class Trainer:
             self.ref_model = copy.deepcopy(self.model).eval()
             for p in self.ref_model.parameters():
                 p.requires_grad_(False)
-        eval_cost = st["eval_before"]["seconds"]
-        budget = tr.time_budget_min * 60 if tr.time_budget_min else None
-        bar = None
-        if self.progress and not self.quiet:
-            from tqdm.auto import tqdm
-
-            bar = tqdm(total=tr.steps, initial=self.step, desc="GRPO", unit="step", dynamic_ncols=True)
+        final_eval_s = self._eval_estimate_s()
         step_times: list[float] = []
         stop_reason = "steps"
+        phase = self.progress_out.phase("RL", tr.steps, initial=self.step) if tr.steps else None
         while self.step < tr.steps:
             est = float(np.mean(step_times[-3:])) if step_times else 0.0
-            if budget is not None and self.elapsed() + est + eval_cost > budget:
+            if self._over_budget(est + final_eval_s):
                 stop_reason = "time_budget"
+                self._record_cut("RL", self.step, tr.steps)
                 break
             m = self.train_step()
             self.step += 1
@@ -925,23 +950,55 @@ class Trainer:
                 self.log.log(self.step, {f"val_{k}": v for k, v in ev.items()}, phase="eval")
             if tr.save_every and self.step % tr.save_every == 0:
                 self.save()
-            if bar is not None:
-                bar.update(1)
-                bar.set_postfix(reward=f"{m['reward_mean']:.2f}", acc=f"{m['correct_rate']:.2f}",
-                                zv=f"{m['zero_var_ratio']:.2f}", masked=int(m["masked"]))
-        if bar is not None:
-            bar.close()
+            if phase is not None:
+                phase.update(1, reward=m["reward_mean"], acc=m["correct_rate"], zero_var=m["zero_var_ratio"],
+                             masked=int(m["masked"]))
+        if phase is not None:
+            phase.close("cut by the time budget" if stop_reason == "time_budget" else "")
         st["stop_reason"] = stop_reason
         if self.sampling is not None and self.sampler.epoch >= 0:  # the last epoch's shares so far
             self.log.log(self.step, self.sampling.epoch_record(
                 self.sampler.epoch, partial=self.sampler.pos < len(self.sampler.order)), phase="epoch")
         st["phase"] = "done"
-        st["eval_after"] = self.evaluate("test")
+        st["eval_after"] = self._evaluate_phase("eval after", "test")
         self.log.log(self.step, {f"test_{k}": v for k, v in st["eval_after"].items()}, phase="eval")
         self.save()
         summary = self.summary()
         self.log.write_summary(summary)
         return summary
+
+    # -------------------------------------------------------------------------------- the time guard
+    def _evaluate_phase(self, name: str, split: str) -> dict[str, Any]:
+        """A held-out evaluation as a progress phase (a line when it starts and when it ends)."""
+        n = len(self.splits[split])
+        if self.progress_out.enabled:
+            self.progress_out.line(f"{name}: {n} held-out tasks, greedy")
+        res = self.evaluate(split)
+        if self.progress_out.enabled:
+            self.progress_out.line(f"{name} done: accuracy {res['accuracy']:.1%} in {res['seconds']:.0f}s "
+                                   f"({res.get('new_tokens', 0)} new tokens)")
+        return res
+
+    def _eval_estimate_s(self) -> float:
+        """Seconds the next held-out evaluation should take: the last one's."""
+        for key in ("eval_after_warmup", "eval_before"):
+            if key in self.state:
+                return float(self.state[key].get("seconds", 0.0))
+        return 0.0
+
+    def _over_budget(self, upcoming_s: float) -> bool:
+        """Would ``upcoming_s`` more seconds overrun ``train.time_budget_min`` (the whole run's guard)?"""
+        b = self.cfg.train.time_budget_min
+        return b is not None and self.elapsed() + upcoming_s > b * 60
+
+    def _record_cut(self, phase: str, done: int, planned: int) -> None:
+        """Record (and say loudly) that the time budget cut ``phase`` at ``done`` of ``planned`` steps."""
+        cut = cut_record(phase, done, planned, elapsed_s=self.elapsed(), budget_min=self.cfg.train.time_budget_min,
+                         warmup_budget_min=self.cfg.warmup.time_budget_min)
+        self.state.setdefault("budget_cuts", []).append(cut)
+        print(f"[reflrl] WARNING: {budget_cut_text(cut)}", file=sys.stderr, flush=True)
+        self.log.log(self.step, {"budget_cut_phase": phase, "budget_cut_done": done, "budget_cut_planned": planned},
+                     phase="budget")
 
     def ledger_totals(self) -> dict[str, Any]:
         """Fault and triage counts summed over the envs' ledgers (this process's episodes)."""
@@ -963,12 +1020,21 @@ class Trainer:
         st = self.state
         before, after = st.get("eval_before", {}), st.get("eval_after", {})
         wu = st.get("warmup", {})
+        mid = st.get("eval_after_warmup", {})
+        cuts = list(st.get("budget_cuts", []))
         return {
             "run_dir": str(self.log.path),
             "accuracy_before": before.get("accuracy"), "accuracy_after": after.get("accuracy"),
-            "accuracy_after_warmup": st.get("eval_after_warmup", {}).get("accuracy"),
+            "accuracy_after_warmup": mid.get("accuracy"),
             "accuracy_gain": (after.get("accuracy", 0) - before.get("accuracy", 0)) if before and after else None,
-            "eval_before": before, "eval_after": after,
+            # what RL added on top of the warm-up (same run, same test tasks)
+            "rl_gain": (after["accuracy"] - mid["accuracy"]) if mid and after else None,
+            "eval_before": before, "eval_after_warmup": mid or None, "eval_after": after,
+            "eval_seconds": {k: v.get("seconds") for k, v in (("before", before), ("after_warmup", mid),
+                                                               ("after", after)) if v},
+            # the time guard: empty when the run is the recipe's; otherwise which phase was cut, and where
+            "budget_cuts": cuts, "recipe_complete": not cuts,
+            "precision": self.precision.to_dict(), "threads": torch.get_num_threads(),
             "format_rate_before": wu.get("format_rate_before"), "format_rate_after": wu.get("format_rate_after"),
             "warmup": wu,
             "steps": self.step, "stop_reason": st.get("stop_reason"),
@@ -1009,7 +1075,8 @@ class Trainer:
 
 # ============================================================================ CLI
 def format_summary(s: dict[str, Any]) -> str:
-    """The short human summary printed at the end of a run."""
+    """The short human summary printed at the end of a run (its last line says whether the result is
+    the recipe's: a time-budget cut is impossible to miss)."""
     def pct(x: Any) -> str:
         return "n/a" if x is None else f"{x:.1%}"
 
@@ -1021,8 +1088,13 @@ def format_summary(s: dict[str, Any]) -> str:
         f"  ({s['eval_after'].get('n', 0)} test tasks, greedy exact match)",
     ]
     if s.get("accuracy_after_warmup") is not None:
-        lines.append(f"  of which the supervised warm-up: {pct(s['accuracy_before'])} -> "
-                     f"{pct(s['accuracy_after_warmup'])}; GRPO: -> {pct(s['accuracy_after'])}")
+        gain = s.get("rl_gain")
+        lines.append(f"  base model {pct(s['accuracy_before'])} -> after warm-up {pct(s['accuracy_after_warmup'])} "
+                     f"-> after RL {pct(s['accuracy_after'])}"
+                     + (f"  (RL gain {gain * 100:+.1f} points)" if gain is not None else ""))
+    if s.get("precision"):
+        lines.append(f"{s['precision']['dtype']} on {s['precision']['cpu']}, {s.get('threads', '?')} threads "
+                     f"({s['precision']['reason']})")
     if s.get("format_rate_before") is not None:
         lines.append(f"format rate (sampled): {pct(s['format_rate_before'])} -> {pct(s.get('format_rate_after'))}"
                      f"  (warm-up {'ran' if s['warmup'].get('ran') else 'skipped'})")
@@ -1037,17 +1109,26 @@ def format_summary(s: dict[str, Any]) -> str:
         from .recovery import format_recovery
 
         lines += format_recovery(s["recovery"], s["recovery"].get("variant", "grpo"))
+    ev = s.get("eval_seconds") or {}
     lines += [
-        "time: " + ", ".join(f"{k[:-2]} {v:.0f}s" for k, v in s["time_s"].items()),
+        "time: " + ", ".join(f"{k[:-2]} {v:.0f}s" for k, v in s["time_s"].items())
+        + ("; evaluations: " + ", ".join(f"{k.replace('_', ' ')} {v:.0f}s" for k, v in ev.items()) if ev else ""),
         f"run folder: {s['run_dir']}  (summary.json, metrics.jsonl, TensorBoard events, checkpoints/)",
     ]
     if s.get("report"):
         lines.append(f"report: {s['report']}  (plots: reward, accuracy, zero-variance prompts, faults and "
                      "recovery, time; open it in a browser)")
+    cuts = s.get("budget_cuts") or []
+    if cuts:
+        lines += [f"WARNING: {budget_cut_text(c)}" for c in cuts]
+        lines.append(f"RESULT INCOMPLETE: the time budget cut {', '.join(c['phase'] for c in cuts)}; "
+                     f"exit status {EXIT_BUDGET_CUT}")
+    else:
+        lines.append("result: the recipe ran whole (every planned step)")
     return "\n".join(lines)
 
 
-DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "default.yaml"
+DEFAULT_CONFIG = C.default_recipe()  # configs/default.yaml, shipped as package data (same in a wheel)
 
 
 def build_arg_parser() -> argparse.ArgumentParser:
@@ -1065,6 +1146,8 @@ def build_arg_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-report", action="store_true",
                    help="do not write the run report (report.html, report.md, plots/) at the end")
     p.add_argument("--help-config", action="store_true", help="list every config key with its default and exit")
+    p.add_argument("--print-config", action="store_true",
+                   help="print the resolved config (the recipe, --config, --faults and --set applied) as YAML and exit")
     p.add_argument("--backend", choices=("cpu", "verl"), default="cpu",
                    help="cpu: this process's trainer (default); verl: build a verl config from --config "
                         "(a configs/verl/*.yaml recipe) and launch verl's trainer on Ray (docs/scale-out.md)")
@@ -1090,7 +1173,10 @@ def resolve_config(args: argparse.Namespace) -> tuple[C.Config, Path, bool]:
         return cfg, run_dir, True
     if args.name:
         overrides.append(f"train.run_name={args.name}")
-    path = args.config if args.config else (DEFAULT_CONFIG if DEFAULT_CONFIG.is_file() else None)
+    path = args.config if args.config else DEFAULT_CONFIG
+    if not Path(path).is_file():
+        raise C.ConfigError(f"config file {str(path)!r} does not exist"
+                            + ("" if args.config else " (the default recipe is missing from this installation)"))
     cfg = C.load_config(path, overrides)
     name = cfg.train.run_name or (datetime.now().strftime("%Y%m%d-%H%M%S") + f"-s{cfg.train.seed}")
     return cfg, Path(cfg.train.out_dir) / name, False
@@ -1165,10 +1251,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (C.ConfigError, ValueError) as e:
         print(f"reflrl train: error: {e}", file=sys.stderr)
         return 2
+    if args.print_config:
+        src = args.resume or args.config or str(DEFAULT_CONFIG)
+        print(C.dump_config(cfg, header=f"resolved config: {src}"), end="")
+        return 0
     summary = train(cfg, run_dir, resume=resume, progress=not args.no_progress, quiet=args.quiet,
                     report=not args.no_report)
     print(format_summary(summary), flush=True)
-    return 0
+    return EXIT_BUDGET_CUT if summary.get("budget_cuts") else 0
 
 
 if __name__ == "__main__":

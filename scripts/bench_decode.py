@@ -42,7 +42,7 @@ def main(argv=None) -> int:
 
     cfg = C.load_config(None)
     tasks = splits_from_config(cfg.data)["test"][: args.limit]
-    model, tok = load_model(cfg.model.name, dtype="bfloat16")
+    model, tok = load_model(cfg.model.name, dtype=cfg.model.dtype)  # auto: the precision rule of reflrl.precision
     prompts = [render_prompt(tok, build_messages(t, style=cfg.data.prompt_style, fmt="hermes")) for t in tasks]
     lens = sorted(len(x) for x in prompts)
     print(f"{len(prompts)} prompts, {lens[0]}-{lens[-1]} tokens (mean {sum(lens) / len(lens):.0f}); "

@@ -77,7 +77,7 @@ def generation(args: argparse.Namespace) -> None:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="tiny-random")
-    p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
+    p.add_argument("--dtype", default="auto", choices=("auto", "bfloat16", "float32"))
     p.add_argument("--limit", type=int, default=4)
     p.add_argument("--seeds", type=int, default=2)
     p.add_argument("--max-new-tokens", type=int, default=64)

@@ -113,13 +113,19 @@ def main() -> None:
     ap.add_argument("--skip-train", action="store_true")
     ap.add_argument("--model", default=NAME, help="registry name / HF id / folder")
     ap.add_argument("--top", type=int, default=6, help="K of the top_layers:K settings")
+    ap.add_argument("--all-dtypes", action="store_true",
+                    help="also time the bfloat16 settings on a CPU without native bfloat16 (very slow there)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     print(f"torch threads {args.threads}; load average before: {os.getloadavg()[0]:.1f} "
           "(other busy processes on the 2 cores slow every multi-threaded op many times over)",
           flush=True)
+    from reflrl.precision import resolve_dtype
+
+    choice = resolve_dtype("auto")
+    print(choice.log_line(), flush=True)
     t = time.perf_counter()
-    load_model(args.model, dtype="bfloat16", trainable="none")  # converts + caches on first use
+    load_model(args.model, dtype="float32", trainable="none")  # converts + caches on first use
     print(f"load (cache warm after the first run): {time.perf_counter() - t:.1f}s", flush=True)
     k = args.top
     settings = [
@@ -132,6 +138,9 @@ def main() -> None:
                                                               trainable=f"top_layers:{k}"), True, True),
         ("bfloat16 + LoRA r=16", dict(dtype="bfloat16", trainable="lora"), False, True),
     ]
+    if choice.dtype != "bfloat16" and not args.all_dtypes:  # emulated bfloat16: minutes per setting, no insight
+        settings = [x for x in settings if x[1]["dtype"] != "bfloat16"]
+        print("bfloat16 settings skipped: this CPU emulates bfloat16 (--all-dtypes runs them anyway)", flush=True)
     for label, kw, gen, train in settings:
         model, tok = load_model(args.model, **kw)
         c = count_parameters(model)

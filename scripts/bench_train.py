@@ -3,8 +3,8 @@
     .venv/bin/python scripts/bench_train.py [--model smollm2-135m-instruct] [--repeats 3]
 
 (a) policy-update time per step with max-variance down-sampling m = n/2 vs all n rollouts
-    (paper 000 sec. 4.2; target: speed-up >= 0.8 x the ideal 2x);
-(b) share of prompts skipped by the online pre-rollout filter per epoch (paper 000 sec. 4.1, k=1),
+    (efficiency paper, arXiv:2606.00135, sec. 4.2; target: speed-up >= 0.8 x the ideal 2x);
+(b) share of prompts skipped by the online pre-rollout filter per epoch (efficiency paper, arXiv:2606.00135, sec. 4.1, k=1),
     on a simulated policy whose per-prompt success probabilities rise over training (and, with
     --run RUN_DIR, the skips a real run recorded);
 (c) training-step overhead over a bare transformers forward+backward(+AdamW step) on the same
@@ -108,7 +108,7 @@ def bench_downsample(model, tok, trajs, n, repeats):
 def bench_prefilter(run_dir: str | None, epochs: int = 6, prompts: int = 256, n: int = 8, k: int = 1):
     """Simulated policy: prompt i is solved with probability p_i(e) = sigmoid(a_i + 0.8 e), a_i ~ N(0, 2)
     (a spread of easy and hard prompts that all get easier); n rollouts per prompt; the filter of
-    paper 000 eqs. 4-6 with k."""
+    efficiency paper (arXiv:2606.00135) eqs. 4-6 with k."""
     from reflrl.algos import PreRolloutFilter
 
     rng = np.random.default_rng(0)
@@ -195,7 +195,8 @@ class GoldReplayEngine:
             key = tuple(render_prompt(tok, build_messages(t, style=prompt_style)))
             self.answers[key] = tok(format_calls(list(t.gold[0]), "hermes"), add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
 
-    def generate(self, prompts, n=1, max_new_tokens=256, temperature=1.0, top_p=1.0, stop_ids=None, seed=0):
+    def generate(self, prompts, n=1, max_new_tokens=256, temperature=1.0, top_p=1.0, stop_ids=None, seed=0,
+                 stop_when=None):
         from reflrl.engine import Sample
 
         out = []
@@ -252,7 +253,7 @@ def bench_concurrency(engine, tok, tasks, n, max_new_tokens, latency_ms, multi_t
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="smollm2-135m-instruct")
-    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16 (auto: reflrl.precision)")
     p.add_argument("--trainable", default="top_layers:6")
     p.add_argument("--prompts", type=int, default=4, help="prompts per batch")
     p.add_argument("--n", type=int, default=8, help="rollouts per prompt")

@@ -1,4 +1,4 @@
-"""Tool-ReRL's comparison (003_febfc96bcceb98f2.txt, Table 1) on the embedded default, several seeds each.
+"""Tool-ReRL's comparison (Tool-ReRL, Table 1) on the embedded default, several seeds each.
 
     .venv/bin/python scripts/paper_table.py [--variants grpo,ref,cot_is,tool_rerl] [--seeds 3]
         [--faults rate_limit=0.1] [--budget-minutes M] [--set key=value ...] [--out runs/paper_table]

@@ -1,4 +1,4 @@
-"""Sampling strategies side by side (papers/002 Table 1 at this scale): ToolRL-style GRPO, DAPO, SMV,
+"""Sampling strategies side by side (DSCL Table 1 at this scale): ToolRL-style GRPO, DAPO, SMV,
 SMR, RDS, TDCL and DSCL on the default recipe, N seeds each, the same wall-clock budget for each.
 
     .venv/bin/python scripts/sampling_table.py [--seeds 0,1,2] [--budget-minutes 14]
@@ -33,7 +33,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 
-METHODS: dict[str, tuple[str, str]] = {  # key -> (label as in papers/002 Table 1, config file)
+METHODS: dict[str, tuple[str, str]] = {  # key -> (label as in DSCL Table 1, config file)
     "toolrl": ("ToolRL (GRPO)", "configs/toolrl.yaml"),
     "dapo": ("w/ DAPO", "configs/dapo.yaml"),
     "smv": ("w/ SMV", "configs/smv.yaml"),

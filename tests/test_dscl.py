@@ -1,4 +1,4 @@
-"""DSCL (papers/002): curriculum stage machine, RDS categories and sampling, baselines, configs."""
+"""DSCL: curriculum stage machine, RDS categories and sampling, baselines, configs."""
 
 import json
 from pathlib import Path
@@ -392,7 +392,7 @@ def test_sampling_configs_start_from_the_default_recipe(name):
     assert set(diff) <= ({"env.reward", "algo.dynamic_sampling", "reflection.variant"}
                          | {k for k in diff if k.startswith("sampling.")})
     assert diff["env.reward"] == ("binary", "fine")
-    assert diff["reflection.variant"] == ("tool_rerl", "grpo")  # papers/002 compares samplers on plain GRPO
+    assert diff["reflection.variant"] == ("tool_rerl", "grpo")  # DSCL compares samplers on plain GRPO
 
 
 def test_step_metrics_sum_the_rounds_of_a_step_and_flag_transitions():

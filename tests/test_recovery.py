@@ -1,5 +1,5 @@
 """Tool-ReRL in the trainer: triage, batched reflection, repaired rollouts in their groups, eq. 2 on q,
-variants, accounting (reflrl.recovery; 003_febfc96bcceb98f2.txt sec. 3.2-3.3, A.3, appendix C)."""
+variants, accounting (reflrl.recovery; Tool-ReRL sec. 3.2-3.3, A.3, appendix C)."""
 from __future__ import annotations
 
 import asyncio

@@ -1,4 +1,4 @@
-"""Rewards: eq. 8 (papers/000 appendix E) and DSCL eqs. 1-7 (papers/002), hand-computed and
+"""Rewards: eq. 8 (the efficiency paper (arXiv:2606.00135) appendix E) and DSCL eqs. 1-7 (DSCL), hand-computed and
 property-tested."""
 from __future__ import annotations
 

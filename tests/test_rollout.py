@@ -22,16 +22,21 @@ class ScriptedEngine:
         self.row_as_sample = row_as_sample  # sample index = row in the batch (multi-turn: n=1 per call)
         self.calls: list[int] = []  # batch size of each generate call
 
-    def generate(self, prompts, n=1, max_new_tokens=256, temperature=1.0, top_p=1.0, stop_ids=None, seed=0):
+    def generate(self, prompts, n=1, max_new_tokens=256, temperature=1.0, top_p=1.0, stop_ids=None, seed=0,
+                 stop_when=None):
+        from reflrl.engine import PieceDecoder, cut_at, per_prompt_caps
+
         self.calls.append(len(prompts) * n)
+        caps = per_prompt_caps(max_new_tokens, len(prompts))
         out = []
         for i, p in enumerate(prompts):
             text = self.tok.decode(p)
             for j in range(n):
                 jj = i if self.row_as_sample and n == 1 else j
-                ids = self.tok(self.answer(text, jj), add_special_tokens=False)["input_ids"][: max_new_tokens - 1]
+                ids = self.tok(self.answer(text, jj), add_special_tokens=False)["input_ids"][: caps[i] - 1]
                 ids = ids + [self.tok.eos_token_id]
-                out.append(Sample(i, list(p), ids, [-0.5] * len(ids), "stop"))
+                smp = Sample(i, list(p), ids, [-0.5] * len(ids), "stop")
+                out.append(cut_at(smp, stop_when, PieceDecoder(self.tok)) if stop_when is not None else smp)
         return out
 
 

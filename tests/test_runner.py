@@ -27,9 +27,14 @@ def test_run_train_returns_summary_or_raises_with_the_output(tmp_path):
     (tmp_path / "summary.json").write_text(json.dumps({"accuracy_after": 0.5}))
     summary, wall = run_train([sys.executable, "-c", "print('ok')"], tmp_path)
     assert summary == {"accuracy_after": 0.5} and wall > 0
-    with pytest.raises(RuntimeError, match="status 3") as e:
-        run_train([sys.executable, "-c", "import sys; print('boom'); sys.exit(3)"], tmp_path)
+    with pytest.raises(RuntimeError, match="status 1") as e:
+        run_train([sys.executable, "-c", "import sys; print('boom'); sys.exit(1)"], tmp_path)
     assert "boom" in str(e.value)
+    # exit 3 = the time budget cut a phase: the summary is kept (its budget_cuts say so), not an error
+    summary, _ = run_train([sys.executable, "-c", "import sys; sys.exit(3)"], tmp_path)
+    assert summary == {"accuracy_after": 0.5}
+    with pytest.raises(RuntimeError, match="status 3"):  # ... but only with a summary
+        run_train([sys.executable, "-c", "import sys; sys.exit(3)"], tmp_path / "missing")
     with pytest.raises(RuntimeError, match="status 0"):  # exit 0 but no summary: not a silent empty row
         run_train([sys.executable, "-c", "pass"], tmp_path / "missing")
 

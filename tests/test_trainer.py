@@ -335,7 +335,7 @@ def test_dscl_sampling_and_curriculum_are_wired_and_checkpointed(tmp_path):
         tr.close()
     rows = [r for r in tr.log.read_metrics() if r["phase"] == "train"]
     assert all("dscl/keep_rate" in r and "dscl/stage" in r and "dscl/stage_changed" in r for r in rows)
-    # visibility (papers/002 Fig. 3): one epoch row per finished epoch (6 tasks / 2 per step = 3
+    # visibility (DSCL Fig. 3): one epoch row per finished epoch (6 tasks / 2 per step = 3
     # steps) and one for the epoch the run stopped in, with shares of the categories summing to 1
     epochs = [r for r in tr.log.read_metrics() if r["phase"] == "epoch"]
     assert [(r["epoch"], r["dscl/partial"]) for r in epochs] == [(0, 0.0), (1, 1.0)]

@@ -89,7 +89,7 @@ def grpo_advantage(
     norm_std: bool = True,
     unbiased_std: bool = True,
 ) -> torch.Tensor:
-    """GRPO group-normalised advantage, efficiency paper (000_54a6bee37c8ce6eb) eq. 2.
+    """GRPO group-normalised advantage, efficiency paper (arXiv:2606.00135) eq. 2.
 
     A_j = (r_j - mean_group) / (std_group + eps); with ``norm_std=False`` it is
     r_j - mean_group (Dr.GRPO, Liu et al. 2025: no std division).
@@ -170,7 +170,7 @@ def gae_advantage(
     *,
     whiten: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Generalised advantage estimation for PPO, Tool-ReRL paper (003_febfc96bcceb98f2) appendix A.2 eq. 4.
+    """Generalised advantage estimation for PPO, Tool-ReRL appendix A.2 eq. 4.
 
     A_t = sum_l (gamma*lam)^l delta_{t+l},  delta_t = r_t + gamma V_{t+1} - V_t;  returns = A + V.
 

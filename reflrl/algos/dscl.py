@@ -1,5 +1,5 @@
 """DSCL: task-based curriculum (TDCL) and reward-based dynamic sampling (RDS) over fine-grained
-tool-calling rewards, with the sampling baselines the paper compares (papers/002_e3a01db57804859b,
+tool-calling rewards, with the sampling baselines the paper compares (DSCL,
 "Adapting Dynamic Sampling to Fine-Grained Rewards for Tool Learning with Curriculum Learning").
 
 Pieces (pure functions and small state classes; no trainer or CLI imports):
@@ -101,7 +101,7 @@ SAMPLERS: tuple[str, ...] = ("none", "dapo", "smv", "smr", "rds")
 # ============================================================================ TDCL (sec. 4.1)
 def fine_maxima(gold: Sequence[ToolCall]) -> tuple[float, float]:
     """(Max(R_name + R_key), Max(R_value)) = (1 + |Y|, sum_i |K(y_i)|) for one turn's gold calls,
-    the maxima eq. 6 maps from (papers/002 sec. 3); taken from :func:`reflrl.envs.rewards.fine_parts`
+    the maxima eq. 6 maps from (DSCL sec. 3); taken from :func:`reflrl.envs.rewards.fine_parts`
     so the definition lives in one place."""
     p = fine_parts(ParseResult(ok=False), list(gold))
     return float(p["max_name_key"]), float(p["max_value"])
@@ -197,7 +197,7 @@ class StageTransition:
 
 
 class CurriculumStage:
-    """TDCL's stage machine (papers/002 sec. 4.1).
+    """TDCL's stage machine (DSCL sec. 4.1).
 
     Stages 1, 2, 3 weight the reward with DSCL_STAGE_LAMBDAS (sec. 4.1.1: (2.5, .5, .5),
     (.5, 1.5, .5), (.5, .5, 2.5)); eq. 7 keeps the total in [-3, 4] (see :func:`stage_reward`).
@@ -660,7 +660,7 @@ class CategoryShares:
 class SamplingController:
     """Everything a trainer needs for DSCL and the sampling baselines, in one checkpointable object.
 
-    Per training step, on the live (unmasked) rollouts of the batch (papers/002 Fig. 2: "for each
+    Per training step, on the live (unmasked) rollouts of the batch (DSCL Fig. 2: "for each
     training batch, the TDCL method first determines the training stage ... Then the RDS method
     dynamically samples the data")::
 
@@ -811,7 +811,7 @@ class SamplingController:
 
     def summary(self) -> dict[str, Any]:
         """For summary.json: sampler, final stage, every stage transition and the per-epoch category
-        shares (Fig. 3 / Table 5 of papers/002), the last (possibly partial) epoch included."""
+        shares (Fig. 3 / Table 5 of DSCL), the last (possibly partial) epoch included."""
         return {"sampler": self.sampler_name, "curriculum": self.curriculum.weighted,
                 "stage": self.curriculum.stage,
                 "transitions": [t.to_dict() for t in self.curriculum.transitions],

@@ -1,4 +1,4 @@
-"""Prompt and rollout filters that save compute: efficiency paper 000_54a6bee37c8ce6eb sec. 4.
+"""Prompt and rollout filters that save compute: efficiency paper (arXiv:2606.00135), sec. 4.
 
 * :class:`PreRolloutFilter`: online pre-rollout filtering (sec. 4.1, eqs. 4-6): skip the
   prompts whose rollouts were all-correct in the last k epochs.

@@ -1,4 +1,4 @@
-"""Tool-ReRL's importance-weighted correction (``003_febfc96bcceb98f2.txt``, sec. 3.3, eq. 2; A.3).
+"""Tool-ReRL's importance-weighted correction (Tool-ReRL, sec. 3.3, eq. 2; A.3).
 
 A repaired trajectory tau* was sampled under the augmented prompt q* but is trained on the
 original prompt q. Its weight is the ratio of the target policy on q to the behaviour policy

@@ -1,14 +1,14 @@
 """Policy, KL and value losses over [B, T] token tensors.
 
 * :func:`clipped_policy_loss`: PPO/GRPO clipped surrogate with clip-higher (DAPO; the
-  efficiency paper 000_54a6bee37c8ce6eb appendix F uses eps_low 0.2, eps_high 0.28),
+  efficiency paper (arXiv:2606.00135), appendix F uses eps_low 0.2, eps_high 0.28),
   optional dual clip, optional per-token importance weights. Registered as
   ``"clip_higher"`` (and ``"ppo_clip"``: the same function; set clip_high == clip_low
   for the symmetric PPO clip).
 * :func:`kl_penalty` / :func:`kl_loss`: KL to a reference policy, estimators k1/k2/k3.
-* :func:`value_loss`: clipped critic loss for PPO (Tool-ReRL paper 003 appendix A.2, eq. 3).
+* :func:`value_loss`: clipped critic loss for PPO (Tool-ReRL appendix A.2, eq. 3).
 
-Tool-ReRL's importance-weighted objective (003, sec. 3.3 eq. 2) is this same clipped
+Tool-ReRL's importance-weighted objective (Tool-ReRL, sec. 3.3 eq. 2) is this same clipped
 loss with the behaviour policy's log-probs (the reflection-conditioned pi(tau*|q*)) passed
 as ``old_log_prob``; ``importance_weights`` is a separate, detached per-token multiplier
 (e.g. truncated IS weights between a rollout engine and the trainer).
@@ -171,7 +171,7 @@ def value_loss(
     loss_agg_mode: str = "token-mean",
     global_denominator: float | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
-    """Clipped PPO critic loss (Tool-ReRL 003 appendix A.2 eq. 3, with PPO's value clipping).
+    """Clipped PPO critic loss (Tool-ReRL appendix A.2 eq. 3, with PPO's value clipping).
 
     per-token 0.5 * max((V - R)^2, (V_clip - R)^2), V_clip = V_old + clamp(V - V_old, -c, c);
     ``clip_range_value=None`` disables clipping. Inputs [B, T]; returns (scalar, metrics:
@@ -209,7 +209,7 @@ def importance_weights(
 ) -> torch.Tensor:
     """Detached importance weights pi_target / pi_behavior for off-policy tokens -> [B, T].
 
-    For data sampled by a different policy than the one trained (Tool-ReRL 003 sec. 3.3:
+    For data sampled by a different policy than the one trained (Tool-ReRL sec. 3.3:
     reflection-conditioned trajectories, behaviour pi(tau*|q*) vs target pi(tau*|q); or a
     rollout engine whose numerics differ from the trainer's).
     ``level="token"``: w_t = exp(logp_t - logp_beh_t); ``level="sequence"``: every action

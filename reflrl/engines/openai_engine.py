@@ -44,9 +44,9 @@ import threading
 import time
 import warnings
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import Any, Callable, Sequence
 
-from ..engine import GenerateStats, Sample
+from ..engine import GenerateStats, PieceDecoder, Sample, cut_at, per_prompt_caps
 
 TOKEN_ID_PREFIX = "token_id:"
 
@@ -94,11 +94,14 @@ class OpenAIEngine:
         raise RuntimeError("OpenAIEngine samples from a server that owns its weights (a frozen policy); "
                            "use --engine transformers or --engine vllm for training")
 
-    def generate(self, prompts: list[list[int]], n: int = 1, max_new_tokens: int = 256, temperature: float = 1.0,
-                 top_p: float = 1.0, stop_ids: list[int] | None = None, seed: int = 0) -> list[Sample]:
+    def generate(self, prompts: list[list[int]], n: int = 1, max_new_tokens: int | Sequence[int] = 256,
+                 temperature: float = 1.0, top_p: float = 1.0, stop_ids: list[int] | None = None, seed: int = 0,
+                 stop_when: Callable[[str], bool] | None = None) -> list[Sample]:
         """``n`` samples per token-id prompt via ``/v1/completions``; prompt-major order. Prompt ``i``
-        uses seed ``seed + i`` (deterministic on servers that honour ``seed``)."""
-        self._check(n, max_new_tokens, top_p)
+        uses seed ``seed + i`` (deterministic on servers that honour ``seed``) and its own cap;
+        ``stop_when`` cuts each sample afterwards (:func:`reflrl.engine.cut_at`; needs ``tokenizer``)."""
+        caps = per_prompt_caps(max_new_tokens, len(prompts))
+        self._check(n, max(caps), top_p)
         for i, p in enumerate(prompts):
             if not p:
                 raise ValueError(f"prompt {i} is empty")
@@ -114,11 +117,17 @@ class OpenAIEngine:
 
         def one(i: int) -> list[Sample]:
             resp = self._request(lambda: self.client.completions.create(
-                model=self.model, prompt=list(prompts[i]), n=n, max_tokens=max_new_tokens,
+                model=self.model, prompt=list(prompts[i]), n=n, max_tokens=caps[i],
                 temperature=temperature, top_p=top_p, seed=int(seed) + i, logprobs=0, extra_body=body),
                 "/v1/completions", i)
-            return samples_from_completion(_as_dict(resp), i, list(prompts[i]), n, self._retokenize)
+            out = samples_from_completion(_as_dict(resp), i, list(prompts[i]), n, self._retokenize)
+            if stop_when is not None:
+                if self.tokenizer is None:
+                    raise ValueError("OpenAIEngine: stop_when needs the tokenizer= the engine was built with")
+                out = [cut_at(smp, stop_when, decode) for smp in out]
+            return out
 
+        decode = PieceDecoder(self.tokenizer) if stop_when is not None and self.tokenizer is not None else None
         return self._run(len(prompts), n, one)
 
     def generate_chat(self, conversations: list[list[dict[str, Any]]], n: int = 1, max_new_tokens: int = 256,

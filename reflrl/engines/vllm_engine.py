@@ -29,9 +29,9 @@ from __future__ import annotations
 import os
 import time
 import warnings
-from typing import Any
+from typing import Any, Callable, Sequence
 
-from ..engine import GenerateStats, Sample
+from ..engine import GenerateStats, PieceDecoder, Sample, cut_at, per_prompt_caps
 
 EXTENSION = "reflrl.engines.vllm_engine.ReflrlWorkerExtension"
 
@@ -108,20 +108,23 @@ class VLLMEngine:
         self.llm.reset_prefix_cache()
         self.weight_version += 1
 
-    def generate(self, prompts: list[list[int]], n: int = 1, max_new_tokens: int = 256, temperature: float = 1.0,
-                 top_p: float = 1.0, stop_ids: list[int] | None = None, seed: int = 0) -> list[Sample]:
-        """See :meth:`reflrl.engine.RolloutEngine.generate`; prompt ``i`` is sampled with seed ``seed + i``.
-        The stop token is included in ``token_ids`` when sampled (as vLLM returns it)."""
+    def generate(self, prompts: list[list[int]], n: int = 1, max_new_tokens: int | Sequence[int] = 256,
+                 temperature: float = 1.0, top_p: float = 1.0, stop_ids: list[int] | None = None, seed: int = 0,
+                 stop_when: Callable[[str], bool] | None = None) -> list[Sample]:
+        """See :meth:`reflrl.engine.RolloutEngine.generate`; prompt ``i`` is sampled with seed ``seed + i``
+        and its own cap. The stop token is included in ``token_ids`` when sampled (as vLLM returns it);
+        ``stop_when`` cuts each sample afterwards (:func:`reflrl.engine.cut_at`)."""
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
-        if n < 1 or max_new_tokens < 1:
-            raise ValueError(f"n={n}, max_new_tokens={max_new_tokens}: both must be >= 1")
+        if n < 1:
+            raise ValueError(f"n={n}: must be >= 1")
+        caps = per_prompt_caps(max_new_tokens, len(prompts))
         if top_p < 1.0:
             warnings.warn("top_p < 1: vLLM's processed log-probs may be of the truncated distribution, "
                           "reflrl's convention is before truncation (module doc)", stacklevel=2)
         t0 = time.perf_counter()
-        params = [SamplingParams(n=n, max_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
+        params = [SamplingParams(n=n, max_tokens=caps[i], temperature=temperature, top_p=top_p,
                                  seed=int(seed) + i, stop_token_ids=list(stop_ids or []) or None, logprobs=0)
                   for i in range(len(prompts))]
         outs = self.llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompts], params, use_tqdm=False)
@@ -134,6 +137,9 @@ class VLLMEngine:
                     raise RuntimeError(f"vLLM returned {len(lps)} log-probs for {len(ids)} tokens (prompt {i})")
                 samples.append(Sample(prompt_index=i, prompt_ids=list(p), token_ids=ids, logprobs=lps,
                                       finish_reason="length" if c.finish_reason == "length" else "stop"))
+        if stop_when is not None:
+            decode = PieceDecoder(self.llm.get_tokenizer())
+            samples = [cut_at(smp, stop_when, decode) for smp in samples]
         self.last_stats = GenerateStats(prompts=len(prompts), samples=len(samples),
                                         prompt_tokens=sum(len(p) for p in prompts),
                                         new_tokens=sum(len(s.token_ids) for s in samples),

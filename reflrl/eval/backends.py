@@ -111,7 +111,7 @@ class LocalBackend:
     tokens.
     """
 
-    def __init__(self, name: str, dtype: str = "bfloat16", batch_size: int = 8, source: str | None = None,
+    def __init__(self, name: str, dtype: str = "auto", batch_size: int = 8, source: str | None = None,
                  threads: int | None = None):
         import torch
 
@@ -240,7 +240,7 @@ def run_checkpoint(run_dir: str | Path) -> Path:
 
 
 def make_backend(model: str | None = None, endpoint: str | None = None, run: str | None = None,
-                 dtype: str = "bfloat16", batch_size: int = 8, api_key: str | None = None,
+                 dtype: str = "auto", batch_size: int = 8, api_key: str | None = None,
                  concurrency: int = 4, threads: int | None = None) -> Backend:
     """Pick the backend from the CLI options (exactly one of local model / endpoint / run)."""
     if endpoint:

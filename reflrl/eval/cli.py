@@ -51,7 +51,8 @@ def add_eval_commands(subparsers: Any) -> None:
                     help="keep <think> blocks of earlier assistant messages in multi-turn history")
     ev.add_argument("--max-steps", type=int, default=20, help="BFCL multi-turn steps per turn before force-quit")
     ev.add_argument("--out", default=None, help="output folder (default runs/eval/<time>-<model>)")
-    ev.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"), help="local model precision")
+    ev.add_argument("--dtype", default="auto", choices=("auto", "bfloat16", "float32"),
+                    help="local model precision; auto: bfloat16 only where the CPU computes it natively (reflrl.precision)")
     ev.add_argument("--batch-size", type=int, default=8, help="prompts decoded together (local model)")
     ev.add_argument("--concurrency", type=int, default=4, help="parallel requests (endpoint)")
     ev.add_argument("--threads", type=int, default=None,

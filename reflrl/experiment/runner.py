@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 from typing import Any, Sequence
 
+from reflrl.budget import EXIT_BUDGET_CUT
 from reflrl.report.derive import mean_std as _mean_std
 
 
@@ -30,12 +31,13 @@ def train_command(*, seed: int, name: str, out_dir: str | Path, config: str | Pa
 
 def run_train(cmd: list[str], run_dir: str | Path, cwd: str | Path | None = None) -> tuple[dict[str, Any], float]:
     """Run ``cmd`` (from :func:`train_command`); returns (its summary.json, wall seconds).
-    RuntimeError with the output's tail when it exits non-zero or leaves no summary."""
+    RuntimeError with the output's tail when it fails or leaves no summary. A run the time budget cut
+    (exit status 3) is returned: its summary's ``budget_cuts`` says so, and tables show it."""
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True)
     wall = time.perf_counter() - t0
     summary = Path(run_dir) / "summary.json"
-    if proc.returncode != 0 or not summary.is_file():
+    if proc.returncode not in (0, EXIT_BUDGET_CUT) or not summary.is_file():
         raise RuntimeError(f"reflrl train exited with status {proc.returncode} ({' '.join(cmd[1:])}):\n"
                            f"{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}")
     return json.loads(summary.read_text()), wall

@@ -50,9 +50,11 @@ import yaml
 
 from .grid import FaultSetting, expand, parse_grid
 
-ROOT = Path(__file__).resolve().parent.parent.parent
-CONFIGS_DIR = ROOT / "configs"
-DEFAULT_CONFIG = CONFIGS_DIR / "default.yaml"
+from ..budget import EXIT_BUDGET_CUT
+from ..config import default_recipe, recipes_dir
+
+CONFIGS_DIR = recipes_dir()  # configs/ of a checkout, reflrl/configs of an installed wheel
+DEFAULT_CONFIG = default_recipe()
 MANIFEST = "sweep.json"
 MANIFEST_VERSION = 1
 _METHOD_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
@@ -142,7 +144,7 @@ class SweepSpec:
     def digest(self) -> str:
         return hashlib.sha1(json.dumps(self.identity(), sort_keys=True).encode()).hexdigest()[:8]
 
-    def default_out(self, parent: Path = ROOT / "runs" / "experiments") -> Path:
+    def default_out(self, parent: Path = Path("runs") / "experiments") -> Path:
         """``runs/experiments/faults-<methods>-<hash of the spec>``: the same command, the same folder."""
         return parent / f"faults-{'-'.join(self.methods)}-{self.digest()}"
 
@@ -423,8 +425,10 @@ class Sweep:
                     self._procs.discard(proc)
         c.wall_s = round(c.wall_s + time.perf_counter() - t0, 1)
         c.returncode, c.finished = rc, now()
-        if rc == 0 and self.is_done(c):
+        if rc in (0, EXIT_BUDGET_CUT) and self.is_done(c):
             c.status = "done"
+            if rc == EXIT_BUDGET_CUT:  # finished, but a phase was cut: kept, and said in the manifest
+                c.error = "the time budget cut a phase of this cell (summary.json budget_cuts): not the recipe's result"
         elif rc < 0 or self._stopping:  # killed by a signal: resume next time
             c.status, c.error = "interrupted", f"stopped by signal {-rc}" if rc < 0 else "sweep interrupted"
         else:

@@ -53,11 +53,11 @@ def total(rows: Sequence[dict[str, Any]], key: str) -> float | None:
     return sum(vals) if vals else None
 
 
-# ============================================================================ paper 000 Fig. 4
+# ============================================================================ efficiency paper (arXiv:2606.00135) Fig. 4
 @dataclass
 class ZeroVariance:
     """Per training step: share of prompt groups with zero reward variance (no learning signal),
-    and among all groups the share whose live rollouts were all correct (paper 000 Fig. 4's orange)."""
+    and among all groups the share whose live rollouts were all correct (efficiency paper, arXiv:2606.00135, Fig. 4's orange)."""
 
     steps: list[int]
     zero_var: list[float]
@@ -78,11 +78,11 @@ def zero_variance(rows: Sequence[dict[str, Any]]) -> ZeroVariance | None:
     return ZeroVariance(steps, zv, ac_s, ac)
 
 
-# ============================================================================ paper 000 Fig. 5
+# ============================================================================ efficiency paper (arXiv:2606.00135) Fig. 5
 @dataclass
 class Stability:
     """P(still all-correct | all-correct in the previous k observations) per epoch, with the number
-    of prompts conditioned on (paper 000 sec. 4.1, Fig. 5)."""
+    of prompts conditioned on (efficiency paper, arXiv:2606.00135, sec. 4.1, Fig. 5)."""
 
     k: int
     epochs: list[int]

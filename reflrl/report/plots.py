@@ -1,8 +1,8 @@
 """The report's plots (matplotlib, Agg, no pyplot state): each returns a Figure or raises
 :class:`NoData` with a sentence saying what the run did not record.
 
-Run plots: reward and held-out accuracy; zero-variance prompts (paper 000 Fig. 4); temporal
-stability of all-correct prompts (paper 000 Fig. 5); importance weights (Tool-ReRL 003 Fig. 3,
+Run plots: reward and held-out accuracy; zero-variance prompts (efficiency paper, arXiv:2606.00135, Fig. 4); temporal
+stability of all-correct prompts (efficiency paper, arXiv:2606.00135, Fig. 5); importance weights (Tool-ReRL Fig. 3,
 top left); failures by cause and their recovery; time in rollout vs update.
 Sweep plots: accuracy vs fault rate per method (mean ± std over seeds); recovered-trajectory ratio
 vs fault rate; tool calls per learning signal vs fault rate.
@@ -111,7 +111,7 @@ def zero_variance_plot(run: RunData) -> Figure:
     ax.set_ylim(-0.03, 1.03)
     ax.set_xlabel("RL step (policy updates)")
     ax.set_ylabel("share of prompt groups (fraction)")
-    ax.set_title("zero-variance prompts per step (cf. paper 000 Fig. 4)")
+    ax.set_title("zero-variance prompts per step (cf. efficiency paper (arXiv:2606.00135) Fig. 4)")
     ax.legend(fontsize=8)
     return fig
 
@@ -138,7 +138,7 @@ def temporal_stability_plot(run: RunData) -> Figure:
     ax.set_ylim(-0.03, 1.1)
     ax.set_xlabel("epoch (passes over the training prompts)")
     ax.set_ylabel("P(still all-correct | k) (probability)")
-    ax.set_title("temporal stability of all-correct prompts (cf. paper 000 Fig. 5)")
+    ax.set_title("temporal stability of all-correct prompts (cf. efficiency paper (arXiv:2606.00135) Fig. 5)")
     return fig
 
 
@@ -256,16 +256,16 @@ RUN_PLOTS: tuple[PlotSpec, ...] = (
              reward_accuracy),
     PlotSpec("zero_variance", "Zero-variance prompts",
              "Share of prompt groups per step whose rollout rewards have no variance (no learning signal), and "
-             "the share whose rollouts were all correct (efficiency paper 000, sec. 4.1, Fig. 4).",
+             "the share whose rollouts were all correct (efficiency paper (arXiv:2606.00135), sec. 4.1, Fig. 4).",
              zero_variance_plot),
     PlotSpec("temporal_stability", "Temporal stability of all-correct prompts",
              "P(still all-correct | all-correct in the previous k observations) per epoch, k = 1, 2; n = prompts "
-             "conditioned on (paper 000, sec. 4.1, Fig. 5). With the pre-rollout filter on, skipped epochs are "
+             "conditioned on (efficiency paper (arXiv:2606.00135), sec. 4.1, Fig. 5). With the pre-rollout filter on, skipped epochs are "
              "not observations.",
              temporal_stability_plot),
     PlotSpec("importance_weights", "Importance weights",
              "Mean (± std) importance weight of the reflection-repaired trajectories per step "
-             "(Tool-ReRL 003, sec. 3.3 eq. 2, Fig. 3 top left).",
+             "(Tool-ReRL, sec. 3.3 eq. 2, Fig. 3 top left).",
              importance_weights),
     PlotSpec("failures", "Failures by cause and their recovery",
              "Left: env faults observed per tool-call attempt, by kind (fault ledger). Middle: faulted tool calls "

@@ -214,9 +214,14 @@ def run_sections(run: RunData) -> tuple[list[Section], list[Section]]:
         ratio, unit = rec.recovered_ratio
         cps, calls, signals = D.calls_per_signal(run)
         t = s.get("time_s") or {}
+        mid = s.get("accuracy_after_warmup")
+        acc = (f"base {pct(s.get('accuracy_before'))} -> after warm-up {pct(mid)} -> after RL "
+               f"{pct(s.get('accuracy_after'))}" if mid is not None else
+               f"{pct(s.get('accuracy_before'))} -> {pct(s.get('accuracy_after'))}")
+        gain = s.get("rl_gain")
         res.rows = [
-            ("held-out accuracy", f"{pct(s.get('accuracy_before'))} -> {pct(s.get('accuracy_after'))} "
-                                  f"({(s.get('eval_after') or {}).get('n', '?')} test tasks)"),
+            ("held-out accuracy", f"{acc} ({(s.get('eval_after') or {}).get('n', '?')} test tasks)"
+                                  + (f"; RL gain {gain * 100:+.1f} points" if gain is not None else "")),
             ("RL steps", f"{s.get('steps')} (stopped by {s.get('stop_reason')})"),
             ("rollouts", f"{s.get('trajectories')} ({s.get('masked_trajectories')} masked: unrecovered env faults, "
                          "not penalised)"),
@@ -226,7 +231,12 @@ def run_sections(run: RunData) -> tuple[list[Section], list[Section]]:
             ("recovered ratio", f"{num(ratio)} ({unit})"),
             ("tool calls per learning signal", f"{num(cps)} ({num(calls)} tool calls / {num(signals)} learning signals)"),
             ("time", ", ".join(f"{k[:-2]} {v:.0f}s" for k, v in t.items() if isinstance(v, (int, float)))),
+            ("evaluations", ", ".join(f"{k.replace('_', ' ')} {v:.0f}s" for k, v in (s.get("eval_seconds") or {}).items()
+                                      if isinstance(v, (int, float))) or NOT_RECORDED),
         ]
+        if s.get("precision"):
+            pr = s["precision"]
+            res.rows.append(("precision", f"{pr.get('dtype')} ({pr.get('reason')}); {s.get('threads', '?')} threads"))
     else:
         res.notes.append("no summary.json: final accuracy, fault totals and time totals are unknown; "
                          "the plots show what metrics.jsonl recorded")
@@ -243,7 +253,14 @@ def run_sections(run: RunData) -> tuple[list[Section], list[Section]]:
     cfg = Section("Config (config.yaml)", pre=yaml.safe_dump(run.config, sort_keys=False) if run.config else None)
     if run.config is None:
         cfg.notes.append("config.yaml missing: the recipe that produced this run is unknown")
-    return [prov, res, refl_sec], [cfg]
+    first = []
+    cuts = s.get("budget_cuts") or []
+    if cuts:
+        from ..budget import budget_cut_text
+
+        first.append(Section("RESULT INCOMPLETE: the time budget cut this run",
+                             notes=[budget_cut_text(c) for c in cuts]))
+    return [*first, prov, res, refl_sec], [cfg]
 
 
 def write_run_report(run: RunData) -> Report:

@@ -1,10 +1,10 @@
 """Our GRPO advantages as verl advantage estimators (``algorithm.adv_estimator``), so verl's groups
 match the CPU trainer's: rollouts whose env fault was not recovered (the agent loop gives them an
 all-zero ``response_mask``) are left OUT of their group's mean and std and get advantage 0
-(Tool-ReRL ``003_febfc96bcceb98f2.txt`` sec. 3.2: env faults are never turned into a learning signal).
+(Tool-ReRL, Reflective Reinforcement Tool Learning sec. 3.2: env faults are never turned into a learning signal).
 verl's built-in ``grpo`` would still count their reward in the group statistics.
 
-The values are :func:`reflrl.algos.grpo_advantage` (efficiency paper ``000_54a6bee37c8ce6eb.txt``
+The values are :func:`reflrl.algos.grpo_advantage` (efficiency paper (arXiv:2606.00135)
 eq. 2; zero-variance groups -> 0, Bessel-corrected std, eps 1e-6) on each row's outcome score
 (``token_level_rewards`` summed over the response), broadcast over the action tokens.
 

@@ -1,6 +1,6 @@
 """``reflrl_tool_agent``: a verl agent loop running our tool env (with faults) and Tool-ReRL's reflection.
 
-One dataset row = one episode (``003_febfc96bcceb98f2.txt``, sec. 3.2-3.3, Definition 1):
+One dataset row = one episode (Tool-ReRL, sec. 3.2-3.3, Definition 1):
 
 1. q = the env's chat messages for the task (system prompt with the tools + the user request);
    its tokens come from verl's own Continuous Token builder (``ct_build_initial_tokens``).
@@ -25,7 +25,7 @@ such a response. Multi-turn tasks (``kind`` "multi_turn", the efficiency paper's
 run as one token stream without reflection: assistant tokens (mask 1, their sampling log-probs) and
 the tool results / next user turns between them, tokenized by verl's Continuous Token builder as the
 delta of the chat-template rendering (mask 0) -- so tool tokens get no loss -- until the env
-terminates or ``response_length`` is reached (VerlTool, ``004_657e95489cf03eb0.txt``, sec. 3.3). The
+terminates or ``response_length`` is reached (VerlTool, arXiv:2509.01055, sec. 3.3). The
 rollout log-probs of such an (ordinary) episode are the ordinary-row marker unless
 ``mark_unrepaired`` is false.
 

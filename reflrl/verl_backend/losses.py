@@ -1,4 +1,4 @@
-"""Tool-ReRL's eq. 2 as a verl policy loss (``003_febfc96bcceb98f2.txt``, sec. 3.3, eq. 2; A.3).
+"""Tool-ReRL's eq. 2 as a verl policy loss (Tool-ReRL, sec. 3.3, eq. 2; A.3).
 
 Why our own loss and not verl's rollout correction alone
 --------------------------------------------------------

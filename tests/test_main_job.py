@@ -1,0 +1,292 @@
+"""The main job on any CPU: precision from the hardware, a time budget that is only a guard, answers that
+stop when complete, progress lines in logs, and an installed wheel that runs the same recipe."""
+from __future__ import annotations
+
+import io
+import json
+import os
+import subprocess
+import sys
+import venv
+from pathlib import Path
+
+import pytest
+import torch
+
+from reflrl import config as C
+from reflrl import precision as P
+from reflrl import trainer as T
+from reflrl.engine import TransformersEngine, cut_at, Sample
+from reflrl.envs.parsing import answer_complete, format_calls
+from reflrl.envs.types import Task, ToolCall
+from reflrl.evaluate import evaluate
+from reflrl.models import load_model
+from reflrl.progress import Progress
+from reflrl.rollout import RolloutConfig, answer_token_cap
+
+ROOT = Path(__file__).resolve().parent.parent
+
+AVX2 = P.CpuFeatures("AVX2", model="AMD EPYC (test)")
+AVX512_BF16 = P.CpuFeatures("AVX512", avx512_bf16=True, model="Xeon (test)")
+AMX = P.CpuFeatures("AVX512", amx=True, model="Sapphire Rapids (test)")
+
+
+def _never(*_a):
+    raise AssertionError("the micro-benchmark must not run here")
+
+
+# ----------------------------------------------------------------------------- precision
+def test_auto_takes_float32_on_avx2_without_benchmarking(tmp_path):
+    c = P.resolve_dtype("auto", features=AVX2, bench=_never, cache=tmp_path / "p.json")
+    assert c.dtype == "float32" and c.warning is None
+    assert c.log_line() == "precision: float32 (auto: AVX2 CPU without native bfloat16, where bfloat16 is emulated)"
+
+
+@pytest.mark.parametrize("features", [AVX512_BF16, AMX], ids=["avx512_bf16", "amx"])
+def test_auto_takes_bfloat16_where_native_and_the_benchmark_confirms(tmp_path, features):
+    c = P.resolve_dtype("auto", features=features, bench=lambda: 0.55, cache=tmp_path / "p.json")
+    assert c.dtype == "bfloat16" and c.bf16_slowdown == pytest.approx(0.55) and not c.cached
+    assert "bfloat16" in c.log_line() and "0.55x the time of float32" in c.log_line()
+    # the verdict is cached: the next resolution does not measure again
+    again = P.resolve_dtype("auto", features=features, bench=_never, cache=tmp_path / "p.json")
+    assert again.dtype == "bfloat16" and again.cached
+
+
+def test_auto_distrusts_a_capability_the_benchmark_contradicts(tmp_path):
+    c = P.resolve_dtype("auto", features=AVX512_BF16, bench=lambda: 6.0, cache=False)
+    assert c.dtype == "float32" and "6.00x the time of float32" in c.reason
+
+
+def test_explicit_bfloat16_on_avx2_runs_with_a_warning_giving_the_measured_slowdown(tmp_path):
+    c = P.resolve_dtype("bfloat16", features=AVX2, bench=lambda: 43.0, cache=False)
+    assert c.dtype == "bfloat16"
+    assert c.warning and "43.0x slower than float32" in c.warning and "model.dtype=auto" in c.warning
+    err = io.StringIO()
+    P.announce(c, file=err)
+    assert "precision: bfloat16" in err.getvalue() and "warning:" in err.getvalue()
+
+
+def test_unknown_dtype_names_the_choices():
+    with pytest.raises(ValueError, match="auto, float32, bfloat16"):
+        P.resolve_dtype("fp8", features=AVX2, bench=_never, cache=False)
+    with pytest.raises(C.ConfigError, match="model.dtype"):
+        C.load_config(None, ["model.dtype=half"])
+
+
+def test_the_micro_benchmark_is_sub_second_and_positive():
+    import time
+
+    t0 = time.perf_counter()
+    r = P.measure_bf16_slowdown()
+    assert r > 0 and time.perf_counter() - t0 < 1.5
+
+
+def test_trainer_logs_and_summarises_its_precision(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(P, "cpu_features", lambda: AVX2)  # what auto reads on an AVX2 laptop
+    cfg = C.load_config(ROOT / "configs" / "tiny.yaml", [f"train.out_dir={tmp_path}", "train.run_name=r",
+                                                          "model.dtype=auto", "train.steps=1", "data.n_test=2"])
+    s = T.train(cfg, tmp_path / "r", progress=False, quiet=False, report=False)
+    out = capsys.readouterr().out
+    assert "[reflrl] precision: float32 (auto: AVX2 CPU without native bfloat16, where bfloat16 is emulated)" in out
+    assert s["precision"]["dtype"] == "float32" and s["precision"]["requested"] == "auto"
+    assert "AVX2 CPU without native bfloat16" in s["precision"]["reason"]
+
+
+# ----------------------------------------------------------------------------- the time guard
+def test_a_budget_cut_is_reported_in_summary_log_and_exit_status(tmp_path, capsys):
+    args = ["--config", str(ROOT / "configs" / "tiny.yaml"), "--name", "cut", "--no-report",
+            "--set", f"train.out_dir={tmp_path}", "--set", "warmup.enabled=true", "--set", "warmup.steps=400",
+            "--set", "train.time_budget_min=0.12", "--set", "data.n_test=2", "--set", "warmup.probe_n=2"]
+    assert T.main(args) == 3
+    out = capsys.readouterr()
+    s = json.loads((tmp_path / "cut" / "summary.json").read_text())
+    assert s["recipe_complete"] is False
+    cuts = {c["phase"]: c for c in s["budget_cuts"]}
+    assert 0 < cuts["warm-up"]["done"] < 400 and cuts["warm-up"]["planned"] == 400
+    assert cuts["RL"]["done"] == 0 and cuts["RL"]["planned"] == 3
+    assert "NOT the recipe's" in out.err  # said when it happens
+    assert out.out.rstrip().splitlines()[-1].startswith("RESULT INCOMPLETE")  # and as the last line
+
+
+def test_a_whole_run_says_so_and_exits_0(tmp_path, capsys):
+    args = ["--config", str(ROOT / "configs" / "tiny.yaml"), "--name", "ok", "--no-report",
+            "--set", f"train.out_dir={tmp_path}", "--set", "train.steps=1", "--set", "data.n_test=2"]
+    assert T.main(args) == 0
+    assert capsys.readouterr().out.rstrip().splitlines()[-1] == "result: the recipe ran whole (every planned step)"
+    s = json.loads((tmp_path / "ok" / "summary.json").read_text())
+    assert s["budget_cuts"] == [] and s["recipe_complete"] is True
+    assert set(s["eval_seconds"]) == {"before", "after"}
+
+
+# ----------------------------------------------------------------------------- progress in logs
+def test_progress_lines_when_stdout_is_not_a_terminal(tmp_path, capsys):
+    args = ["--config", str(ROOT / "configs" / "tiny.yaml"), "--name", "p", "--no-report",
+            "--set", f"train.out_dir={tmp_path}", "--set", "warmup.enabled=true", "--set", "warmup.steps=2",
+            "--set", "data.n_test=2", "--set", "warmup.probe_n=2"]
+    assert T.main(args) == 0
+    out = capsys.readouterr().out  # captured: not a terminal
+    for phase in ("eval before: 2 held-out tasks", "warm-up: 0/2 steps", "warm-up 2/2 steps", "warm-up done",
+                  "eval after warm-up done", "RL: 0/3 steps", "RL 3/3 steps", "RL done", "eval after done"):
+        assert phase in out, phase
+    assert "run ends in ~" in out  # an ETA once RL's pace is known
+
+
+def test_progress_lines_are_spaced_and_carry_eta():
+    t = [0.0]
+    buf = io.StringIO()
+    p = Progress(stream=buf, tty=False, every_s=1e9, clock=lambda: t[0], start=0.0)
+    ph = p.phase("warm-up", 100)
+    for _ in range(100):
+        t[0] += 2.0
+        ph.update(1, loss=0.5)
+    ph.close()
+    lines = buf.getvalue().splitlines()
+    assert len(lines) == 1 + 10 + 1  # start, every 10 steps, done
+    assert lines[1] == "[[reflrl] 00:20 warm-up 10/100 steps (loss 0.5), 2.0 s/step, phase ETA 03:00"[1:]
+    assert lines[-1].endswith("warm-up done: 100/100 steps in 03:20")
+
+
+# ----------------------------------------------------------------------------- answers stop when complete
+def test_answer_complete_rule():
+    call = '<tool_call>\n{"name": "f", "arguments": {}}\n</tool_call>'
+    assert not answer_complete("Sure, let me check")  # plain text: only the end of the turn ends it
+    assert not answer_complete(call)
+    assert not answer_complete(call + "\n")
+    assert not answer_complete(call + "\n<tool_")  # another block may be starting
+    assert not answer_complete(call + "\n<tool_call>\n{")
+    assert answer_complete(call + "\nThe weather")  # trailing text: the calls are complete
+    assert answer_complete(call + "\n" + call + " ok")
+    assert not answer_complete(call + " ok", fmt="pythonic")
+
+
+def test_engine_stops_rows_at_their_own_caps_and_when_complete():
+    model, tok = load_model("tiny-random", dtype="float32", trainable="none", seed=0)
+    eng = TransformersEngine(model, tok)
+    prompts = [tok.encode("a b c"), tok.encode("d e")]
+    out = eng.generate(prompts, n=2, max_new_tokens=[3, 7], temperature=1.0, stop_ids=[], seed=0)
+    assert [len(s.token_ids) for s in out] == [3, 3, 7, 7] and {s.finish_reason for s in out} == {"length"}
+    texts: list[str] = []
+
+    def after_three_tokens(text: str) -> bool:  # the engine hands over each row's text so far
+        texts.append(text)
+        return len(tok(text, add_special_tokens=False)["input_ids"]) >= 3 or texts.count(text) > 1
+
+    full = eng.generate(prompts, n=1, max_new_tokens=[9, 9], temperature=0.0, stop_ids=[])
+    out = eng.generate(prompts, n=1, max_new_tokens=[9, 9], temperature=0.0, stop_ids=[],
+                       stop_when=after_three_tokens)
+    for a, b in zip(full, out):
+        assert b.finish_reason == "stop" and 1 <= len(b.token_ids) < 9
+        assert a.token_ids[: len(b.token_ids)] == b.token_ids  # the same tokens, cut where the test said
+
+
+def test_cut_at_gives_remote_engines_the_same_stop():
+    s = Sample(0, [1], [10, 11, 12, 13], [-0.1, -0.2, -0.3, -0.4], "length")
+    decode = {10: "<tool_call>", 11: "{}", 12: "</tool_call>", 13: "\nhi"}.__getitem__
+    cut = cut_at(s, answer_complete, decode)
+    assert cut.token_ids == [10, 11, 12, 13] and cut.finish_reason == "stop"
+    s2 = Sample(0, [1], [10, 11, 12, 13, 13], [-0.1] * 5, "length")
+    assert cut_at(s2, answer_complete, decode).token_ids == [10, 11, 12, 13]
+
+
+class RamblingEngine:
+    """Answers every prompt with the task's gold call and then rambles, token by token, honouring the
+    engine protocol's caps and ``stop_when`` as TransformersEngine does (its own test is above)."""
+
+    def __init__(self, tok, answers):
+        self.tok, self.answers = tok, answers
+
+    def generate(self, prompts, n=1, max_new_tokens=256, temperature=1.0, top_p=1.0, stop_ids=None, seed=0,
+                 stop_when=None):
+        caps = [max_new_tokens] * len(prompts) if isinstance(max_new_tokens, int) else list(max_new_tokens)
+        out = []
+        for i, p in enumerate(prompts):
+            ids = self.tok(self.answers[tuple(p)] + "\nI hope this helps! " * 40, add_special_tokens=False)["input_ids"]
+            keep, text = [], ""
+            reason = "length"
+            for t in ids[: caps[i]]:
+                keep.append(t)
+                text += self.tok.decode([t])
+                if stop_when is not None and stop_when(text):
+                    reason = "stop"
+                    break
+            out.append(Sample(i, list(p), keep, [0.0] * len(keep), reason))
+        return out
+
+
+def test_evaluation_stops_each_answer_when_complete_and_caps_it_by_its_gold():
+    _, tok = load_model("tiny-random", dtype="float32", trainable="none")
+    tasks = [Task(id=f"t{i}", kind="single", query=f"weather in city {i}?", tools=[],
+                  gold=[[ToolCall("get_weather", {"city": f"C{i}"})]]) for i in range(3)]
+    from reflrl.envs.prompts import build_messages
+    from reflrl.rollout import render_prompt
+
+    msgs = lambda t: build_messages(t, style="compact", fmt="hermes")  # noqa: E731
+    answers = {tuple(render_prompt(tok, msgs(t))): format_calls(t.gold[0], "hermes") for t in tasks}
+    eng = RamblingEngine(tok, answers)
+    gen = RolloutConfig(max_new_tokens=400, answer_cap=1.5, stop_at_complete=True, temperature=0.0)
+    res = evaluate(eng, tok, tasks, msgs, gen)
+    gold_len = len(tok(format_calls(tasks[0].gold[0], "hermes"), add_special_tokens=False)["input_ids"])
+    assert res.accuracy == 1.0 and res.capped == 0
+    assert res.new_tokens <= 3 * (gold_len + 2)  # the call and one token of trailing text, not 400
+    off = evaluate(eng, tok, tasks, msgs, RolloutConfig(max_new_tokens=400, temperature=0.0))
+    assert off.new_tokens > 5 * res.new_tokens and off.accuracy == 1.0
+    # without the early stop, the gold-sized cap still bounds a rambling answer
+    capped = evaluate(eng, tok, tasks, msgs, RolloutConfig(max_new_tokens=400, answer_cap=1.5, temperature=0.0))
+    cap = answer_token_cap(tasks[0], tok, gen)
+    assert capped.capped == 3 and capped.new_tokens == 3 * cap and cap == -(-3 * (gold_len + 1) // 2) + 16
+
+
+# ----------------------------------------------------------------------------- the product as installed
+def test_importing_reflrl_sets_no_environment_variable():
+    code = r"""
+import json, os, pkgutil, importlib
+before = dict(os.environ)
+import reflrl
+skip = ("reflrl.verl_backend", "reflrl.engines.vllm_engine")
+for m in pkgutil.walk_packages(reflrl.__path__, "reflrl."):
+    if not m.name.startswith(skip):
+        importlib.import_module(m.name)
+after = dict(os.environ)
+print(json.dumps({k: [before.get(k), after.get(k)] for k in set(before) | set(after) if before.get(k) != after.get(k)}))
+"""
+    env = {k: v for k, v in os.environ.items() if k not in ("HF_HUB_OFFLINE", "TOKENIZERS_PARALLELISM")}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert json.loads(out.stdout.strip().splitlines()[-1]) == {}
+
+
+def test_the_wheel_installs_the_same_default_recipe(tmp_path):
+    """Build the wheel, install it into a fresh virtual environment outside the repository, and check
+    that `reflrl train` there resolves exactly the repository's default recipe."""
+    dist = tmp_path / "dist"
+    build = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
+                            "-w", str(dist), str(ROOT)], capture_output=True, text=True, timeout=600)
+    assert build.returncode == 0, build.stderr[-3000:]
+    wheel = next(dist.glob("reflrl-*.whl"))
+    env_dir = tmp_path / "venv"
+    venv.EnvBuilder(with_pip=False, system_site_packages=False).create(env_dir)
+    py = env_dir / "bin" / "python"
+    site = subprocess.run([str(py), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                          capture_output=True, text=True, check=True).stdout.strip()
+    import sysconfig
+
+    # the wheel's dependencies come from this environment (no download); reflrl itself only from the wheel
+    deps = Path(sysconfig.get_paths()["purelib"])
+    Path(site, "deps.pth").write_text(str(deps) + "\n")
+    inst = subprocess.run([sys.executable, "-m", "pip", "install", "--no-deps", "-q", "--target", site, str(wheel)],
+                          capture_output=True, text=True, timeout=600)
+    assert inst.returncode == 0, inst.stderr[-3000:]
+    run = subprocess.run([str(env_dir / "bin" / "python"), "-c",
+                          "import sys, reflrl, reflrl.config as C; from reflrl.trainer import main; "
+                          "print(reflrl.__file__, file=sys.stderr); print(C.default_recipe(), file=sys.stderr); "
+                          "sys.exit(main(['--print-config']))"],
+                         capture_output=True, text=True, cwd=tmp_path, timeout=300,
+                         env={k: v for k, v in os.environ.items() if k != "PYTHONPATH"})
+    assert run.returncode == 0, run.stderr[-3000:]
+    where, recipe = run.stderr.strip().splitlines()[-2:]
+    assert where.startswith(site) and not where.startswith(str(ROOT))  # the installed copy, not the checkout
+    assert recipe.startswith(site)
+    import yaml
+
+    installed = yaml.safe_load(run.stdout)
+    assert C.config_from_dict(installed) == C.load_config(ROOT / "configs" / "default.yaml")
