@@ -246,6 +246,9 @@ _COMMANDS = {
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``reflrl`` console script; returns the exit status."""
+    from reflrl.threads import configure_openmp
+
+    configure_openmp()  # before anything loads torch: waiting OpenMP threads sleep (reflrl.threads)
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
     if argv[:1] == ["train"]:  # the trainer parses its own flags (including --help)

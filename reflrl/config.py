@@ -182,7 +182,7 @@ class WarmupConfig:
 
     enabled: Union[str, bool] = _f("auto", "'auto' (run when the format rate < threshold) | true | false")
     format_rate_threshold: float = _f(0.5, "auto: warm up when fewer than this share of probe samples parse")
-    probe_n: int = _f(16, "tasks sampled to measure the format rate")
+    probe_n: int = _f(16, "tasks sampled (at the rollout temperature) to measure the format rate; 0 = use the greedy answers of the held-out evaluation before (no extra generation)")
     steps: int = _f(60, "SFT optimiser steps")
     lr: float = _f(5e-5, "SFT learning rate")
     batch_size: int = _f(8, "SFT examples per step")
@@ -203,7 +203,7 @@ class TrainConfig:
     seed: int = _f(0, "seed of sampling, data order and model init")
     out_dir: str = _f("runs", "parent folder of run folders")
     run_name: str | None = _f(None, "run folder name; null = generated from time and seed")
-    threads: int | None = _f(None, "torch CPU threads; null = torch's default")
+    threads: int | None = _f(None, "torch CPU threads, fixed for the run; null = torch's default (one per core; the reflrl command makes waiting OpenMP threads sleep, so a busy machine slows a run down in proportion instead of collapsing: reflrl.threads)")
 
 
 @dataclass
@@ -546,6 +546,8 @@ def parse_override(text: str) -> tuple[list[str], Any]:
     if str in args:  # string fields take the text verbatim (fault specs, names, paths)
         if _is_optional(tp) and raw.strip() in ("null", "~", "Null", "NULL"):
             return path, None
+        if int in args and re.fullmatch(r"[-+]?\d+", raw.strip()):  # e.g. train.threads=2 (or 'auto')
+            return path, int(raw)
         if args == (str,) or raw.strip() not in ("true", "false", "True", "False"):
             return path, raw
     return path, _yaml_value(raw, text)

@@ -52,6 +52,7 @@ import torch
 from . import config as C
 from . import rollout as R
 from .budget import EXIT_BUDGET_CUT, budget_cut_text, cut_record
+from .threads import describe as threads_summary
 from .algos import (PreRolloutFilter, drop_zero_variance_groups, get_advantage_fn, get_policy_loss_fn,
                     groups_to_request, kl_loss, max_variance_subset)
 from .recovery import own_rollouts
@@ -456,7 +457,7 @@ class Trainer:
         self.progress_out = Progress(enabled=progress and not quiet, clock=self.elapsed, start=0.0,
                                      remaining_after=self._remaining_after)
         tr = cfg.train
-        if tr.threads:
+        if tr.threads:  # fixed for the run (reflrl.threads: why the count never changes mid-run)
             torch.set_num_threads(tr.threads)
         random.seed(tr.seed)
         np.random.seed(tr.seed)
@@ -661,10 +662,14 @@ class Trainer:
         out: dict[str, Any] = {"ran": False}
         if w.enabled is False or w.steps == 0:
             return out
-        if w.probe_n > 0:
+        if w.probe_n > 0:  # sampled at the rollout temperature on probe_n tasks (costs a generation pass)
             out["format_rate_before"] = self.probe_format_rate()
-            self.say(f"format rate before warm-up: {out['format_rate_before']:.0%} "
-                     f"(threshold {w.format_rate_threshold:.0%})")
+            out["format_rate_source"] = f"{w.probe_n} sampled answers (temperature {self.cfg.rollout.temperature})"
+        else:  # free: the greedy answers of the held-out evaluation that just ran
+            out["format_rate_before"] = float(self.state["eval_before"]["format_rate"])
+            out["format_rate_source"] = "greedy held-out evaluation"
+        self.say(f"format rate before warm-up: {out['format_rate_before']:.0%} "
+                 f"(threshold {w.format_rate_threshold:.0%}; {out['format_rate_source']})")
         if w.enabled == "auto" and out.get("format_rate_before", 0.0) >= w.format_rate_threshold:
             return out
         t0 = time.perf_counter()
@@ -692,10 +697,9 @@ class Trainer:
         out.update(ran=True, **{f"sft_{k}": v for k, v in res.items()})
         if w.probe_n > 0:
             out["format_rate_after"] = self.probe_format_rate()
-            loss = ("n/a" if res.get("loss_first") is None  # 0 steps: the time budget left none
-                    else f"{res['loss_first']:.2f} -> {res['loss_last']:.2f}")
-            self.say(f"warm-up: {res['steps']} SFT steps in {res['seconds']:.0f}s, loss {loss}; format rate "
-                     f"{out['format_rate_before']:.0%} -> {out['format_rate_after']:.0%}")
+        loss = ("n/a" if res.get("loss_first") is None  # 0 steps: the time budget left none
+                else f"{res['loss_first']:.2f} -> {res['loss_last']:.2f}")
+        self.say(f"warm-up: {res['steps']} SFT steps in {res['seconds']:.0f}s, loss {loss}")
         return out
 
     # -------------------------------------------------------------------------------- one RL step
@@ -923,6 +927,8 @@ class Trainer:
                              phase="eval")
                 self.say(f"held-out accuracy after warm-up: {st['eval_after_warmup']['accuracy']:.1%} "
                          f"({st['eval_after_warmup']['seconds']:.0f}s)")
+                if cfg.warmup.probe_n == 0:  # the warm-up's format rate, from the same greedy answers
+                    st["warmup"]["format_rate_after"] = float(st["eval_after_warmup"]["format_rate"])
             st["phase"] = "rl"
             self.save()
         if cfg.algo.kl_coef > 0 and self.ref_model is None:
@@ -1034,7 +1040,7 @@ class Trainer:
                                                                ("after", after)) if v},
             # the time guard: empty when the run is the recipe's; otherwise which phase was cut, and where
             "budget_cuts": cuts, "recipe_complete": not cuts,
-            "precision": self.precision.to_dict(), "threads": torch.get_num_threads(),
+            "precision": self.precision.to_dict(), **threads_summary(),
             "format_rate_before": wu.get("format_rate_before"), "format_rate_after": wu.get("format_rate_after"),
             "warmup": wu,
             "steps": self.step, "stop_reason": st.get("stop_reason"),
@@ -1094,6 +1100,7 @@ def format_summary(s: dict[str, Any]) -> str:
                      + (f"  (RL gain {gain * 100:+.1f} points)" if gain is not None else ""))
     if s.get("precision"):
         lines.append(f"{s['precision']['dtype']} on {s['precision']['cpu']}, {s.get('threads', '?')} threads "
+                     f"(OpenMP wait policy {s.get('omp_wait_policy', '?')}) "
                      f"({s['precision']['reason']})")
     if s.get("format_rate_before") is not None:
         lines.append(f"format rate (sampled): {pct(s['format_rate_before'])} -> {pct(s.get('format_rate_after'))}"

@@ -6,7 +6,7 @@ model in the precision ``model.dtype=auto`` picks here, three workloads of a tra
 
 * ``matmul``   one prefill-sized GEMM (256x576x1536), repeated;
 * ``decode``   greedy decoding, 8 prompts x 32 new tokens (many small ops: the rollouts and evaluations);
-* ``train``    forward+backward of 4 x 192 tokens with the top 6 layers trainable (the updates);
+* ``train``    forward+backward of 2 x 192 tokens with the top 6 layers trainable (the updates);
 
 for every combination of: torch threads 1 and 2; no background process, a ``nice -n 19`` busy loop, a
 busy loop at normal priority; and (with ``--wait-policy``) ``OMP_WAIT_POLICY=PASSIVE``. Each case runs
@@ -60,7 +60,7 @@ def worker(workload: str, threads: int, repeats: int) -> dict:
 
         model, tok = load_model("smollm2-135m-instruct", dtype=dtype, trainable="top_layers:6")
         g = torch.Generator().manual_seed(0)
-        ids = torch.randint(100, 40000, (4, 192), generator=g)
+        ids = torch.randint(100, 40000, (2, 192), generator=g)
         attn = torch.ones_like(ids)
         resp = torch.zeros_like(ids)
         resp[:, 128:] = 1
@@ -104,7 +104,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--worker", choices=WORKLOADS, help=argparse.SUPPRESS)
     ap.add_argument("--threads", type=int, default=2, help=argparse.SUPPRESS)
-    ap.add_argument("--repeats", type=int, default=5, help="timed repetitions per case (median reported)")
+    ap.add_argument("--repeats", type=int, default=3, help="timed repetitions per case (median reported)")
     ap.add_argument("--workloads", default=",".join(WORKLOADS), help="comma-separated subset of " + ", ".join(WORKLOADS))
     ap.add_argument("--wait-policy", action="store_true", help="also measure OMP_WAIT_POLICY=PASSIVE")
     args = ap.parse_args()

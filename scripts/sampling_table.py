@@ -53,7 +53,7 @@ def mean_std(xs: list[float], fmt: str = "{:.3f}") -> str:
 
 def command(method: str, seed: int, name: str, args: argparse.Namespace) -> list[str]:
     """The `reflrl train` command line of one run."""
-    cmd = [sys.executable, "-m", "reflrl.trainer", "--config", str(ROOT / METHODS[method][1]),
+    cmd = [sys.executable, "-m", "reflrl", "train", "--config", str(ROOT / METHODS[method][1]),
            "--seed", str(seed), "--name", name, "--no-progress", "--quiet",
            "--set", f"train.out_dir={args.out}", "--set", f"train.time_budget_min={args.budget_minutes}",
            "--set", f"train.steps={args.steps}"]

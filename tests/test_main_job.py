@@ -242,7 +242,7 @@ def test_importing_reflrl_sets_no_environment_variable():
 import json, os, pkgutil, importlib
 before = dict(os.environ)
 import reflrl
-skip = ("reflrl.verl_backend", "reflrl.engines.vllm_engine")
+skip = ("reflrl.verl_backend", "reflrl.engines.vllm_engine", "reflrl.__main__")  # __main__ runs the CLI
 for m in pkgutil.walk_packages(reflrl.__path__, "reflrl."):
     if not m.name.startswith(skip):
         importlib.import_module(m.name)
@@ -258,9 +258,13 @@ print(json.dumps({k: [before.get(k), after.get(k)] for k in set(before) | set(af
 def test_the_wheel_installs_the_same_default_recipe(tmp_path):
     """Build the wheel, install it into a fresh virtual environment outside the repository, and check
     that `reflrl train` there resolves exactly the repository's default recipe."""
-    dist = tmp_path / "dist"
+    import shutil
+
+    src, dist = tmp_path / "src", tmp_path / "dist"  # build from a copy: the checkout gets no build/ folder
+    shutil.copytree(ROOT, src, ignore=shutil.ignore_patterns(".git", ".venv", "runs", "build", "*.egg-info",
+                                                             "__pycache__", ".pytest_cache", "dist"))
     build = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
-                            "-w", str(dist), str(ROOT)], capture_output=True, text=True, timeout=600)
+                            "-w", str(dist), str(src)], capture_output=True, text=True, timeout=600)
     assert build.returncode == 0, build.stderr[-3000:]
     wheel = next(dist.glob("reflrl-*.whl"))
     env_dir = tmp_path / "venv"

@@ -17,7 +17,7 @@ def test_fmt_mean_std():
 
 def test_train_command_carries_every_setting():
     cmd = train_command(seed=2, name="x", out_dir="/o", config="c.yaml", faults="rate_limit=0.1", overrides=["a.b=1"])
-    assert cmd[1:3] == ["-m", "reflrl.trainer"]
+    assert cmd[1:4] == ["-m", "reflrl", "train"]
     for part in (["--seed", "2"], ["--config", "c.yaml"], ["--faults", "rate_limit=0.1"], ["--set", "a.b=1"],
                  ["--set", "train.out_dir=/o"]):
         assert any(cmd[j:j + 2] == part for j in range(len(cmd) - 1)), part

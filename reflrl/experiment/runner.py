@@ -18,7 +18,7 @@ from reflrl.report.derive import mean_std as _mean_std
 def train_command(*, seed: int, name: str, out_dir: str | Path, config: str | Path | None = None,
                   faults: str | None = None, overrides: Sequence[str] = ()) -> list[str]:
     """The command line of one quiet `reflrl train` run writing ``out_dir/name``."""
-    cmd = [sys.executable, "-m", "reflrl.trainer", "--seed", str(seed), "--name", name, "--no-progress",
+    cmd = [sys.executable, "-m", "reflrl", "train", "--seed", str(seed), "--name", name, "--no-progress",
            "--quiet", "--set", f"train.out_dir={out_dir}"]
     if config is not None:
         cmd += ["--config", str(config)]

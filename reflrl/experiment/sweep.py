@@ -11,7 +11,7 @@ The sweep folder::
         failed/<cell id>-attempt<N>/   the folder of an attempt that crashed (checkpoints dropped)
         report.html, report.md, plots/   written by ``reflrl report SWEEP`` (and at the sweep's end)
 
-Each cell runs ``python -m reflrl.trainer`` in its own process, so a crash in one cell is recorded
+Each cell runs ``python -m reflrl train`` in its own process, so a crash in one cell is recorded
 (status ``failed``, exit status, the log's tail) and the sweep goes on with the next.
 
 Resuming: running the same command again (same arguments, hence the same default folder, or the
@@ -371,8 +371,8 @@ class Sweep:
         return (self.run_dir(c) / "summary.json").is_file()
 
     def command(self, c: Cell, resume: bool) -> list[str]:
-        """The ``reflrl train`` command of a cell (run with this interpreter's ``-m reflrl.trainer``)."""
-        base = [self.python, "-m", "reflrl.trainer", "--no-progress"] + ([] if self.cell_reports else ["--no-report"])
+        """The ``reflrl train`` command of a cell (run with this interpreter's ``-m reflrl``)."""
+        base = [self.python, "-m", "reflrl", "train", "--no-progress"] + ([] if self.cell_reports else ["--no-report"])
         if resume:
             return base + ["--resume", str(self.run_dir(c))]
         cmd = base + ["--config", str(self.out / "configs" / f"{c.method}.yaml"), "--faults", c.faults,

@@ -1,0 +1,46 @@
+"""How reflrl runs torch on the CPU's cores: all of them, with OpenMP threads that sleep while they wait.
+
+Measured on a 2-core AVX2 machine (``python scripts/bench_threads.py``, float32, SmolLM2-135M; the
+figures are in the README): with the machine to itself, 2 threads are about 1.9x (a prefill-sized
+matmul), 1.2x (decoding) and 1.7x (forward+backward) as fast as 1. With GNU OpenMP's default wait policy
+(threads spin at every barrier before sleeping), ONE CPU-bound process at normal priority made 2 threads
+2.3-3.9x slower, slower than a single thread: each barrier waits for the thread the kernel has just
+descheduled. With ``OMP_WAIT_POLICY=PASSIVE`` a waiting thread sleeps at once and gives its core away,
+so the same background process costs 1.5-1.8x (about the share of the machine it takes), while the
+idle machine is as fast as before (decoding a little faster). A ``nice 19`` background job costs
+either setting almost nothing.
+
+Changing the thread count during a run is not an option: some kernels (small-batch matmuls, one-token
+attention) round differently with 1 and 2 threads, and a run's numbers must depend on its seed alone.
+So the thread count stays fixed (``train.threads``, default: torch's, one per core) and the wait policy
+does the rest. OpenMP reads it once, when torch loads, so the ``reflrl`` command sets it first thing
+(:func:`configure_openmp`, unless the user chose a policy); importing reflrl sets nothing.
+"""
+from __future__ import annotations
+
+import os
+import sys
+from typing import MutableMapping
+
+WAIT_POLICY = "PASSIVE"
+
+
+def configure_openmp(environ: MutableMapping[str, str] | None = None) -> str | None:
+    """Make OpenMP threads sleep while they wait (``OMP_WAIT_POLICY=PASSIVE``), in this process and the
+    processes it starts, unless the user set a policy. Must run before torch is imported (the
+    ``reflrl`` command's first step); returns the policy set, or None when it was already chosen or
+    can no longer take effect (torch already loaded: then it is left alone)."""
+    env = os.environ if environ is None else environ
+    if "OMP_WAIT_POLICY" in env:
+        return None
+    if environ is None and "torch" in sys.modules:
+        return None
+    env["OMP_WAIT_POLICY"] = WAIT_POLICY
+    return WAIT_POLICY
+
+
+def describe() -> dict[str, object]:
+    """The run's thread settings, for its summary."""
+    import torch
+
+    return {"threads": torch.get_num_threads(), "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY", "default")}

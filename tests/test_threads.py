@@ -1,0 +1,49 @@
+"""Threads on a busy machine: the reflrl command makes waiting OpenMP threads sleep (so another process
+costs a proportional slowdown, not a collapse) without changing anything a user's own import sees."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from reflrl.threads import WAIT_POLICY, configure_openmp
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_configure_openmp_sets_passive_unless_the_user_chose():
+    env: dict[str, str] = {}
+    assert configure_openmp(env) == WAIT_POLICY == "PASSIVE" and env == {"OMP_WAIT_POLICY": "PASSIVE"}
+    mine = {"OMP_WAIT_POLICY": "ACTIVE"}
+    assert configure_openmp(mine) is None and mine == {"OMP_WAIT_POLICY": "ACTIVE"}
+
+
+def _run(code: str, **env_over: str) -> str:
+    env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
+    env.update(env_over)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    return out.stdout.strip().splitlines()[-1]
+
+
+def test_the_reflrl_command_sets_it_before_torch_loads_and_a_plain_import_does_not():
+    cmd = ("import os, sys; from reflrl.cli import main; main(['faults', 'list']); "
+           "print(os.environ.get('OMP_WAIT_POLICY'), 'torch' in sys.modules)")
+    assert _run(cmd).endswith("PASSIVE False")  # set, and torch not yet loaded (so OpenMP will read it)
+    assert _run(cmd, OMP_WAIT_POLICY="ACTIVE").endswith("ACTIVE False")  # the user's choice wins
+    assert _run("import os, reflrl, reflrl.trainer; print(os.environ.get('OMP_WAIT_POLICY'))") == "None"
+
+
+def test_a_run_started_as_the_scripts_start_it_records_its_thread_settings(tmp_path):
+    """`python -m reflrl train` (how the benchmark and table scripts start runs) gets the policy, and the
+    run's summary says which threads and policy it ran with."""
+    env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
+    out = subprocess.run([sys.executable, "-m", "reflrl", "train", "--config", str(ROOT / "configs" / "tiny.yaml"),
+                          "--name", "t", "--no-report", "--no-progress", "--quiet", "--set", f"train.out_dir={tmp_path}",
+                          "--set", "train.steps=1", "--set", "data.n_test=2"], capture_output=True, text=True,
+                         env=env, timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    s = json.loads((tmp_path / "t" / "summary.json").read_text())
+    assert s["omp_wait_policy"] == "PASSIVE" and s["threads"] == 1  # tiny.yaml fixes 1 thread
