@@ -176,11 +176,15 @@ class TransformersEngine:
         tokenizer: gives the default stop id (eos) and pad id.
         max_batch_size: at most this many rows (prompts x n) decode together; prompts are
             processed in consecutive groups of ``max(1, max_batch_size // n)``.
+        trunk_cache: a :class:`reflrl.trunk_cache.TrunkCache` of the same model: prompts prefilled
+            before skip the frozen bottom layers (the held-out evaluations of a run reuse it).
     """
 
-    def __init__(self, model: nn.Module, tokenizer: Any, max_batch_size: int = 64):
+    def __init__(self, model: nn.Module, tokenizer: Any, max_batch_size: int = 64, trunk_cache: Any = None):
         self.model = model
         self.tokenizer = tokenizer
+        # reflrl.trunk_cache.TrunkCache: replay the frozen bottom layers of prompts seen before (evaluation)
+        self.trunk_cache = trunk_cache
         self.max_batch_size = max(1, int(max_batch_size))
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
         self.eos_id = tokenizer.eos_token_id
@@ -253,6 +257,8 @@ class TransformersEngine:
         """
         one = len(prompts) == 1 or not growable(self.model.config)
         chunks = [list(range(len(prompts)))] if one else length_chunks([len(p) for p in prompts])
+        trunk = self.trunk_cache if growable(self.model.config) else None
+        depth = trunk.check() if trunk is not None else 0
         parts, hs = [], torch.empty(0)
         for idx in chunks:
             cw = max(len(prompts[i]) for i in idx)
@@ -263,8 +269,23 @@ class TransformersEngine:
                 mask[r, cw - len(prompts[i]):] = 1
             pos = (mask.cumsum(-1) - 1).clamp(min=0)
             cache = growing_cache(self.model.config)
-            h = decoder(input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=cache,
-                        use_cache=True).last_hidden_state[:, -1]
+            chunk_prompts = [prompts[i] for i in idx]
+
+            def run() -> torch.Tensor:
+                return decoder(input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=cache,
+                               use_cache=True).last_hidden_state[:, -1]
+
+            if depth and trunk.has_all(chunk_prompts):  # seen before: only the trainable top runs
+                with trunk.replaying(*trunk.batch(chunk_prompts, cw, depth), depth):
+                    h = run()
+                trunk.hits += len(idx)
+            elif depth:
+                with trunk.capture(depth) as got:
+                    h = run()
+                trunk.store(chunk_prompts, cache, got["h"], cw, depth)
+                trunk.misses += len(idx)
+            else:
+                h = run()
             self.last_stats.forward_calls += 1
             if len(chunks) == 1:
                 return h, cache

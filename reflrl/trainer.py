@@ -512,6 +512,11 @@ class Trainer:
         self.engine = TransformersEngine(self.model, self.tokenizer,
                                          max_batch_size=max(64, cfg.rollout.n * cfg.rollout.batch_prompts))
         self.remote_engine = self._remote_engine()  # rollout.engine='openai'; None = sample with self.engine
+        from .trunk_cache import TrunkCache
+
+        # held-out evaluations see the same prompts each time: the frozen bottom layers run once per prompt
+        self.eval_engine = TransformersEngine(self.model, self.tokenizer, max_batch_size=64,
+                                              trunk_cache=TrunkCache(self.model))
         self.eval_batch = 64  # greedy evaluation: prompts decoded together (sorted by length)
         params = [p for p in self.model.parameters() if p.requires_grad]
         if not params:
@@ -635,7 +640,7 @@ class Trainer:
         from .evaluate import evaluate
 
         t0 = time.perf_counter()
-        res = evaluate(self.engine, self.tokenizer, self.splits[split], self.messages, self.eval_cfg,
+        res = evaluate(self.eval_engine, self.tokenizer, self.splits[split], self.messages, self.eval_cfg,
                        batch_size=self.eval_batch)
         self.state["timers"]["eval_s"] += time.perf_counter() - t0
         return res.to_dict()

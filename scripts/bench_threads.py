@@ -1,21 +1,20 @@
 """Torch CPU threads under a busy machine: does another process cost a proportional slowdown or a collapse?
 
 On a 2-core machine torch's default (2 OpenMP threads, GNU OpenMP's spin-then-sleep barriers) has been
-seen to run 10-100x slower when one other CPU-bound process runs. This script measures, on the embedded
+seen to run 10-100x slower when other CPU-bound processes run. This script measures, on the embedded
 model in the precision ``model.dtype=auto`` picks here, three workloads of a training run:
 
-* ``matmul``   one prefill-sized GEMM (256x576x1536), repeated;
-* ``decode``   greedy decoding, 8 prompts x 32 new tokens (many small ops: the rollouts and evaluations);
+* ``matmul``   one prefill-sized GEMM (256x576x1536), 20 times;
+* ``decode``   greedy decoding, 8 prompts x 32 new tokens (many small ops: rollouts and evaluations);
 * ``train``    forward+backward of 2 x 192 tokens with the top 6 layers trainable (the updates);
 
-for every combination of: torch threads 1 and 2; no background process, a ``nice -n 19`` busy loop, a
-busy loop at normal priority; and (with ``--wait-policy``) ``OMP_WAIT_POLICY=PASSIVE``. Each case runs
-in a fresh process (the OpenMP runtime reads its settings when torch loads). It prints each case's
-median seconds and its slowdown against the same threads on the idle machine, all measured in this one
-run, so the ratios hold whatever the machine's speed.
+under three settings: 1 thread; 2 threads with OpenMP's default wait policy; 2 threads with
+``OMP_WAIT_POLICY=PASSIVE`` (what the ``reflrl`` command sets: reflrl.threads), each on the idle
+machine, beside a ``nice -n 19`` busy loop, and beside a busy loop at normal priority. Each case runs in
+a fresh process (OpenMP reads its settings when torch loads). It prints each case's median seconds and
+its slowdown against the same setting on the idle machine, all measured in this one run.
 
-    python scripts/bench_threads.py                 # about 5 minutes on 2 cores
-    python scripts/bench_threads.py --wait-policy   # also OMP_WAIT_POLICY=PASSIVE (twice as long)
+    python scripts/bench_threads.py          # about 5 minutes on 2 cores; give it the machine
 """
 from __future__ import annotations
 
@@ -79,10 +78,13 @@ def worker(workload: str, threads: int, repeats: int) -> dict:
     return {"median_s": statistics.median(times), "min_s": min(times), "dtype": dtype}
 
 
-def case(workload: str, threads: int, background: str, passive: bool, repeats: int) -> dict:
-    env = dict(os.environ)
-    if passive:
-        env["OMP_WAIT_POLICY"] = "PASSIVE"
+SETTINGS = (("1 thread", 1, {}), ("2 threads, default wait", 2, {}),
+            ("2 threads, PASSIVE (reflrl)", 2, {"OMP_WAIT_POLICY": "PASSIVE"}))
+
+
+def case(workload: str, threads: int, background: str, env_over: dict, repeats: int) -> dict:
+    env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
+    env.update(env_over)
     bg = None
     if background != "idle":
         cmd = [sys.executable, "-c", "while True: pass"]
@@ -106,7 +108,6 @@ def main() -> int:
     ap.add_argument("--threads", type=int, default=2, help=argparse.SUPPRESS)
     ap.add_argument("--repeats", type=int, default=3, help="timed repetitions per case (median reported)")
     ap.add_argument("--workloads", default=",".join(WORKLOADS), help="comma-separated subset of " + ", ".join(WORKLOADS))
-    ap.add_argument("--wait-policy", action="store_true", help="also measure OMP_WAIT_POLICY=PASSIVE")
     args = ap.parse_args()
     if args.worker:
         print(json.dumps(worker(args.worker, args.threads, args.repeats)))
@@ -115,29 +116,22 @@ def main() -> int:
 
     print(f"CPU capability {torch.backends.cpu.get_cpu_capability()}, {os.cpu_count()} logical CPUs, "
           f"torch {torch.__version__}", flush=True)
-    policies = [False, True] if args.wait_policy else [False]
-    rows = []
+    res: dict[tuple[str, str, str], float] = {}
     for wl in args.workloads.split(","):
-        for passive in policies:
-            for threads in (1, 2):
-                base = None
-                for bg in BACKGROUNDS:
-                    r = case(wl, threads, bg, passive, args.repeats)
-                    base = r["median_s"] if bg == "idle" else base
-                    rows.append((wl, "PASSIVE" if passive else "default", threads, bg, r["median_s"], r["median_s"] / base,
-                                 r["dtype"]))
-                    print(f"{wl:7s} wait={rows[-1][1]:8s} threads={threads} {bg:7s} {r['median_s']:8.3f}s  "
-                          f"x{rows[-1][5]:5.2f} vs idle  ({r['dtype']})", flush=True)
-    print("\nsummary: slowdown under one background process (median time / idle median, same settings)")
-    print(f"{'workload':8s} {'wait':8s} {'threads':>7s} {'idle s':>8s} {'nice19':>7s} {'busy':>7s}")
+        for label, threads, env in SETTINGS:
+            for bg in BACKGROUNDS:
+                r = case(wl, threads, bg, env, args.repeats)
+                res[(wl, label, bg)] = r["median_s"]
+                print(f"{wl:7s} {label:28s} {bg:7s} {r['median_s']:8.3f}s  ({r['dtype']})", flush=True)
+    print("\nmedian seconds, and the slowdown a background process causes (time / the same setting idle)")
+    print(f"{'workload':8s} {'setting':28s} {'idle s':>8s} {'nice19':>8s} {'busy':>8s} {'busy s':>8s}")
     for wl in args.workloads.split(","):
-        for pol in ("default", "PASSIVE") if args.wait_policy else ("default",):
-            for threads in (1, 2):
-                r = {bg: (s, x) for (w, p, t, bg, s, x, _) in rows if w == wl and p == pol and t == threads}
-                print(f"{wl:8s} {pol:8s} {threads:7d} {r['idle'][0]:8.3f} {r['nice19'][1]:6.2f}x {r['busy'][1]:6.2f}x")
-        one = [s for (w, p, t, bg, s, x, _) in rows if w == wl and p == "default" and t == 1 and bg == "idle"][0]
-        two = [s for (w, p, t, bg, s, x, _) in rows if w == wl and p == "default" and t == 2 and bg == "idle"][0]
-        print(f"{wl:8s} idle: 2 threads are {one / two:.2f}x as fast as 1")
+        for label, _, _ in SETTINGS:
+            idle = res[(wl, label, "idle")]
+            print(f"{wl:8s} {label:28s} {idle:8.3f} {res[(wl, label, 'nice19')] / idle:7.2f}x "
+                  f"{res[(wl, label, 'busy')] / idle:7.2f}x {res[(wl, label, 'busy')]:8.3f}")
+        one, two = res[(wl, "1 thread", "idle")], res[(wl, "2 threads, PASSIVE (reflrl)", "idle")]
+        print(f"{wl:8s} idle: reflrl's 2 PASSIVE threads are {one / two:.2f}x as fast as 1 thread")
     return 0
 
 

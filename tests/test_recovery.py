@@ -45,7 +45,7 @@ def repairing_answer(tasks):
 def make_trainer(cfg, run_dir, answer=None):
     tr = T.Trainer(cfg, run_dir, progress=False, quiet=True)
     tasks = tr.train_tasks + tr.splits["test"]
-    tr.engine = ScriptedEngine(tr.tokenizer, (answer or repairing_answer)(tasks))
+    tr.engine = tr.eval_engine = ScriptedEngine(tr.tokenizer, (answer or repairing_answer)(tasks))
     return tr
 
 

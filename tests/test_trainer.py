@@ -27,7 +27,7 @@ def tiny_cfg(tmp_path: Path, **over) -> C.Config:
 
 def scripted_trainer(cfg, run_dir, answer=None, resume=False) -> T.Trainer:
     tr = T.Trainer(cfg, run_dir, resume=resume, progress=False, quiet=True)
-    tr.engine = ScriptedEngine(tr.tokenizer, answer or answer_by_task(tr.train_tasks + tr.splits["test"]))
+    tr.engine = tr.eval_engine = ScriptedEngine(tr.tokenizer, answer or answer_by_task(tr.train_tasks + tr.splits["test"]))
     return tr
 
 
@@ -215,7 +215,7 @@ def test_kill_and_resume_gives_the_same_next_batches_and_filter_state(tmp_path):
     # A: uninterrupted
     cfg_a = tiny_cfg(tmp_path / "a", **over)
     a = T.Trainer(cfg_a, tmp_path / "a" / "run", progress=False, quiet=True)
-    a.engine = ScriptedEngine(a.tokenizer, answer_for(a))
+    a.engine = a.eval_engine = ScriptedEngine(a.tokenizer, answer_for(a))
     try:
         a.run()
     finally:
@@ -226,7 +226,7 @@ def test_kill_and_resume_gives_the_same_next_batches_and_filter_state(tmp_path):
     # B: killed in step 5
     cfg_b = tiny_cfg(tmp_path / "b", **over)
     b = T.Trainer(cfg_b, tmp_path / "b" / "run", progress=False, quiet=True)
-    b.engine = ScriptedEngine(b.tokenizer, answer_for(b))
+    b.engine = b.eval_engine = ScriptedEngine(b.tokenizer, answer_for(b))
     real_step = b.train_step
 
     def dying_step():
@@ -245,7 +245,7 @@ def test_kill_and_resume_gives_the_same_next_batches_and_filter_state(tmp_path):
         ["--resume", str(tmp_path / "b" / "run")]))
     assert resume and cfg_r == cfg_b
     r = T.Trainer(cfg_r, run_dir, resume=True, progress=False, quiet=True)
-    r.engine = ScriptedEngine(r.tokenizer, answer_for(r))
+    r.engine = r.eval_engine = ScriptedEngine(r.tokenizer, answer_for(r))
     assert r.step == 4
     try:
         r.run()
@@ -275,7 +275,7 @@ def test_dynamic_sampling_refills_zero_variance_groups(tmp_path):
             task = next(t for t in tasks if t.query in text)
             return gold_text(task) if task.query in easy else mixed(text, j)
 
-        tr.engine = ScriptedEngine(tr.tokenizer, answer)
+        tr.engine = tr.eval_engine = ScriptedEngine(tr.tokenizer, answer)
         m = tr.train_step()
     finally:
         tr.close()
@@ -315,7 +315,7 @@ def test_multi_turn_training_step(tmp_path):
         def answer(text, j):
             return first(text, j) if "<|im_start|>tool" not in text else "Done."
 
-        tr.engine = ScriptedEngine(tr.tokenizer, answer, row_as_sample=True)
+        tr.engine = tr.eval_engine = ScriptedEngine(tr.tokenizer, answer, row_as_sample=True)
         before = trainable(tr.model)
         m = tr.train_step()
     finally:
