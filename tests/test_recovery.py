@@ -55,7 +55,8 @@ def test_variants_in_sync_and_configs_load():
     for name in ("grpo", "cot", "ref", "cot_is", "tool_rerl", "external", "external_is", "dpo", "ppo"):
         cfg = C.load_config(ROOT / "configs" / f"{name}.yaml")
         assert cfg.reflection.variant == name
-        assert cfg.model.name == "smollm2-135m-instruct" and cfg.train.time_budget_min == 14.0  # base: default.yaml
+        base = C.load_config(ROOT / "configs" / "default.yaml")
+        assert cfg.model.name == base.model.name and cfg.train.time_budget_min == base.train.time_budget_min  # base: default.yaml
     assert RC.think_of(C.load_config(None, ["reflection.variant=cot_is"]))
     assert not RC.think_of(C.load_config(None, ["reflection.variant=tool_rerl"]))
     assert RC.think_of(C.load_config(None, ["reflection.variant=tool_rerl", "reflection.think=true"]))
