@@ -298,3 +298,21 @@ def test_every_valid_episode_id_round_trips_through_delete(srv, http):
         assert http.post("/v1/episodes", json={"episode_id": eid}).status_code == 201
         assert http.delete(f"/v1/episodes/{eid}").status_code == 204
         assert eid not in srv.tool_server.episodes
+
+
+async def test_a_latency_fault_on_an_error_answer_reconciles(tmp_path):
+    """Post-dispatch faults act on 4xx and tool-bug answers too: a delayed policy error or tool bug
+    is observed as ``latency`` (it was a mismatch: injected latency, observed policy_error)."""
+    from reflrl.envs.clock import VirtualClock
+
+    clock = VirtualClock()
+    app = create_app(_tools(), sandbox_root=tmp_path, clock=clock)
+    async with ToolClient.in_process(app, clock=clock) as c:
+        await c.open_episode("slow", faults="latency=1:2s")
+        bad = await c.call("slow", step=0, call_index=0, name="get_current_weather",
+                           arguments={"city": "Atlantis"})
+        bug = await c.call("slow", step=1, call_index=0, name="crash", arguments={})
+        rep = c.ledger.reconcile("slow")
+    assert (bad.triage, bug.triage) == ("policy_error", "tool_bug")
+    assert rep.exact, rep.format()
+    assert rep.per_kind["latency"].matched == 2

@@ -17,7 +17,7 @@ from reflrl import trainer as T
 from reflrl.runlog import RunLog, latest_checkpoint, list_checkpoints
 
 from test_rollout import ScriptedEngine, answer_by_task
-from test_trainer import tiny_cfg
+from test_trainer import run_until_killed, tiny_cfg
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -92,17 +92,7 @@ def test_a_resumed_tiny_run_logs_each_step_once_and_leaves_no_sandbox_folder(tmp
         return tr
 
     a = scripted(T.Trainer(cfg, tmp_path / "run", progress=False, quiet=True))
-    real_step = a.train_step
-
-    def dying_step():
-        if a.step == 1:
-            raise KeyboardInterrupt("killed")
-        return real_step()
-
-    a.train_step = dying_step
-    with pytest.raises(KeyboardInterrupt):
-        a.run()
-    a.close()
+    run_until_killed(a, 1)
     logged = [(r["phase"], r["step"]) for r in a.log.read_metrics()]
     assert ("train", 1) in logged and latest_checkpoint(tmp_path / "run").name == "step_000000"
     r = scripted(T.Trainer(cfg, tmp_path / "run", resume=True, progress=False, quiet=True))
