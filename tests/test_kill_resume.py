@@ -1,9 +1,10 @@
 """kill -9 at random moments of a tiny run that really updates its weights (issue 18, acceptance).
 
-Run A goes uninterrupted. Run B is killed with SIGKILL at 10 random moments (uniform over A's
-wall time, seeded) and resumed each time (``tests/kill_resume_driver.py``: resume when the folder
-holds a run, start it otherwise, as a user would), then finishes. Every step is checkpointed and
-kept, so B must match A at every step: the same prompts (task ids) and rewards in each step's
+Run A goes uninterrupted. Run B is killed with SIGKILL at 10 random moments (seeded): 3 while a
+process starts (or resumes), 7 at a moment uniform over the step after the process's first new
+checkpoint (timed from A's steps), so every phase of a step can be hit. It is resumed each
+time (``tests/kill_resume_driver.py``: resume when the folder holds a run, start it otherwise, as
+a user would), then finishes. Every step is checkpointed and kept, so B must match A at every step: the same prompts (task ids) and rewards in each step's
 record, bit-identical trainable parameters and optimizer state in each step's checkpoint, and
 metrics.jsonl / TensorBoard holding each (phase, step) once.
 """
@@ -25,18 +26,47 @@ import torch
 from test_run_folder import tb_scalars
 
 DRIVER = Path(__file__).resolve().parent / "kill_resume_driver.py"
-STEPS = 6
+STEPS = 8
 KILLS = 10
 
 
 def _start(run: Path) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, str(DRIVER), str(run), "--steps", str(STEPS)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+                            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE)
+
+
+def _kill_after(p: subprocess.Popen, delay: float, run: Path, log: list) -> None:
+    """SIGKILL ``p`` after ``delay`` seconds (unless it ended before) and note what ``run`` held."""
+    try:
+        p.wait(timeout=delay)
+    except subprocess.TimeoutExpired:
+        os.kill(p.pid, signal.SIGKILL)
+        p.wait()
+        log.append((round(delay, 2), _state(run)))
+    p.stderr.close()
 
 
 def _finish(p: subprocess.Popen, timeout: float = 600) -> None:
     _, err = p.communicate(timeout=timeout)
     assert p.returncode == 0, err.decode()[-3000:]
+
+
+def _state(run: Path) -> str:
+    """What a killed run left: its checkpoints, metrics records and half-written folders."""
+    cks = sorted(p.name for p in (run / "checkpoints").iterdir()) if (run / "checkpoints").is_dir() else []
+    m = run / "metrics.jsonl"
+    n = len(m.read_text().splitlines()) if m.exists() else 0
+    done = [c[5:].lstrip("0") or "0" for c in cks if c[5:].isdigit()]
+    odd = [c for c in cks if not c[5:].isdigit()]
+    return f"ckpts {','.join(done) or '-'} metrics {n}" + (f" {odd}" if odd else "")
+
+
+def _last_checkpoint(run: Path) -> int:
+    from reflrl.runlog import latest_checkpoint
+
+    ck = latest_checkpoint(run)
+    return int(ck.name.split("_")[1]) if ck is not None else -1
 
 
 def _train_records(run: Path) -> dict[int, dict]:
@@ -59,25 +89,35 @@ def _same_tensors(a, b) -> bool:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1800)  # a busy shared machine can make the 12 processes slow
 def test_kill_9_at_random_moments_resumes_bit_identically(tmp_path):
-    t0 = time.monotonic()
+    t0 = time.time()
     _finish(_start(tmp_path / "a"))
-    t_full = time.monotonic() - t0
+    t_full = time.time() - t0
+    # A's timeline: seconds to its first checkpoint (start-up, evaluation), then per step
+    ck_a = [(tmp_path / "a" / "checkpoints" / f"step_{s:06d}" / "state.json").stat().st_mtime
+            for s in (0, STEPS)]
+    t_first, t_step = ck_a[0] - t0, (ck_a[1] - ck_a[0]) / STEPS
     rng = random.Random(18)
-    moments = [rng.uniform(0.5, t_full) for _ in range(KILLS)]
+    in_startup = set(rng.sample(range(KILLS), 3))  # 3 kills while a process starts or resumes
     b = tmp_path / "b"
     killed_at = []
-    for delay in moments:
+    for i in range(KILLS):
+        before = _last_checkpoint(b)
         p = _start(b)
-        try:
-            p.wait(timeout=delay)  # finished before the kill moment: nothing left to kill
-        except subprocess.TimeoutExpired:
-            os.kill(p.pid, signal.SIGKILL)
-            p.wait()
-            killed_at.append(round(delay, 1))
-        p.stderr.close()
+        if i in in_startup:  # imports, model load, reading the checkpoint back
+            _kill_after(p, rng.uniform(0.3, 0.5 * t_first), b, killed_at)
+            continue
+        # a random moment of the step after this process's first new checkpoint: any phase of a
+        # step (rollout, update, logging, saving the next checkpoint, pruning) can be hit
+        while _last_checkpoint(b) <= before and p.poll() is None:
+            time.sleep(0.02)
+        _kill_after(p, rng.uniform(0.0, 1.2 * t_step), b, killed_at)
     _finish(_start(b))
-    assert len(killed_at) >= KILLS - 2, killed_at  # (a late moment may find the run finished)
+    print(f"run A took {t_full:.1f}s ({t_first:.1f}s to its first checkpoint, {t_step:.2f}s a "
+          f"step); kill -9 (seconds after start or after a new checkpoint, what the folder held): "
+          f"{killed_at}")
+    assert len(killed_at) == KILLS, killed_at
 
     rec_a, rec_b = _train_records(tmp_path / "a"), _train_records(b)
     assert sorted(rec_a) == list(range(1, STEPS + 1))
