@@ -2,7 +2,8 @@
 
 Run A goes uninterrupted. Run B is killed with SIGKILL at 10 random moments (seeded): 3 while a
 process starts (or resumes), 7 at a moment uniform over the step after the process's first new
-checkpoint (timed from A's steps), so every phase of a step can be hit. It is resumed each
+checkpoint (timed from A's steps), so every phase of a step can be hit; and twice more while a
+checkpoint is being written (after its step was logged). It is resumed each
 time (``tests/kill_resume_driver.py``: resume when the folder holds a run, start it otherwise, as
 a user would), then finishes. Every step is checkpointed and kept, so B must match A at every step: the same prompts (task ids) and rewards in each step's
 record, bit-identical trainable parameters and optimizer state in each step's checkpoint, and
@@ -26,8 +27,7 @@ import torch
 from test_run_folder import tb_scalars
 
 DRIVER = Path(__file__).resolve().parent / "kill_resume_driver.py"
-STEPS = 8
-KILLS = 10
+STEPS = 10
 
 
 def _start(run: Path) -> subprocess.Popen:
@@ -99,14 +99,20 @@ def test_kill_9_at_random_moments_resumes_bit_identically(tmp_path):
             for s in (0, STEPS)]
     t_first, t_step = ck_a[0] - t0, (ck_a[1] - ck_a[0]) / STEPS
     rng = random.Random(18)
-    in_startup = set(rng.sample(range(KILLS), 3))  # 3 kills while a process starts or resumes
+    kinds = ["start"] * 3 + ["step"] * 7 + ["save"] * 2
+    rng.shuffle(kinds)
     b = tmp_path / "b"
     killed_at = []
-    for i in range(KILLS):
+    for kind in kinds:
         before = _last_checkpoint(b)
         p = _start(b)
-        if i in in_startup:  # imports, model load, reading the checkpoint back
+        if kind == "start":  # imports, model load, reading the checkpoint back
             _kill_after(p, rng.uniform(0.3, 0.5 * t_first), b, killed_at)
+            continue
+        if kind == "save":  # not random: while a checkpoint is being written (after its step's log)
+            while not list((b / "checkpoints").glob("step_*.tmp")) and p.poll() is None:
+                time.sleep(0.005)
+            _kill_after(p, 0.0, b, killed_at)
             continue
         # a random moment of the step after this process's first new checkpoint: any phase of a
         # step (rollout, update, logging, saving the next checkpoint, pruning) can be hit
@@ -117,7 +123,7 @@ def test_kill_9_at_random_moments_resumes_bit_identically(tmp_path):
     print(f"run A took {t_full:.1f}s ({t_first:.1f}s to its first checkpoint, {t_step:.2f}s a "
           f"step); kill -9 (seconds after start or after a new checkpoint, what the folder held): "
           f"{killed_at}")
-    assert len(killed_at) == KILLS, killed_at
+    assert len(killed_at) == len(kinds), killed_at
 
     rec_a, rec_b = _train_records(tmp_path / "a"), _train_records(b)
     assert sorted(rec_a) == list(range(1, STEPS + 1))
