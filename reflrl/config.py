@@ -611,7 +611,7 @@ def _yaml_error(path: Path, exc: yaml.YAMLError) -> str:
     ctx, cmark = getattr(exc, "context", None), getattr(exc, "context_mark", None)
     if ctx and cmark is not None and mark is not None and cmark.line != mark.line:
         problem += f" ({ctx}, which starts at line {cmark.line + 1}, column {cmark.column + 1})"
-    return f"{where}: invalid YAML: {problem}"
+    return f"{where}: not valid YAML: {problem}"
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> Config:

@@ -134,7 +134,7 @@ def test_invalid_yaml_is_one_line_naming_file_line_and_column(tmp_path, capsys):
     with pytest.raises(C.ConfigError) as ei:
         C.load_config(bad)
     msg = str(ei.value)
-    assert "\n" not in msg and msg.startswith(f"{bad}:4:6: invalid YAML:")
+    assert "\n" not in msg and msg.startswith(f"{bad}:4:6: not valid YAML:")
     assert "line 3, column 10" in msg
     assert T.main(["--config", str(bad)]) == 2
     assert capsys.readouterr().err.count("\n") == 1
