@@ -13,8 +13,10 @@ status codes, headers, exception types and the body. It never reads the server's
 what the client sees        triage / kind
 ==========================  ===================================================================
 429 (+ Retry-After)         env_fault / rate_limit
+500 with error type tool_bug  tool_bug (the tool's handler crashed on valid arguments: never
+                            retried, counted apart from faults in the ledger)
 500, 502, 503 (other 5xx)   env_fault / server_error
-504, httpx.TimeoutException env_fault / timeout
+504, 408, httpx.TimeoutException  env_fault / timeout
 httpx.ReadError, ConnectError, WriteError, OSError     env_fault / connection
 httpx.RemoteProtocolError   env_fault / truncated  (body shorter than Content-Length)
 200 with a non-JSON body    env_fault / malformed  (also a JSON body without "result")
@@ -22,8 +24,12 @@ httpx.RemoteProtocolError   env_fault / truncated  (body shorter than Content-Le
 404 file_missing, or a 200 result with NUL / U+FFFD in a string  env_fault / invalid_file
 200 result failing the tool's ``returns`` schema      env_fault / schema_drift
 404 unknown_tool, 422 (invalid_arguments or a ToolError kind), other 4xx   policy_error
-200 valid                   ok (kind "latency" when slower than ``slow_threshold_s``)
+400 (bad header or body), 404 unknown_episode  ToolClientError raised (a client bug)
+200 valid                   ok
 ==========================  ===================================================================
+
+An answer that is not an env fault (ok, policy error, tool bug) slower than ``slow_threshold_s``
+gets kind "latency" (an injected latency acts on error answers too).
 
 schema_drift: a drifted result is detectable only when the tool declares a ``returns`` schema that
 the drift violates (the client loads schemas from ``GET /v1/tools?detail=1``). Otherwise the drifted
@@ -40,6 +46,7 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import dataclass
+from urllib.parse import quote
 from email.utils import parsedate_to_datetime
 from hashlib import blake2b
 from typing import Any
@@ -104,8 +111,8 @@ class RetryPolicy:
 class Observation:
     """The classification of one attempt (client side)."""
 
-    triage: str                      # "ok" | "env_fault" | "policy_error"
-    kind: str | None = None          # env-fault kind; "latency" for a slow ok
+    triage: str                      # "ok" | "env_fault" | "policy_error" | "tool_bug"
+    kind: str | None = None          # env-fault kind; "latency" for a slow answer
     status: int | None = None
     detail: str = ""
     result: Any = None
@@ -121,7 +128,7 @@ class CallOutcome:
     result: Any
     attempts: int                    # billed tool calls
     events: list[FaultEvent]         # observed env faults (and slow answers) on its attempts
-    triage: str                      # "ok" | "env_fault" | "policy_error"
+    triage: str                      # "ok" | "env_fault" | "policy_error" | "tool_bug"
     error: str | None
     fault_kind: str | None           # env_fault: the kind of the fault that ended the call
     elapsed_s: float
@@ -160,8 +167,12 @@ def classify_response(status: int, headers: httpx.Headers | dict, body: bytes,
         ra = parse_retry_after(headers.get("retry-after"))
         return Observation("env_fault", "rate_limit", status, f"retry_after={ra}", retry_after=ra,
                            error="429 Too Many Requests")
-    if status == 504:
-        return Observation("env_fault", "timeout", status, "504", error="504 Gateway Timeout")
+    if status == 504 or status == 408:
+        return Observation("env_fault", "timeout", status, str(status),
+                           error=f"HTTP {status}: {_error_message(body)}")
+    if status == 500 and _error_type(body) == "tool_bug":
+        return Observation("tool_bug", None, status, "tool_bug",
+                           error=f"tool bug: {_error_message(body)}")
     if status >= 500:
         return Observation("env_fault", "server_error", status, str(status),
                            error=f"HTTP {status}: {_error_message(body)}")
@@ -347,8 +358,9 @@ class ToolClient:
         server = getattr(app, "server", None)
         shared = False
         if ledger is None and server is not None:
-            ledger, shared = server.ledger, True
+            ledger, shared = server.share_ledger(), True
         elif server is not None and ledger is server.ledger:
+            server.share_ledger()
             shared = True
         http = httpx.AsyncClient(transport=InProcessTransport(app, clock),
                                  base_url="http://reflrl.local")
@@ -391,18 +403,23 @@ class ToolClient:
         return r.json()
 
     async def close_episode(self, episode_id: str, *, fetch_ledger: bool = True) -> None:
-        """Fetch the server's injected events for the episode (remote servers) and close it."""
+        """Fetch the server's injected events for the episode (remote servers) and close it
+        (the server then frees them)."""
         if fetch_ledger and not self._shared_ledger:
             await self.fetch_injected(episode_id)
-        r = await self.http.delete(f"/v1/episodes/{episode_id}", timeout=self.control_timeout)
+        r = await self.http.delete(f"/v1/episodes/{quote(episode_id, safe='')}",
+                                   timeout=self.control_timeout)
         if r.status_code not in (204, 404):
             raise ToolClientError(f"close_episode {episode_id!r}: HTTP {r.status_code}")
         self._identity_n.pop(episode_id, None)
 
     async def fetch_injected(self, episode_id: str) -> list[FaultEvent]:
-        """GET /v1/ledger?episode=... and merge the injected events into this client's ledger."""
-        r = await self.http.get("/v1/ledger", params={"episode": episode_id},
+        """GET /v1/episodes/{id}/ledger and merge the injected events into this client's ledger
+        (none when the episode is not open)."""
+        r = await self.http.get(f"/v1/episodes/{quote(episode_id, safe='')}/ledger",
                                 timeout=self.control_timeout)
+        if r.status_code == 404:
+            return []
         r.raise_for_status()
         events = [FaultEvent.from_dict(d) for d in r.json()["events"]]
         self.ledger.merge_injected(events)
@@ -462,7 +479,7 @@ class ToolClient:
             except (httpx.TransportError, OSError) as e:
                 obs = classify_exception(e)
             took = clock.monotonic() - ts
-            if (obs.triage == "ok" and self.slow_threshold_s is not None
+            if (obs.triage != "env_fault" and self.slow_threshold_s is not None
                     and took >= self.slow_threshold_s):
                 obs.kind, obs.detail = "latency", f"{took:.3f}s"
             ev = FaultEvent(episode_id, step, call_index, a, "observed", obs.triage, obs.kind,

@@ -86,7 +86,7 @@ def format_step(info: dict[str, Any], reward: float, *, indent: str = "    ") ->
         else:
             outcome = f"{res['triage']}: {_short(res.get('error'), 70)}"
         verdict = {"ok": "ok", "env_fault": "ENV FAULT (retries gave up)",
-                   "policy_error": "POLICY ERROR"}.get(res["triage"], res["triage"])
+                   "policy_error": "POLICY ERROR", "tool_bug": "TOOL BUG (not retried)"}.get(res["triage"], res["triage"])
         took = f", {res['elapsed_s']:g}s" if res.get("elapsed_s") else ""
         lines.append(f"{indent}  => triage {verdict}{retry}, billed {attempts}{took}: {outcome}")
     for c in info.get("skipped_calls") or []:

@@ -189,11 +189,18 @@ class ServerThread:
         self.stop()
 
 
+def _port(text: str) -> int:
+    """argparse type: a TCP port number, 0..65535."""
+    if not text.isdigit() or int(text) > 65535:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a TCP port (0-65535)")
+    return int(text)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m reflrl.envs.serve",
                                  description="Serve the reflrl tool server on loopback HTTP.")
     ap.add_argument("--host", default=DEFAULT_HOST, help="bind address (default 127.0.0.1)")
-    ap.add_argument("--port", type=int, default=DEFAULT_PORT, help="port (0 = any free port)")
+    ap.add_argument("--port", type=_port, default=DEFAULT_PORT, help="port (0 = any free port)")
     ap.add_argument("--seed", type=int, default=0, help="default seed of episodes that give none")
     ap.add_argument("--sandbox-root", default=None, help="folder for per-episode sandboxes")
     ap.add_argument("--log-level", default="info")

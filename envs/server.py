@@ -1,44 +1,65 @@
 """The tool server: a Starlette ASGI app hosting ToolSpecs per episode, behind the fault injector.
 
-HTTP protocol (see /work/design.md; JSON in and out):
+HTTP protocol (JSON in and out; every error is ``{"error": {"type", "message"}}`` with a 4xx status,
+or 500 ``tool_bug`` when a tool's handler crashed):
 
 - ``GET  /v1/tools[?detail=1]`` -> ``{"tools": [schema, ...]}`` (detail adds "domain", "returns")
 - ``POST /v1/episodes`` ``{"episode_id", "seed", "faults", "fault_seed", "tools",
   "initial_config"}``
-  -> 201 ``{"episode_id", "tools": [names], "faults": canonical spec}``; 409 if it exists; 422 on a
-  bad body (e.g. a bad fault spec, message from FaultSpecError).
-- ``DELETE /v1/episodes/{id}``   -> 204 and the episode's sandbox folder is deleted; 404 if unknown.
-- ``POST /v1/call/{tool}`` headers X-Reflrl-Episode/-Step/-Call/-Attempt/-Client, body
-  ``{"arguments": {...}}`` -> 200 ``{"result": ...}``; 404 ``unknown_tool`` (not in the catalogue or
-  not offered in this episode); 422 ``invalid_arguments`` (jsonschema, message names the argument)
-  or the ToolError's kind; 500 ``internal_error`` for a handler bug; 400 ``bad_request`` /
-  404 ``unknown_episode`` for client bugs; or an injected fault (reflrl.faults.inject).
-- ``GET  /v1/ledger?episode=ID`` -> ``{"episode", "events": [injected FaultEvent dicts]}``
-- ``GET  /v1/health`` -> ``{"ok": true, "episodes": n}``
+  -> 201 ``{"episode_id", "tools": [names], "faults": canonical spec}``; 409 if it exists; 400 on a
+  body that is not JSON; 422 on a bad field (unknown field, episode id outside the safe alphabet of
+  ``reflrl.faults.coords``, bad fault spec, ...); 503 ``too_many_episodes`` past the limit.
+- ``DELETE /v1/episodes/{id}``   -> 204: the episode's sandbox folder is deleted and (when the server
+  owns its ledger) its ledger events are freed; 404 if unknown.
+- ``GET  /v1/episodes/{id}/ledger`` (or ``GET /v1/ledger?episode=ID``) -> ``{"episode", "events":
+  [injected FaultEvent dicts]}`` of an open episode; 404 otherwise (a client fetches them before
+  DELETE); ``/v1/ledger`` without an episode is 400.
+- ``POST /v1/call/{tool}`` headers X-Reflrl-Episode/-Step/-Call/-Attempt/-Client (missing or
+  malformed: 400 ``bad_header``, see ``reflrl.faults.coords``), body ``{"arguments": {...}}`` ->
+  200 ``{"result": ...}``; 404 ``unknown_tool`` / ``unknown_episode``; 422 ``invalid_arguments``
+  (jsonschema, message names the argument) or the ToolError's kind; 500 ``tool_bug`` when the
+  handler raised anything else (the client counts it apart from injected faults); 400
+  ``bad_request`` for a body that is not JSON; or an injected fault (reflrl.faults.inject).
+- ``GET  /v1/health`` -> ``{"ok": true, "episodes": n, "tools": n, "ledger_records": n}``
+
+Limits (request size, slow bodies, JSON depth, message length, open episodes, per-episode disk
+quota): ``reflrl.envs.limits.ServerLimits``. Arguments are validated against the tool's JSON schema
+and then given to the handler with whole-number floats turned into ints where the schema says
+"integer" (JSON Schema counts ``2.0`` as an integer, so handlers must get what they can use).
 
 Handlers run inline on the event loop (they are fast, synchronous, and per-episode state is not
-shared across threads). File tools get a per-episode sandbox under ``sandbox_root``.
+shared across threads). File tools get a per-episode sandbox under ``sandbox_root`` (a temporary
+folder made on first use and removed at ``shutdown()``, or when the server is garbage collected
+or the interpreter exits, if none is given).
 """
 from __future__ import annotations
 
 import contextlib
-import json
+import functools
 import shutil
 import tempfile
 import threading
+import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import jsonschema
 from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from reflrl.faults import FaultInjector, FaultPlan, FaultSite, FaultSpecError, Ledger, is_file_tool
+from reflrl.faults.coords import H_EPISODE, clip_repr, episode_id_problem
 
 from .clock import SystemClock
+from .limits import BadJSON, RequestGuard, ServerLimits, clip, json_problem, parse_json_body
 from .tools.base import ToolContext, ToolError, ToolSpec
+
+EPISODE_FIELDS = ("episode_id", "seed", "faults", "fault_seed", "tools", "initial_config")
+MAX_SEED = 1 << 63
 
 
 def default_tools() -> dict[str, ToolSpec]:
@@ -76,19 +97,25 @@ class Episode:
 
 
 class ToolServer:
-    """State behind the app: catalogue, episodes, sandboxes, ledger. ``app`` is the ASGI app."""
+    """State behind the app: catalogue, episodes, sandboxes, ledger. ``app`` is the ASGI app.
+
+    ledger: where injected faults are recorded. A server that makes its own ledger (the default,
+    e.g. ``reflrl tools serve``) frees an episode's events when it is deleted; a ledger passed in
+    (in-process, shared with the client that reconciles against it) belongs to its owner.
+    """
 
     def __init__(self, tools: dict[str, ToolSpec] | None = None, *, clock=None,
                  sandbox_root: str | Path | None = None, ledger: Ledger | None = None,
-                 default_seed: int = 0) -> None:
+                 default_seed: int = 0, limits: ServerLimits | None = None) -> None:
         self.tools = default_tools() if tools is None else dict(tools)
         self.clock = clock or SystemClock()
+        self.limits = limits or ServerLimits()
+        self._own_ledger = ledger is None
         self.ledger = ledger if ledger is not None else Ledger()
         self.default_seed = default_seed
         self._own_root = sandbox_root is None
-        self.sandbox_root = Path(sandbox_root) if sandbox_root is not None else Path(
-            tempfile.mkdtemp(prefix="reflrl-sandboxes-"))
-        self.sandbox_root.mkdir(parents=True, exist_ok=True)
+        self._root: Path | None = Path(sandbox_root) if sandbox_root is not None else None
+        self._root_finalizer: weakref.finalize | None = None
         self.episodes: dict[str, Episode] = {}
         self._lock = threading.Lock()
         self._validators = {}
@@ -98,16 +125,36 @@ class ToolServer:
         self._schemas = {n: s.schema() for n, s in self.tools.items()}
         self._file_tools = {n for n, s in self.tools.items() if is_file_tool(s.domain)}
         routes = [
-            Route("/v1/tools", self.list_tools, methods=["GET"]),
-            Route("/v1/episodes", self.open_episode, methods=["POST"]),
-            Route("/v1/episodes/{episode_id}", self.close_episode, methods=["DELETE"]),
-            Route("/v1/ledger", self.get_ledger, methods=["GET"]),
-            Route("/v1/health", self.health, methods=["GET"]),
+            Route("/v1/tools", self._guard(self.list_tools), methods=["GET"]),
+            Route("/v1/episodes", self._guard(self.open_episode), methods=["POST"]),
+            Route("/v1/episodes/{episode_id}", self._guard(self.close_episode), methods=["DELETE"]),
+            Route("/v1/episodes/{episode_id}/ledger", self._guard(self.get_ledger),
+                  methods=["GET"]),
+            Route("/v1/ledger", self._guard(self.get_ledger), methods=["GET"]),
+            Route("/v1/health", self._guard(self.health), methods=["GET"]),
         ]
-        self.starlette = Starlette(routes=routes, lifespan=self._lifespan)
-        self.app = FaultInjector(self._asgi, lookup=self._lookup, ledger=self.ledger,
-                                 clock=self.clock)
+        self.starlette = Starlette(routes=routes, lifespan=self._lifespan,
+                                   exception_handlers={HTTPException: self._http_exception})
+        self.injector = FaultInjector(self._asgi, lookup=self._lookup, ledger=self.ledger,
+                                      clock=self.clock)
+        self.app = RequestGuard(self.injector, self.limits)
         self.app.server = self  # type: ignore[attr-defined]  (handy for tests and serve.py)
+
+    def share_ledger(self) -> Ledger:
+        """The ledger, handed to a client that records into it too (in-process): from now on its
+        records belong to that client, and DELETE no longer frees them."""
+        self._own_ledger = False
+        return self.ledger
+
+    @property
+    def sandbox_root(self) -> Path:
+        """The folder holding the episodes' sandboxes (a temporary one is made on first use)."""
+        if self._root is None:
+            self._root = Path(tempfile.mkdtemp(prefix="reflrl-sandboxes-"))
+            # removed by shutdown(), or when this server is collected or the interpreter exits
+            self._root_finalizer = weakref.finalize(self, shutil.rmtree, str(self._root), True)
+        self._root.mkdir(parents=True, exist_ok=True)
+        return self._root
 
     async def _asgi(self, scope, receive, send) -> None:
         """POST /v1/call/{tool} goes straight to ``_call`` (the hot path); the rest to Starlette."""
@@ -116,8 +163,8 @@ class ToolServer:
             name = scope["path"][len("/v1/call/"):]
             eid = None
             for k, v in scope["headers"]:
-                if k == b"x-reflrl-episode":
-                    eid = v.decode("utf-8", "replace")
+                if k == H_EPISODE:
+                    eid = v.decode("latin-1")
                     break
             chunks = []
             while True:
@@ -138,6 +185,31 @@ class ToolServer:
             return None
         return FaultSite(ep.plan, ep.fault_seed, ep.banned, tool in self._file_tools)
 
+    # ---- errors -----------------------------------------------------------------------------
+    def _error(self, status: int, kind: str, message: str) -> JSONResponse:
+        return JSONResponse({"error": {"type": kind,
+                                       "message": clip(message, self.limits.max_message_chars)}},
+                            status_code=status)
+
+    async def _http_exception(self, request: Request, exc: HTTPException) -> Response:
+        kind = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "http_error")
+        detail = exc.detail
+        if exc.status_code == 404:
+            detail = f"no route {clip_repr(request.url.path)}"
+        elif exc.status_code == 405:
+            detail = f"{request.method} is not allowed on {clip_repr(request.url.path)}"
+        return self._error(exc.status_code, kind, str(detail))
+
+    def _guard(self, endpoint):
+        """A route that answers 500 ``internal_error`` (JSON) instead of raising."""
+        @functools.wraps(endpoint)
+        async def guarded(request: Request) -> Response:
+            try:
+                return await endpoint(request)
+            except Exception as e:  # noqa: BLE001  a server bug: say so as JSON, keep serving
+                return self._error(500, "internal_error", f"{type(e).__name__}: {e}")
+        return guarded
+
     # ---- routes ---------------------------------------------------------------------------
     async def list_tools(self, request: Request) -> Response:
         detail = request.query_params.get("detail") in ("1", "true", "yes")
@@ -152,39 +224,60 @@ class ToolServer:
 
     async def open_episode(self, request: Request) -> Response:
         try:
-            body = await request.json()
-        except (ValueError, UnicodeDecodeError):
-            return _error(400, "bad_request", "body is not valid JSON")
-        if not isinstance(body, dict) or not isinstance(body.get("episode_id"), str) \
-                or not body["episode_id"]:
-            return _error(422, "bad_episode", "episode_id (non-empty string) is required")
-        eid = body["episode_id"]
+            body = parse_json_body(await request.body(), self.limits.max_json_depth)
+        except BadJSON as e:
+            return self._error(400, "bad_request", str(e))
+        if not isinstance(body, dict):
+            return self._error(422, "bad_episode", "the body must be a JSON object with an "
+                               "episode_id")
+        unknown = [k for k in body if k not in EPISODE_FIELDS]
+        if unknown:
+            return self._error(422, "bad_episode", f"unknown field(s) {clip_repr(unknown)} "
+                               f"(known: {', '.join(EPISODE_FIELDS)})")
+        eid = body.get("episode_id")
+        problem = episode_id_problem(eid)
+        if problem is not None:
+            return self._error(422, "bad_episode", problem)
+        faults = body.get("faults")
+        if faults is not None and not isinstance(faults, str):
+            return self._error(422, "bad_fault_spec", "faults must be a spec string or null")
         try:
-            plan = FaultPlan.coerce(body.get("faults") or None)
+            plan = FaultPlan.coerce(faults or None)
         except FaultSpecError as e:
-            return _error(422, "bad_fault_spec", str(e))
+            return self._error(422, "bad_fault_spec", str(e))
         seed = body.get("seed", self.default_seed)
         fault_seed = body.get("fault_seed", seed)
-        if not isinstance(seed, int) or not isinstance(fault_seed, int):
-            return _error(422, "bad_episode", "seed and fault_seed must be integers")
+        for key, v in (("seed", seed), ("fault_seed", fault_seed)):
+            if type(v) is not int or not -MAX_SEED <= v < MAX_SEED:
+                return self._error(422, "bad_episode", f"{key} must be an integer in [-2**63, "
+                                   f"2**63), got {clip_repr(v)}")
         names = body.get("tools")
         if names is None:
             names = list(self.tools)
-        unknown = [n for n in names if n not in self.tools] if isinstance(names, list) else None
-        if unknown is None:
-            return _error(422, "bad_episode", "tools must be a list of tool names or null")
+        if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
+            return self._error(422, "bad_episode", "tools must be a list of tool names or null")
+        unknown = [n for n in names if n not in self.tools]
         if unknown:
-            return _error(422, "unknown_tool", f"unknown tools for this server: {unknown}")
+            return self._error(422, "unknown_tool", f"{len(unknown)} tool(s) unknown to this "
+                               f"server: {clip_repr(unknown)}")
+        initial_config = body.get("initial_config")
+        if initial_config is not None and not isinstance(initial_config, dict):
+            return self._error(422, "bad_episode", "initial_config must be a JSON object or null")
+        lim = self.limits
         with self._lock:
             if eid in self.episodes:
-                return _error(409, "episode_exists", f"episode {eid!r} is already open")
+                return self._error(409, "episode_exists", f"episode {eid!r} is already open")
+            if lim.max_open_episodes is not None and len(self.episodes) >= lim.max_open_episodes:
+                return self._error(503, "too_many_episodes", f"{len(self.episodes)} episodes are "
+                                   "open, the limit; DELETE finished ones first")
             # Re-opening an id (a replay with the same seed) starts its injected record afresh,
             # so the replay's faults are not refused as recorded twice.
             self.ledger.forget_injected(eid)
             sandbox = Path(tempfile.mkdtemp(prefix="ep-", dir=self.sandbox_root))
-            ctx = ToolContext(seed=seed, episode_id=eid, sandbox=sandbox)
-            if body.get("initial_config") is not None:
-                ctx.state["initial_config"] = body["initial_config"]
+            ctx = ToolContext(seed=seed, episode_id=eid, sandbox=sandbox,
+                              sandbox_bytes=lim.sandbox_bytes, sandbox_files=lim.sandbox_files)
+            if initial_config is not None:
+                ctx.state["initial_config"] = initial_config
             self.episodes[eid] = Episode(eid, seed, plan, fault_seed, frozenset(names), ctx)
         return JSONResponse({"episode_id": eid, "tools": list(names), "faults": str(plan)},
                             status_code=201)
@@ -194,7 +287,9 @@ class ToolServer:
         with self._lock:
             ep = self.episodes.pop(eid, None)
         if ep is None:
-            return _error(404, "unknown_episode", f"no open episode {eid!r}")
+            return self._error(404, "unknown_episode", f"no open episode {clip_repr(eid)}")
+        if self._own_ledger:  # the client fetched them before DELETE (ToolClient.close_episode)
+            self.ledger.forget_episode(eid)
         shutil.rmtree(ep.ctx.sandbox, ignore_errors=True)
         return Response(status_code=204)
 
@@ -202,39 +297,51 @@ class ToolServer:
         """Validate and dispatch one tool call (no fault logic here: that is the injector's)."""
         ep = self.episodes.get(eid) if eid else None
         if ep is None:
-            return _error(404, "unknown_episode", f"no open episode {eid!r} "
-                          "(set X-Reflrl-Episode after POST /v1/episodes)")
+            return self._error(404, "unknown_episode", f"no open episode {clip_repr(eid)} "
+                               "(set X-Reflrl-Episode after POST /v1/episodes)")
         spec = self.tools.get(name)
         if spec is None or name not in ep.tools:
-            return _error(404, "unknown_tool", f"no tool named {name!r} in this episode")
+            return self._error(404, "unknown_tool", f"no tool named {clip_repr(name)} in this "
+                               "episode")
         try:
-            body = json.loads(raw)
-        except (ValueError, UnicodeDecodeError):
-            return _error(400, "bad_request", "body is not valid JSON")
+            body = parse_json_body(raw)
+        except BadJSON as e:
+            return self._error(400, "bad_request", str(e))
         args = body.get("arguments", {}) if isinstance(body, dict) else None
         if not isinstance(args, dict):
-            return _error(422, "invalid_arguments", "arguments must be a JSON object")
+            return self._error(422, "invalid_arguments", "arguments must be a JSON object")
+        problem = json_problem(args, self.limits.max_json_depth)
+        if problem is not None:
+            return self._error(422, "invalid_arguments", f"{name}: the arguments: {problem}")
         err = jsonschema.exceptions.best_match(self._validators[name].iter_errors(args))
         if err is not None:
-            return _error(422, "invalid_arguments", f"{name}: {_describe(err)}")
+            return self._error(422, "invalid_arguments", f"{name}: {_describe(err)}")
+        args = coerce_integers(spec.parameters, args)
         try:
             result = spec.handler(args, ep.ctx)
         except ToolError as e:
-            return _error(422, e.kind, f"{name}: {e}")
-        except Exception as e:  # a server bug, not an injected fault: 500 and not in the ledger
-            return _error(500, "internal_error", f"{name}: {type(e).__name__}: {e}")
+            return self._error(422, e.kind, f"{name}: {e}")
+        except Exception as e:  # noqa: BLE001  the tool's own bug: not an injected fault
+            return self._error(500, "tool_bug", f"{name}: {type(e).__name__}: {e}")
         try:
             return JSONResponse({"result": result})
         except (TypeError, ValueError) as e:
-            return _error(500, "internal_error", f"{name}: result is not JSON: {e}")
+            return self._error(500, "tool_bug", f"{name}: result is not JSON: {e}")
 
     async def get_ledger(self, request: Request) -> Response:
-        eid = request.query_params.get("episode")
+        eid = request.path_params.get("episode_id", request.query_params.get("episode"))
+        if eid is None:
+            return self._error(400, "bad_request", "which episode? GET /v1/episodes/{id}/ledger "
+                               "(or /v1/ledger?episode=ID)")
+        if eid not in self.episodes:
+            return self._error(404, "unknown_episode", f"no open episode {clip_repr(eid)} (its "
+                               "events are freed when it is deleted)")
         return JSONResponse({"episode": eid,
                              "events": [e.to_dict() for e in self.ledger.injected(eid)]})
 
     async def health(self, request: Request) -> Response:
-        return JSONResponse({"ok": True, "episodes": len(self.episodes), "tools": len(self.tools)})
+        return JSONResponse({"ok": True, "episodes": len(self.episodes), "tools": len(self.tools),
+                             "ledger_records": self.ledger.size()})
 
     @contextlib.asynccontextmanager
     async def _lifespan(self, app):
@@ -242,37 +349,67 @@ class ToolServer:
         self.shutdown()
 
     def shutdown(self) -> None:
-        """Delete every sandbox (and the root if this server created it)."""
+        """Delete every sandbox (and the root if this server created it); free owned ledger
+        records. Idempotent."""
         with self._lock:
             eps = list(self.episodes.values())
             self.episodes.clear()
         for ep in eps:
+            if self._own_ledger:
+                self.ledger.forget_episode(ep.episode_id)
             shutil.rmtree(ep.ctx.sandbox, ignore_errors=True)
-        if self._own_root:
-            shutil.rmtree(self.sandbox_root, ignore_errors=True)
+        if self._own_root and self._root_finalizer is not None:
+            self._root_finalizer()  # rmtree(root) once
+            self._root_finalizer, self._root = None, None
 
 
 def create_app(tools: dict[str, ToolSpec] | None = None, *, clock=None,
                sandbox_root: str | Path | None = None, ledger: Ledger | None = None,
-               default_seed: int = 0):
-    """The tool server's ASGI app (the fault injector wrapping the Starlette routes).
+               default_seed: int = 0, limits: ServerLimits | None = None):
+    """The tool server's ASGI app (request guard -> fault injector -> the routes).
 
     tools: name -> ToolSpec (default: ``default_tools()``); clock: for latency/timeout stalls
     without a net control (default SystemClock); ledger: receives injected faults (default a new
-    Ledger, reachable as ``app.server.ledger``); default_seed: seed of episodes that give none.
+    Ledger, reachable as ``app.server.ledger``); default_seed: seed of episodes that give none;
+    limits: ``ServerLimits`` (default: the documented defaults).
     """
     return ToolServer(tools, clock=clock, sandbox_root=sandbox_root, ledger=ledger,
-                      default_seed=default_seed).app
-
-
-def _error(status: int, kind: str, message: str) -> JSONResponse:
-    return JSONResponse({"error": {"type": kind, "message": message}}, status_code=status)
+                      default_seed=default_seed, limits=limits).app
 
 
 def _describe(err: jsonschema.ValidationError) -> str:
+    """A jsonschema error as one short sentence naming the argument (the value is quoted short)."""
     path = ".".join(str(p) for p in err.absolute_path)
     if err.validator == "required":
         return f"missing required argument: {err.message}"
     if err.validator == "additionalProperties":
         return f"unexpected argument: {err.message}"
-    return f"argument {path!r}: {err.message}" if path else err.message
+    msg = err.message
+    if len(msg) > 150 and isinstance(err.instance, (str, int, float)):
+        msg = msg.replace(repr(err.instance), clip_repr(err.instance))
+    if len(msg) > 150:
+        msg = (f"{clip_repr(err.instance)} fails {err.validator!r} "
+               f"{clip_repr(err.validator_value)}")
+    return f"argument {path!r}: {msg}" if path else msg
+
+
+def coerce_integers(schema: Any, value: Any) -> Any:
+    """``value`` with every whole-number float turned into an int where ``schema`` says
+    "integer" (and not "number"): JSON Schema counts 2.0 as an integer, Python's range() does not."""
+    if not isinstance(schema, dict):
+        return value
+    if isinstance(value, float):
+        t = schema.get("type")
+        types = t if isinstance(t, list) else [t]
+        if "integer" in types and "number" not in types and value.is_integer():
+            return int(value)
+        return value
+    if isinstance(value, dict):
+        props = schema.get("properties") or {}
+        extra = schema.get("additionalProperties")
+        return {k: coerce_integers(props.get(k, extra), v) for k, v in value.items()}
+    if isinstance(value, list):
+        items = schema.get("items")
+        if isinstance(items, dict):
+            return [coerce_integers(items, v) for v in value]
+    return value

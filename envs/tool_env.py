@@ -413,10 +413,12 @@ class ToolCallEnv(gym.Env[str, str]):
               attempts, elapsed_s (on the env's clock)};
           fault_events: per env fault the client observed {call_index, tool, attempt, kind,
               status, detail, triage, retried, recovered};
-          triage: per call "ok" | "env_fault" (retries gave up) | "policy_error";
+          triage: per call "ok" | "env_fault" (retries gave up) | "policy_error" | "tool_bug"
+              (the tool crashed on valid arguments: neither the policy's error nor a fault);
           env_fault_treatment: "none" | "retried-recovered" | "masked";
-          masked: an env fault was not recovered in this episode (sticky): the trainer drops the
-              rollout from the loss; the reward is still what the calls deserve against the gold;
+          masked: an env fault was not recovered, or a tool crashed, in this episode (sticky):
+              the trainer drops the rollout from the loss; the reward is still what the calls
+              deserve against the gold;
           reward_parts; correct (exact match with format; multi-turn: every turn, at the end);
           billed_calls (attempts this step); episode_billed_calls; skipped_calls; messages (the
           whole conversation); turn (user turn of this step); turn_ended; turn_rewards.
@@ -456,7 +458,7 @@ class ToolCallEnv(gym.Env[str, str]):
                         for ev in _fault_event_dicts(i, c.name, o)]
         billed = sum(int(getattr(o, "attempts", 1)) for o in outcomes)
         ep.billed_calls += billed
-        gave_up = any(t == "env_fault" for t in triage)
+        gave_up = any(t in ("env_fault", "tool_bug") for t in triage)
         if gave_up:
             treatment = "masked"
         elif fault_events:

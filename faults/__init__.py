@@ -5,9 +5,12 @@
 - ``KINDS`` / ``format_kinds_table``: the ten kinds and what a client sees (kinds.py).
 - ``Ledger``: injected vs observed, ``reconcile()`` and totals (ledger.py).
 - ``FaultInjector``: the ASGI middleware the tool server puts in front of its routes (inject.py).
+- ``parse_coords`` / ``episode_id_problem``: the attempt coordinates every call carries and the
+  rules they follow (coords.py).
 
 Nothing here imports torch or the trainer.
 """
+from .coords import CoordError, Coords, episode_id_problem, parse_coords
 from .decide import FaultDecision, decide, draw
 from .inject import FaultInjector, FaultSite, is_corrupt
 from .kinds import KIND_NAMES, KINDS, FaultKind, format_kinds_table, is_file_tool, kinds_rows
@@ -16,6 +19,7 @@ from .ledger import (CallRecord, FaultEvent, KindCounts, Ledger, LedgerError, Le
 from .spec import FaultEntry, FaultPlan, FaultSpecError, format_duration, parse_duration
 
 __all__ = [
+    "CoordError", "Coords", "episode_id_problem", "parse_coords",
     "FaultDecision", "decide", "draw",
     "FaultInjector", "FaultSite", "is_corrupt",
     "KIND_NAMES", "KINDS", "FaultKind", "format_kinds_table", "is_file_tool", "kinds_rows",

@@ -1,7 +1,8 @@
 """Server-side fault injection: an ASGI middleware in front of the tool server.
 
 For every ``POST /v1/call/{tool}`` it reads the attempt coordinates from the headers
-(X-Reflrl-Episode/-Step/-Call/-Attempt/-Client), asks ``decide`` (a pure function of the episode's
+(X-Reflrl-Episode/-Step/-Call/-Attempt/-Client; missing or malformed ones get 400 ``bad_header``
+naming the header, see ``reflrl.faults.coords``), asks ``decide`` (a pure function of the episode's
 fault seed and those coordinates) for a fault, records what it injects in the server's Ledger,
 and makes the client see it exactly as a real HTTP client would:
 
@@ -29,6 +30,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Callable, Protocol
 
+from .coords import CoordError, parse_coords
 from .decide import FaultDecision, decide
 from .ledger import FaultEvent, Ledger
 from .spec import FaultPlan
@@ -36,11 +38,6 @@ from .spec import FaultPlan
 NET_EXTENSION = "reflrl.net"
 CALL_PREFIX = "/v1/call/"
 
-H_EPISODE = b"x-reflrl-episode"
-H_STEP = b"x-reflrl-step"
-H_CALL = b"x-reflrl-call"
-H_ATTEMPT = b"x-reflrl-attempt"
-H_CLIENT = b"x-reflrl-client"
 
 SERVER_ERROR_CODES = (500, 502, 503)
 MALFORMED_BODIES = (
@@ -88,10 +85,11 @@ class FaultInjector:
         if (scope["type"] != "http" or scope["method"] != "POST"
                 or not scope["path"].startswith(CALL_PREFIX)):
             return await self.app(scope, receive, send)
-        coords = _coords(scope)
-        if coords is None:
-            return await self.app(scope, receive, send)
-        episode, step, call, attempt, ident = coords
+        try:
+            c = parse_coords(scope["headers"])
+        except CoordError as e:  # never a silently fault-free call (reflrl.faults.coords)
+            return await _send_json(send, 400, _err("bad_header", str(e)))
+        episode, step, call, attempt, ident = c.episode, c.step, c.call, c.attempt, c.client
         tool = scope["path"][len(CALL_PREFIX):]
         site = self.lookup(episode, tool)
         if site is None:
@@ -255,18 +253,6 @@ def is_corrupt(result: Any) -> bool:
 
 
 # ---- ASGI helpers -------------------------------------------------------------------------
-def _coords(scope) -> tuple[str, int, int, int, str] | None:
-    h = {}
-    for name, value in scope["headers"]:
-        if name.startswith(b"x-reflrl-"):
-            h[name] = value
-    try:
-        return (h[H_EPISODE].decode(), int(h[H_STEP]), int(h[H_CALL]), int(h[H_ATTEMPT]),
-                h.get(H_CLIENT, b"anonymous").decode())
-    except (KeyError, ValueError, UnicodeDecodeError):
-        return None
-
-
 def _err(kind: str, message: str) -> dict:
     return {"error": {"type": kind, "message": message}}
 

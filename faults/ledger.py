@@ -12,9 +12,14 @@ transport-level client and the client saw a valid answer (``schema_drift`` witho
 ``returns`` schema, ``latency`` under the client's slow threshold); *observed as other* when the
 kind's documented alternative symptom occurred (``latency`` longer than the read timeout ->
 ``timeout``). Anything else is a mismatch, including an env fault the client saw with nothing
-injected (a real server bug or real network trouble). ``report.exact`` means no mismatch. A slow
-but correct answer with nothing injected (a loaded machine) is not a fault: it is counted in
-``report.slow_not_injected``.
+injected (real network trouble). ``report.exact`` means no mismatch. A slow but correct answer
+with nothing injected (a loaded machine) is not a fault: it is counted in
+``report.slow_not_injected``. A tool's own bug (a 500 ``tool_bug`` answer: the handler crashed on
+valid arguments) is neither an env fault nor the policy's error: the client records it with
+triage ``tool_bug``, it is never retried, and it is counted apart (``report.tool_bugs``,
+``totals().tool_bugs``), not as a mismatch. Post-dispatch kinds (latency, truncated, malformed)
+act on error answers too: a delayed 4xx/tool-bug answer is observed as ``latency`` like a
+delayed ok one.
 
 Each attempt is one billed tool call (tools may be paid): ``totals().attempts`` is the bill.
 """
@@ -28,6 +33,9 @@ from typing import Any, Iterable
 from .kinds import KIND_NAMES, KINDS
 
 Key = tuple[str, int, int, int]
+#: observed triages that are an answer of the tool (not an env fault): what a post-dispatch fault
+#: such as latency may leave intact
+ANSWERS = frozenset({"ok", "policy_error", "tool_bug"})
 
 
 class LedgerError(ValueError):
@@ -39,10 +47,11 @@ class FaultEvent:
     """One attempt's record on one side.
 
     source:  "injected" (server decided and applied a fault) or "observed" (client outcome).
-    triage:  observed: "ok" | "env_fault" | "policy_error"; injected: always "env_fault".
-    kind:    fault kind (KIND_NAMES) for injected events and observed env faults; for an observed
-             ok it is "latency" when the answer was slower than the client's slow threshold,
-             otherwise None; None for policy errors.
+    triage:  observed: "ok" | "env_fault" | "policy_error" | "tool_bug"; injected: always
+             "env_fault".
+    kind:    fault kind (KIND_NAMES) for injected events and observed env faults; for any other
+             observed answer (ok, policy error, tool bug) it is "latency" when the answer was slower
+             than the client's slow threshold, otherwise None.
     tool:    tool name called.  status: HTTP status if any.  detail: human-readable specifics
              (e.g. "503", "retry_after=1", "reset", "renamed temp->temp_v2", "ReadTimeout").
     cause:   injected only: "draw" (this attempt's decision) or "ban" (a standing ip ban).
@@ -84,7 +93,7 @@ class CallRecord:
     call: int
     tool: str
     attempts: int
-    triage: str                 # final: "ok" | "env_fault" | "policy_error"
+    triage: str                 # final: "ok" | "env_fault" | "policy_error" | "tool_bug"
     fault_kinds: tuple[str, ...]  # env-fault kinds seen on its attempts, in order
 
     @property
@@ -119,6 +128,7 @@ class ReconcileReport:
     mismatches: list[Mismatch]
     attempts: int
     slow_not_injected: int = 0   # ok answers slower than the client's threshold, none injected
+    tool_bugs: int = 0           # attempts answered 500 tool_bug (a handler crashed): not faults
 
     @property
     def exact(self) -> bool:
@@ -133,6 +143,8 @@ class ReconcileReport:
                              f"{c.undetected:>9}{c.as_other:>9}")
         if self.slow_not_injected:
             lines.append(f"slow answers without an injected latency: {self.slow_not_injected}")
+        if self.tool_bugs:
+            lines.append(f"tool bugs (a handler crashed; not faults): {self.tool_bugs}")
         lines.append(f"attempts {self.attempts}; reconciled "
                      f"{'exactly' if self.exact else f'with {len(self.mismatches)} mismatches'}")
         for m in self.mismatches[:10]:
@@ -149,6 +161,7 @@ class LedgerTotals:
     recovered: int = 0                # calls that hit an env fault and then succeeded
     given_up: int = 0                 # calls that ended on an env fault
     policy_errors: int = 0            # calls that ended on a policy error
+    tool_bugs: int = 0                # calls that ended on a tool's own bug (500 tool_bug)
     faults_by_kind: dict[str, int] = field(default_factory=dict)    # observed env faults
     injected_by_kind: dict[str, int] = field(default_factory=dict)
 
@@ -156,86 +169,104 @@ class LedgerTotals:
         fk = ", ".join(f"{k}={v}" for k, v in sorted(self.faults_by_kind.items())) or "none"
         return (f"calls={self.calls} attempts(billed)={self.attempts} retries={self.retries} "
                 f"recovered={self.recovered} given_up={self.given_up} "
-                f"policy_errors={self.policy_errors} faults: {fk}")
+                f"policy_errors={self.policy_errors} tool_bugs={self.tool_bugs} faults: {fk}")
 
 
 class Ledger:
-    """Thread-safe store of injected and observed attempt records and call records."""
+    """Thread-safe store of injected and observed attempt records and call records, grouped by
+    episode (forgetting an episode costs only its own records)."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._injected: dict[Key, FaultEvent] = {}
-        self._observed: dict[Key, FaultEvent] = {}
-        self._calls: dict[tuple[str, int, int], CallRecord] = {}
+        self._injected: dict[str, dict[Key, FaultEvent]] = {}
+        self._observed: dict[str, dict[Key, FaultEvent]] = {}
+        self._calls: dict[str, dict[tuple[str, int, int], CallRecord]] = {}
 
     # recording -------------------------------------------------------------------------------
     def record_injected(self, ev: FaultEvent) -> None:
         if ev.source != "injected":
             raise LedgerError(f"record_injected got a {ev.source!r} event")
         with self._lock:
-            if ev.key in self._injected:
+            d = self._injected.setdefault(ev.episode, {})
+            if ev.key in d:
                 raise LedgerError(f"injected fault for attempt {ev.key} recorded twice")
-            self._injected[ev.key] = ev
+            d[ev.key] = ev
 
     def record_observed(self, ev: FaultEvent) -> None:
         if ev.source != "observed":
             raise LedgerError(f"record_observed got a {ev.source!r} event")
         with self._lock:
-            if ev.key in self._observed:
+            d = self._observed.setdefault(ev.episode, {})
+            if ev.key in d:
                 raise LedgerError(f"observed outcome for attempt {ev.key} recorded twice")
-            self._observed[ev.key] = ev
+            d[ev.key] = ev
 
     def record_call(self, rec: CallRecord) -> None:
         k = (rec.episode, rec.step, rec.call)
         with self._lock:
-            if k in self._calls:
+            d = self._calls.setdefault(rec.episode, {})
+            if k in d:
                 raise LedgerError(f"call {k} recorded twice")
-            self._calls[k] = rec
+            d[k] = rec
 
     def merge_injected(self, events: Iterable[FaultEvent]) -> int:
-        """Add injected events fetched from a server (GET /v1/ledger); identical repeats are
-        skipped, conflicting ones raise. Returns how many were new."""
+        """Add injected events fetched from a server (GET /v1/episodes/{id}/ledger); identical
+        repeats are skipped, conflicting ones raise. Returns how many were new."""
         new = 0
         with self._lock:
             for ev in events:
-                old = self._injected.get(ev.key)
+                d = self._injected.setdefault(ev.episode, {})
+                old = d.get(ev.key)
                 if old is None:
-                    self._injected[ev.key] = ev
+                    d[ev.key] = ev
                     new += 1
                 elif old != ev:
                     raise LedgerError(f"conflicting injected records for {ev.key}: {old} vs {ev}")
         return new
 
-    def forget_episode(self, episode: str) -> None:
-        """Drop every record of an episode (e.g. a server freeing memory after DELETE)."""
+    def forget_episode(self, episode: str) -> int:
+        """Drop every record of an episode (e.g. a server freeing memory after DELETE); returns
+        how many records were dropped."""
         with self._lock:
-            for d in (self._injected, self._observed):
-                for k in [k for k in d if k[0] == episode]:
-                    del d[k]
-            for k in [k for k in self._calls if k[0] == episode]:
-                del self._calls[k]
+            return sum(len(d.pop(episode, None) or ())
+                       for d in (self._injected, self._observed, self._calls))
 
     def forget_injected(self, episode: str) -> int:
         """Drop the injected records of one episode (a server re-opening a replayed episode id
         starts its record afresh); returns how many were dropped."""
         with self._lock:
-            keys = [k for k in self._injected if k[0] == episode]
-            for k in keys:
-                del self._injected[k]
-            return len(keys)
+            return len(self._injected.pop(episode, None) or ())
+
+    def size(self) -> int:
+        """How many records (injected + observed + calls) the ledger holds."""
+        with self._lock:
+            return sum(len(v) for d in (self._injected, self._observed, self._calls)
+                       for v in d.values())
+
+    def episodes(self) -> list[str]:
+        """The episodes with at least one record."""
+        with self._lock:
+            return sorted({e for d in (self._injected, self._observed, self._calls)
+                           for e, v in d.items() if v})
 
     # queries ---------------------------------------------------------------------------------
+    @staticmethod
+    def _select(d: dict[str, dict], episode: str | None) -> list:
+        if episode is not None:
+            return list((d.get(episode) or {}).values())
+        return [v for sub in d.values() for v in sub.values()]
+
     def injected(self, episode: str | None = None) -> list[FaultEvent]:
         with self._lock:
-            return [e for e in self._injected.values() if episode is None or e.episode == episode]
+            return self._select(self._injected, episode)
 
     def observed(self, episode: str | None = None) -> list[FaultEvent]:
         with self._lock:
-            return [e for e in self._observed.values() if episode is None or e.episode == episode]
+            return self._select(self._observed, episode)
 
     def calls(self, episode: str | None = None) -> list[CallRecord]:
         with self._lock:
-            return [c for c in self._calls.values() if episode is None or c.episode == episode]
+            return self._select(self._calls, episode)
 
     def totals(self, episode: str | None = None) -> LedgerTotals:
         calls = self.calls(episode)
@@ -245,6 +276,7 @@ class Ledger:
         t.recovered = sum(c.recovered for c in calls)
         t.given_up = sum(c.given_up for c in calls)
         t.policy_errors = sum(c.triage == "policy_error" for c in calls)
+        t.tool_bugs = sum(c.triage == "tool_bug" for c in calls)
         t.faults_by_kind = dict(Counter(e.kind for e in obs if e.triage == "env_fault"))
         t.injected_by_kind = dict(Counter(e.kind for e in self.injected(episode)))
         return t
@@ -255,7 +287,7 @@ class Ledger:
         obs = {e.key: e for e in self.observed(episode)}
         per = {k: KindCounts() for k in KIND_NAMES}
         mism: list[Mismatch] = []
-        slow = 0
+        slow = bugs = 0
         for o in obs.values():
             if o.kind in per and (o.triage == "env_fault" or o.kind == "latency"):
                 per[o.kind].observed += 1
@@ -269,9 +301,9 @@ class Ledger:
                     mism.append(Mismatch(key, i.kind, None, "no client attempt recorded"))
                 elif o.triage == "env_fault" and o.kind == i.kind:
                     c.matched += 1
-                elif i.kind == "latency" and o.triage == "ok" and o.kind == "latency":
+                elif i.kind == "latency" and o.triage in ANSWERS and o.kind == "latency":
                     c.matched += 1
-                elif o.triage == "ok" and o.kind is None and "ok" in KINDS[i.kind].observed_as:
+                elif o.triage in ANSWERS and o.kind is None and "ok" in KINDS[i.kind].observed_as:
                     c.undetected += 1
                 elif o.triage == "env_fault" and o.kind in KINDS[i.kind].observed_as:
                     c.as_other += 1
@@ -281,4 +313,6 @@ class Ledger:
                 mism.append(Mismatch(key, None, ocls, "client saw a fault that was not injected"))
             elif o is not None and o.kind == "latency":
                 slow += 1
-        return ReconcileReport(per, mism, attempts=len(obs), slow_not_injected=slow)
+            if o is not None and o.triage == "tool_bug":
+                bugs += 1
+        return ReconcileReport(per, mism, attempts=len(obs), slow_not_injected=slow, tool_bugs=bugs)

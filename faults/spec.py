@@ -7,7 +7,8 @@ Grammar (whitespace around tokens is ignored)::
     kind     := one of reflrl.faults.kinds.KIND_NAMES
     prob     := a decimal number in [0, 1]            (e.g. 0.1, .05, 1, 2.5e-2)
     param    := duration = number unit, unit in {ms, s, m}  (e.g. 300ms, 2s, 1.5s, 0.5m)
-                a bare number means seconds; only kinds with a parameter accept one
+                the unit is required (``latency=0.1:300`` is refused: 300 what?); only kinds
+                with a parameter accept one
 
 Kinds are mutually exclusive per attempt (one uniform draw picks at most one kind, see
 ``reflrl.faults.decide``), so the probabilities must sum to at most 1. Every error is a
@@ -51,7 +52,7 @@ class FaultEntry:
 
 _NUM_RE = re.compile(r"^[+-]?(\d+(\.\d*)?|\.\d+)([eE][+-]?\d+)?$")
 _DUR_RE = re.compile(r"^([+-]?(?:\d+(?:\.\d*)?|\.\d+)(?:[eE][+-]?\d+)?)\s*(ms|s|m)?$")
-_UNIT = {"ms": 1e-3, "s": 1.0, "m": 60.0, None: 1.0}
+_UNIT = {"ms": 1e-3, "s": 1.0, "m": 60.0}
 
 
 @dataclass(frozen=True)
@@ -165,11 +166,13 @@ def _parse_entry(raw: str, index: int) -> FaultEntry:
 
 
 def parse_duration(text: str, *, where: str = "duration") -> float:
-    """``300ms`` / ``2s`` / ``1.5m`` / ``2`` (seconds) -> seconds; FaultSpecError when bad."""
+    """``300ms`` / ``2s`` / ``1.5m`` -> seconds; FaultSpecError when bad or without a unit."""
     s = text.strip()
     m = _DUR_RE.match(s)
     if not m:
         raise FaultSpecError(f"{where} {s!r} is not a duration (use e.g. 300ms, 2s, 1.5m)")
+    if m.group(2) is None:
+        raise FaultSpecError(f"{where} {s!r} has no unit (write {s}s or {s}ms; units: ms, s, m)")
     val = float(m.group(1)) * _UNIT[m.group(2)]
     if not math.isfinite(val) or val < 0:
         raise FaultSpecError(f"{where} {s!r} must be a finite duration >= 0")

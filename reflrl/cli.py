@@ -39,6 +39,17 @@ def _fault_spec(text: str) -> str:
         raise UsageError(f"--faults: {e}") from None
 
 
+def _port(text: str) -> int:
+    """argparse type for --port: a whole number in 0..65535 (0 = any free port)."""
+    try:
+        port = int(text)
+    except ValueError:
+        port = -1
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a TCP port (0-65535; 0 picks a free one)")
+    return port
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of the ``reflrl`` command (every flag has help text)."""
     p = argparse.ArgumentParser(
@@ -120,7 +131,7 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     serve.add_argument("--host", default="127.0.0.1",
                        help="address to bind (loopback only: 127.0.0.1 or ::1)")
-    serve.add_argument("--port", type=int, default=8077, help="TCP port (0 = pick a free one)")
+    serve.add_argument("--port", type=_port, default=8077, help="TCP port (0 = pick a free one)")
     serve.add_argument("--seed", type=int, default=0,
                        help="default data seed of episodes that do not give one")
     serve.add_argument("--sandbox-root", default=None,
@@ -207,7 +218,7 @@ def cmd_tools_serve(args: argparse.Namespace) -> int:
     try:
         serve_mod.serve(args.host, args.port, seed=args.seed, sandbox_root=args.sandbox_root,
                         log_level=args.log_level)
-    except OSError as e:  # port in use, permission denied, ...
+    except (OSError, OverflowError) as e:  # port in use, permission denied, ...
         raise UsageError(f"cannot serve on {args.host}:{args.port}: {e}") from None
     except KeyboardInterrupt:
         pass

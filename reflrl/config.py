@@ -613,7 +613,7 @@ def _read_config_file(path: str | Path, _seen: tuple[Path, ...] = ()) -> dict:
     try:
         loaded = yaml.safe_load(p.read_text(encoding="utf-8"))
     except yaml.YAMLError as exc:
-        raise ConfigError(f"config file {str(p)!r} is not valid YAML: {exc}") from None
+        raise ConfigError(_yaml_error(p, exc)) from None
     if loaded is not None and not isinstance(loaded, dict):
         raise ConfigError(f"config file {str(p)!r}: expected a mapping of sections, got {_show(loaded)}")
     data = dict(loaded or {})
@@ -623,6 +623,17 @@ def _read_config_file(path: str | Path, _seen: tuple[Path, ...] = ()) -> dict:
     if not isinstance(base, str) or not base:
         raise ConfigError(f"config file {str(p)!r}: 'base' must be a file name, got {_show(base)}")
     return _merge(_read_config_file(p.parent / base, _seen + (p.resolve(),)), data)
+
+
+def _yaml_error(path: Path, exc: yaml.YAMLError) -> str:
+    """One line naming the file, line and column (1-based) and what YAML found wrong there."""
+    mark = getattr(exc, "problem_mark", None)
+    problem = getattr(exc, "problem", None) or " ".join(str(exc).split())
+    where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark is not None else str(path)
+    ctx, cmark = getattr(exc, "context", None), getattr(exc, "context_mark", None)
+    if ctx and cmark is not None and mark is not None and cmark.line != mark.line:
+        problem += f" ({ctx}, which starts at line {cmark.line + 1}, column {cmark.column + 1})"
+    return f"{where}: not valid YAML: {problem}"
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> Config:

@@ -10,8 +10,16 @@
             trainable.pt   the trainable parameters, exact dtype (what --resume loads)
             optimizer.pt   optimizer state
             rng.pt         python / numpy / torch RNG states
-            state.json     step, data-order position, pre-rollout filter streaks, timers
+            state.json     step, data-order position, pre-rollout filter streaks, timers, and how
+                           many metrics.jsonl records existed when it was written
         summary.json       the final report (accuracy before/after, fault counts, timings ...)
+
+Crash safety (``kill -9`` at any moment): a checkpoint is written to ``step_N.tmp`` and renamed;
+an old one is renamed to ``step_N.del`` before it is deleted, so a half-deleted folder is never
+taken for a checkpoint (a checkpoint counts only with its ``state.json`` and ``trainable.pt``).
+Resuming (``RunLog(path, resume=True)``) cuts metrics.jsonl back to the records the last checkpoint
+had seen (the resumed run logs the later steps again) and rewrites the TensorBoard events from it,
+so each (phase, step) appears once in both.
 
 Nothing here knows about RL: the trainer hands in plain dicts and modules.
 """
@@ -22,6 +30,7 @@ import math
 import os
 import platform
 import random
+import re
 import shutil
 import subprocess
 import sys
@@ -34,6 +43,19 @@ import torch
 import yaml
 
 CHECKPOINT_DIR = "checkpoints"
+METRICS = "metrics.jsonl"
+_CKPT_RE = re.compile(r"step_(\d+)")
+
+
+def refuse_existing_run(path: str | Path) -> None:
+    """Raise FileExistsError (saying what to do) if ``path`` already holds a run: a config.yaml or
+    logged metrics. Cheap: the trainer calls it before loading the model."""
+    p = Path(path)
+    metrics = p / METRICS
+    if (p / "config.yaml").exists() or (metrics.exists() and metrics.stat().st_size > 0):
+        raise FileExistsError(
+            f"run folder {p} already holds a run; continue it with 'reflrl train --resume {p}', "
+            "or start a new one under another name (--name NAME or --set train.run_name=NAME)")
 
 
 def versions() -> dict[str, Any]:
@@ -103,31 +125,62 @@ def _jsonable(x: Any) -> Any:
 class RunLog:
     """A run folder: config, versions, metrics (JSONL + TensorBoard), checkpoints, summary.
 
-    ``RunLog(path, config)`` creates the folder (refusing to overwrite a run that already has
-    metrics unless ``resume=True``, in which case metrics are appended).
+    ``RunLog(path, config)`` creates the folder (refusing one that already holds a run, see
+    :func:`refuse_existing_run`, unless ``resume=True``: then metrics.jsonl is cut back to what the
+    last checkpoint had seen, TensorBoard's events are rewritten from it, and logging appends).
     """
 
     def __init__(self, path: str | Path, config: dict[str, Any] | None = None, *, resume: bool = False,
                  tensorboard: bool = True):
         self.path = Path(path)
         self.resume = resume
-        if self.path.exists() and (self.path / "metrics.jsonl").exists() and not resume:
-            raise FileExistsError(f"run folder {self.path} already holds a run; pass --resume {self.path} "
-                                  "to continue it or choose another --name")
+        if not resume:
+            refuse_existing_run(self.path)
         self.path.mkdir(parents=True, exist_ok=True)
         (self.path / CHECKPOINT_DIR).mkdir(exist_ok=True)
         if config is not None and not (resume and (self.path / "config.yaml").exists()):
             self.write_config(config)
         (self.path / "versions.json").write_text(json.dumps(versions(), indent=2) + "\n")
-        self._metrics = open(self.path / "metrics.jsonl", "a", buffering=1)
+        kept = self._rewind_metrics() if resume else []
+        self._records = len(kept)
+        self._metrics = open(self.path / METRICS, "a", buffering=1)
         self._tb = None
         if tensorboard:
             try:
                 from torch.utils.tensorboard import SummaryWriter
 
+                if resume:  # the events are rewritten from metrics.jsonl: each step once
+                    for old in self.path.glob("events.out.tfevents.*"):
+                        old.unlink()
                 self._tb = SummaryWriter(log_dir=str(self.path))
             except Exception as e:  # tensorboard missing or broken: JSONL still has everything
                 print(f"[reflrl] TensorBoard disabled: {e}", file=sys.stderr)
+            for rec in kept:
+                self._tb_write(rec)
+
+    def _rewind_metrics(self) -> list[dict[str, Any]]:
+        """Cut metrics.jsonl back to the records the last checkpoint had seen (all of them for a
+        checkpoint from before this rule: those up to its step; none without a checkpoint), and
+        drop a half-written last line. Returns the records kept."""
+        p = self.path / METRICS
+        recs = []
+        if p.exists():
+            for line in p.read_text().split("\n")[:-1]:  # a last line without "\n" is half-written
+                try:
+                    recs.append(json.loads(line))
+                except ValueError:
+                    break
+        ck = latest_checkpoint(self.path)
+        if ck is None:
+            kept = []
+        else:
+            st = json.loads((ck / "state.json").read_text())
+            n = st.get("metrics_records")
+            kept = recs[:n] if n is not None else [r for r in recs if int(r.get("step", 0)) <= int(st["step"])]
+        tmp = p.with_name(p.name + ".tmp")
+        tmp.write_text("".join(json.dumps(r) + "\n" for r in kept))
+        os.replace(tmp, p)
+        return kept
 
     # ------------------------------------------------------------------ config
     def write_config(self, config: dict[str, Any]) -> None:
@@ -143,17 +196,22 @@ class RunLog:
         rec = {"step": int(step), "phase": phase, "time": round(time.time(), 3)}
         rec.update(_jsonable(metrics))
         self._metrics.write(json.dumps(rec) + "\n")
-        if self._tb is not None:
-            for k, v in rec.items():
-                if k in ("step", "phase", "time"):
-                    continue
-                if isinstance(v, bool):
-                    v = float(v)
-                if isinstance(v, (int, float)):
-                    self._tb.add_scalar(f"{phase}/{k}", v, int(step))
+        self._records += 1
+        self._tb_write(rec)
+
+    def _tb_write(self, rec: dict[str, Any]) -> None:
+        if self._tb is None:
+            return
+        for k, v in rec.items():
+            if k in ("step", "phase", "time"):
+                continue
+            if isinstance(v, bool):
+                v = float(v)
+            if isinstance(v, (int, float)):
+                self._tb.add_scalar(f"{rec['phase']}/{k}", v, int(rec["step"]), walltime=rec.get("time"))
 
     def read_metrics(self) -> list[dict[str, Any]]:
-        p = self.path / "metrics.jsonl"
+        p = self.path / METRICS
         return [json.loads(line) for line in p.read_text().splitlines() if line.strip()] if p.exists() else []
 
     # ------------------------------------------------------------- checkpoints
@@ -171,9 +229,12 @@ class RunLog:
         """
         final = self.checkpoint_dir(step)
         tmp = final.with_name(final.name + ".tmp")
-        if tmp.exists():
-            shutil.rmtree(tmp)
+        for stale in [*self.path.joinpath(CHECKPOINT_DIR).glob("step_*.del"), tmp]:
+            if stale.exists():  # left by a kill during an earlier save or deletion
+                shutil.rmtree(stale)
         tmp.mkdir(parents=True)
+        self._metrics.flush()
+        state = {**state, "metrics_records": self._records}
         trainable = {n: p.detach().cpu().clone() for n, p in model.named_parameters() if p.requires_grad}
         torch.save(trainable, tmp / "trainable.pt")
         if optimizer is not None:
@@ -183,7 +244,7 @@ class RunLog:
         if export:
             export_model(model, tokenizer, tmp / "model")
         if final.exists():
-            shutil.rmtree(final)
+            _remove_checkpoint(final)
         tmp.rename(final)
         self._prune(keep_last)
         return final
@@ -193,7 +254,7 @@ class RunLog:
             return
         cks = list_checkpoints(self.path)
         for old in cks[:-keep_last]:
-            shutil.rmtree(old, ignore_errors=True)
+            _remove_checkpoint(old)
 
     # ----------------------------------------------------------------- summary
     def write_summary(self, summary: dict[str, Any]) -> Path:
@@ -241,13 +302,23 @@ def export_model(model: torch.nn.Module, tokenizer: Any, out: Path) -> None:
             hf_logging.enable_progress_bar()
 
 
+def _remove_checkpoint(ck: Path) -> None:
+    """Rename to ``step_N.del`` (atomic: never a half-deleted ``step_N``), then delete."""
+    trash = ck.with_name(ck.name + ".del")
+    if trash.exists():
+        shutil.rmtree(trash)
+    ck.rename(trash)
+    shutil.rmtree(trash, ignore_errors=True)
+
+
 def list_checkpoints(run_dir: str | Path) -> list[Path]:
-    """Complete checkpoints of a run, oldest first (half-written ``*.tmp`` folders are ignored)."""
+    """Complete checkpoints of a run, oldest first: ``step_N`` folders with ``state.json`` and
+    ``trainable.pt`` (half-written ``.tmp`` and half-deleted ``.del`` folders are ignored)."""
     d = Path(run_dir) / CHECKPOINT_DIR
     if not d.is_dir():
         return []
-    cks = [p for p in d.iterdir() if p.is_dir() and p.name.startswith("step_") and not p.name.endswith(".tmp")
-           and (p / "state.json").exists()]
+    cks = [p for p in d.iterdir() if p.is_dir() and _CKPT_RE.fullmatch(p.name)
+           and (p / "state.json").is_file() and (p / "trainable.pt").is_file()]
     return sorted(cks, key=lambda p: int(p.name.split("_")[1]))
 
 

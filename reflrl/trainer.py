@@ -56,7 +56,7 @@ from .threads import describe as threads_summary
 from .algos import (PreRolloutFilter, drop_zero_variance_groups, get_advantage_fn, get_policy_loss_fn,
                     groups_to_request, kl_loss, max_variance_subset)
 from .recovery import own_rollouts
-from .runlog import RunLog, latest_checkpoint, load_checkpoint
+from .runlog import RunLog, latest_checkpoint, load_checkpoint, refuse_existing_run
 
 # ============================================================================ data order
 class PromptSampler:
@@ -451,6 +451,8 @@ class Trainer:
         self.progress = progress
         self.quiet = quiet
         self.t_start = time.perf_counter()
+        if not resume:
+            refuse_existing_run(run_dir)  # before the model loads (issue 18)
         from .progress import Progress
 
         # bars on a terminal, plain lines with elapsed time and ETA elsewhere (CI logs, nohup, pipes)
@@ -552,9 +554,10 @@ class Trainer:
                                       "masked": 0, "trajectories": 0, "episodes": 0}
         if resume:
             ck = latest_checkpoint(self.log.path)
-            if ck is None:
-                raise FileNotFoundError(f"{self.log.path} has no checkpoint to resume from")
-            self._load(ck)
+            if ck is None:  # killed before the first checkpoint (issue 18): RunLog emptied the metrics
+                self.say(f"{self.log.path} has no checkpoint yet: the run starts from the beginning")
+            else:
+                self._load(ck)
 
     # -------------------------------------------------------------------------------- set-up
     @property
@@ -600,6 +603,7 @@ class Trainer:
 
         e = self.cfg.env
         app = create_app()  # one in-process tool server shared by all envs
+        self.tool_server = app.server  # close() deletes its sandboxes (issue 18)
         return [gym.make(e.id, dataset=self.train_tasks, faults=e.faults or None, fault_seed=e.fault_seed,
                          seed=self.cfg.train.seed + k, reward=e.reward, parser=e.parser,
                          prompt_style=self.cfg.data.prompt_style, max_steps=e.max_steps,
@@ -916,6 +920,10 @@ class Trainer:
         cfg, tr = self.cfg, self.cfg.train
         st = self.state
         st.setdefault("budget_cuts", [])
+        if st["phase"] == "done":  # resumed after the final checkpoint (issue 18): nothing to redo
+            summary = self.summary()
+            self.log.write_summary(summary)
+            return summary
         if st["phase"] == "start":
             self.say(f"run folder {self.log.path}; model {cfg.model.name} loaded in {self.load_s:.0f}s; "
                      f"{len(self.train_tasks)} train / {len(self.splits['test'])} test tasks; "
@@ -1014,13 +1022,13 @@ class Trainer:
     def ledger_totals(self) -> dict[str, Any]:
         """Fault and triage counts summed over the envs' ledgers (this process's episodes)."""
         tot: dict[str, Any] = {"calls": 0, "attempts": 0, "retries": 0, "recovered": 0, "given_up": 0,
-                               "policy_errors": 0, "faults_by_kind": {}, "injected_by_kind": {}}
+                               "policy_errors": 0, "tool_bugs": 0, "faults_by_kind": {}, "injected_by_kind": {}}
         for env in self.envs:
             led = getattr(env, "ledger", None)
             if led is None:
                 continue
             t = led.totals()
-            for k in ("calls", "attempts", "retries", "recovered", "given_up", "policy_errors"):
+            for k in ("calls", "attempts", "retries", "recovered", "given_up", "policy_errors", "tool_bugs"):
                 tot[k] += int(getattr(t, k))
             for key in ("faults_by_kind", "injected_by_kind"):
                 for kind, c in getattr(t, key).items():
@@ -1081,6 +1089,7 @@ class Trainer:
                 pass
         if not self.loop.is_closed():
             self.loop.close()
+        self.tool_server.shutdown()
         self.log.close()
 
 
@@ -1191,7 +1200,12 @@ def resolve_config(args: argparse.Namespace) -> tuple[C.Config, Path, bool]:
                             + ("" if args.config else " (the default recipe is missing from this installation)"))
     cfg = C.load_config(path, overrides)
     name = cfg.train.run_name or (datetime.now().strftime("%Y%m%d-%H%M%S") + f"-s{cfg.train.seed}")
-    return cfg, Path(cfg.train.out_dir) / name, False
+    run_dir = Path(cfg.train.out_dir) / name
+    try:
+        refuse_existing_run(run_dir)
+    except FileExistsError as e:
+        raise C.ConfigError(str(e)) from None
+    return cfg, run_dir, False
 
 
 def train(cfg: C.Config, run_dir: str | Path, *, resume: bool = False, progress: bool = True,

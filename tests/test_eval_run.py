@@ -230,6 +230,7 @@ def test_run_checkpoint_resolution(tmp_path):
         ck = run / "checkpoints" / f"step_{step:06d}"
         (ck / "model").mkdir(parents=True)
         (ck / "state.json").write_text("{}")
+        (ck / "trainable.pt").write_bytes(b"")  # a checkpoint counts with state.json and trainable.pt
         (ck / "model" / "config.json").write_text("{}")
     assert run_checkpoint(run) == run / "checkpoints" / "step_000012" / "model"
     assert run_checkpoint(run / "checkpoints" / "step_000005" / "model").name == "model"

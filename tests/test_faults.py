@@ -26,7 +26,14 @@ def test_parse_example_and_round_trip():
     assert FaultPlan.parse(str(p)) == p
     assert FaultPlan.parse("latency=0.1:2s").entry("latency").param == 2.0
     assert FaultPlan.parse("latency=0.1:1.5m").entry("latency").param == 90.0
-    assert FaultPlan.parse("rate_limit=1:3").entry("rate_limit").param == 3.0
+    assert FaultPlan.parse("rate_limit=1:3s").entry("rate_limit").param == 3.0
+
+
+@pytest.mark.parametrize("spec", ["rate_limit=0.1:2", "latency=0.1:300", "timeout=1:0.5"])
+def test_a_duration_without_a_unit_is_refused_as_the_readme_says(spec):
+    """README "Faults": durations without a unit are rejected (``300`` could be ms or s)."""
+    with pytest.raises(FaultSpecError, match="has no unit"):
+        FaultPlan.parse(spec)
 
 
 def test_none_plans():

@@ -124,7 +124,8 @@ async def test_serve_module_in_a_subprocess(tmp_path):
             with pytest.raises(httpx.ReadTimeout):
                 await http.post("/v1/call/any_tool", json={"arguments": {}},
                                 headers=_headers("st"), timeout=READ_TIMEOUT)
-            events = (await http.get("/v1/ledger")).json()["events"]
+            events = [e for ep in ("sp", "st")
+                      for e in (await http.get(f"/v1/episodes/{ep}/ledger")).json()["events"]]
             assert sorted(e["kind"] for e in events) == ["connection", "timeout"]
             assert (await http.delete("/v1/episodes/sp")).status_code == 204
     finally:

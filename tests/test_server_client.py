@@ -145,12 +145,14 @@ async def test_policy_errors_are_classified_and_never_retried(client):
     assert client.ledger.totals("ep").policy_errors == 6
 
 
-async def test_handler_bug_is_a_500_that_reconcile_flags(client):
+async def test_handler_bug_is_a_tool_bug_not_a_fault_and_not_retried(client):
     await client.open_episode("ep", seed=1)
     out = await client.call("ep", step=0, call_index=0, name="buggy", arguments={})
-    assert out.triage == "env_fault" and out.fault_kind == "server_error" and out.status == 500
+    assert (out.triage, out.fault_kind, out.status, out.attempts) == ("tool_bug", None, 500, 1)
+    assert "RuntimeError: handler bug" in out.error
     rep = client.ledger.reconcile("ep")
-    assert not rep.exact and all(m.injected is None for m in rep.mismatches)
+    assert rep.exact and rep.tool_bugs == 1
+    assert client.ledger.totals("ep").tool_bugs == 1
 
 
 # ---- each kind, as the client sees it ---------------------------------------------------
@@ -384,7 +386,7 @@ def test_classification_helpers():
 @settings(max_examples=300, deadline=None)
 @given(status=st.integers(100, 599), body=st.binary(max_size=80) | st.sampled_from(
     [b'{"result": {"a": 1}}', b'{"error": {"type": "unknown_episode"}}', b'{"result": "\\u0000"}',
-     b'{"error": "x"}', b"[]", b"null"]),
+     b'{"error": "x"}', b"[]", b"null", b'{"error": {"type": "tool_bug"}}']),
        retry_after=st.none() | st.text(max_size=12))
 def test_fuzz_classification_never_crashes(status, body, retry_after):
     headers = {} if retry_after is None else {"retry-after": retry_after}
@@ -393,7 +395,7 @@ def test_fuzz_classification_never_crashes(status, body, retry_after):
     except ToolClientError:
         assert status in (400, 404)
         return
-    assert obs.triage in ("ok", "env_fault", "policy_error")
+    assert obs.triage in ("ok", "env_fault", "policy_error", "tool_bug")
     assert (obs.kind in KIND_NAMES) == (obs.triage == "env_fault")
 
 
@@ -410,6 +412,7 @@ async def test_reopening_an_episode_id_on_one_server_replays_its_faults(tmp_path
         await c.close_episode("ep")
         await c.aclose()
         runs.append(([(o.triage, o.attempts) for o in outs],
-                     [(e.key, e.kind) for e in app.server.ledger.injected("ep")]))
+                     [(e.key, e.kind) for e in c.ledger.injected("ep")]))  # fetched before DELETE
+        assert not app.server.ledger.injected("ep")  # the server freed them with the episode
     assert runs[0] == runs[1]
     assert runs[0][1], "the plan injected faults"

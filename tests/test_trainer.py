@@ -31,6 +31,21 @@ def scripted_trainer(cfg, run_dir, answer=None, resume=False) -> T.Trainer:
     return tr
 
 
+def run_until_killed(trainer: T.Trainer, step: int) -> None:
+    """Run ``trainer`` until it is "killed" (KeyboardInterrupt) entering step ``step + 1``; close it."""
+    real_step = trainer.train_step
+
+    def dying_step():
+        if trainer.step == step:
+            raise KeyboardInterrupt("killed")
+        return real_step()
+
+    trainer.train_step = dying_step
+    with pytest.raises(KeyboardInterrupt):
+        trainer.run()
+    trainer.close()
+
+
 def trainable(model):
     return {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
 
@@ -227,17 +242,7 @@ def test_kill_and_resume_gives_the_same_next_batches_and_filter_state(tmp_path):
     cfg_b = tiny_cfg(tmp_path / "b", **over)
     b = T.Trainer(cfg_b, tmp_path / "b" / "run", progress=False, quiet=True)
     b.engine = b.eval_engine = ScriptedEngine(b.tokenizer, answer_for(b))
-    real_step = b.train_step
-
-    def dying_step():
-        if b.step == 4:
-            raise KeyboardInterrupt("killed")
-        return real_step()
-
-    b.train_step = dying_step
-    with pytest.raises(KeyboardInterrupt):
-        b.run()
-    b.close()
+    run_until_killed(b, 4)
     assert (tmp_path / "b" / "run" / "checkpoints" / "step_000004").is_dir()
 
     # resume in a fresh Trainer (reads config.yaml + the last checkpoint)

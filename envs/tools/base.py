@@ -30,12 +30,40 @@ class ToolContext:
     sandbox:    a folder owned by this episode; file tools must resolve every path inside it
                 (use ``resolve_in_sandbox``) and never touch anything else.
     state:      mutable per-episode state (e.g. bfcl-eval backend instances).
+    sandbox_bytes, sandbox_files: the episode's disk quota (None = unlimited); file tools call
+                ``check_quota`` before they write.
     """
 
     seed: int
     episode_id: str
     sandbox: Path
     state: dict[str, Any] = field(default_factory=dict)
+    sandbox_bytes: int | None = None
+    sandbox_files: int | None = None
+
+    def check_quota(self, target: Path, new_bytes: int) -> None:
+        """Raise ToolError ``quota_exceeded`` if writing ``new_bytes`` to ``target`` (replacing
+        it if it exists; creating its missing parent folders) would exceed the episode's quota."""
+        if self.sandbox_bytes is None and self.sandbox_files is None:
+            return
+        used = entries = 0
+        root = self.sandbox.resolve()
+        for p in root.rglob("*"):
+            entries += 1
+            if p.is_file() and not p.is_symlink() and p != target:
+                used += p.stat().st_size
+        created = 0 if target.exists() else 1
+        parent = target.parent
+        while parent != root and root in parent.parents and not parent.exists():
+            created += 1
+            parent = parent.parent
+        if self.sandbox_bytes is not None and used + new_bytes > self.sandbox_bytes:
+            raise ToolError(f"writing {new_bytes} bytes would put the episode's files at "
+                            f"{used + new_bytes} bytes; the quota is {self.sandbox_bytes} bytes "
+                            "(delete files first)", kind="quota_exceeded")
+        if self.sandbox_files is not None and entries + created > self.sandbox_files:
+            raise ToolError(f"the episode's sandbox holds {entries} files and folders; the quota is "
+                            f"{self.sandbox_files} (delete files first)", kind="quota_exceeded")
 
     def resolve_in_sandbox(self, path: str) -> Path:
         """Resolve a model-given relative path inside the sandbox, refusing escapes."""

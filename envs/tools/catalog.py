@@ -533,9 +533,11 @@ def write_file(args: dict[str, Any], ctx: ToolContext) -> dict[str, Any]:
         raise ToolError(f"{args['path']!r} is a directory", kind="not_a_file")
     if p.exists() and not args.get("overwrite", False):
         raise ToolError(f"file {args['path']!r} exists (pass overwrite=true)", kind="file_exists")
+    data = content.encode("utf-8")
+    ctx.check_quota(p, len(data))  # the episode's disk quota (ToolError quota_exceeded)
     p.parent.mkdir(parents=True, exist_ok=True)
-    p.write_text(content, encoding="utf-8")
-    return {"path": _rel(ctx, p), "bytes_written": len(content.encode("utf-8"))}
+    p.write_bytes(data)
+    return {"path": _rel(ctx, p), "bytes_written": len(data)}
 
 
 @_io
