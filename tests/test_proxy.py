@@ -164,7 +164,13 @@ def test_header_coordinates_decide_exactly_like_the_tool_server(upstream):
             assert (r.status_code == 429) == (kind == "rate_limit")
             assert (r.status_code in (500, 502, 503)) == (kind == "server_error")
             assert (r.status_code == 200) == (kind is None)
-    assert len(proxy.ledger.injected("ep-a")) == sum(
+        first = [e.kind for e in sorted(proxy.ledger.injected("ep-a"), key=lambda e: e.call)]
+        for call in range(12):  # the episode replayed: the same faults, recorded afresh
+            h = {"x-reflrl-episode": "ep-a", "x-reflrl-step": "1", "x-reflrl-call": str(call),
+                 "x-reflrl-attempt": "0"}
+            c.get("/weather", params={"city": "Oslo"}, headers=h)
+    again = [e.kind for e in sorted(proxy.ledger.injected("ep-a"), key=lambda e: e.call)]
+    assert again == first and len(first) == sum(
         decide(plan, 5, "ep-a", 1, call, 0) is not None for call in range(12))
 
 
