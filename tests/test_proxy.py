@@ -252,3 +252,30 @@ def test_env_points_its_tools_at_a_proxied_real_service(upstream):
     assert retried > 0 and sum(totals.injected_by_kind.values()) >= 3
     assert report.exact, report.format()
     assert report.per_kind["schema_drift"].matched == report.per_kind["schema_drift"].injected
+
+
+def test_trl_environment_factory_calls_a_proxied_service(upstream):
+    """The TRL environment's tool methods reach the user's service through the proxy."""
+    from reflrl.integrations.trl import ToolEnvironmentFactory
+
+    url, _ = upstream
+    tool = HttpTool("get_weather", "Current weather in a city.",
+                    {"type": "object", "properties": {"city": {"type": "string"}},
+                     "required": ["city"]}, path="/weather")
+    tasks = [Task(id="w", query="Weather in Oslo?", tools=[tool.schema()],
+                  gold=[[ToolCall("get_weather", {"city": "Oslo"})]])]
+    proxy, srv = _proxy(url, "rate_limit=0.5:0s", seed=2)
+    with srv:
+        client = http_tool_client(srv.url, [tool], retry=RetryPolicy(max_attempts=6, base_s=0.0))
+        factory = ToolEnvironmentFactory(tools=["get_weather"], tasks=tasks, client=client, seed=0)
+        try:
+            env = factory()
+            env.reset(task_index=0)
+            answers = [json.loads(env.get_weather(city="Oslo")) for _ in range(6)]
+            factory.flush()
+            report = factory.ledger.reconcile()
+        finally:
+            factory.close()
+    assert all(a["result"]["city"] == "Oslo" for a in answers)
+    assert sum(o.attempts for o in env.outcomes) > 6  # some calls were retried
+    assert report.exact and report.per_kind["rate_limit"].matched > 0

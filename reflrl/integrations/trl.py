@@ -55,6 +55,7 @@ from __future__ import annotations
 import inspect
 import json
 import random
+import weakref
 from dataclasses import asdict
 from typing import Any, Callable, Sequence
 
@@ -282,6 +283,8 @@ class ToolEnvironmentFactory:
         self._runner = LoopThread("reflrl-trl-tools")
         self._open_envs: dict[str, ToolEnvironment] = {}
         self._n_instances = 0
+        weakref.finalize(self, self._runner.stop)  # a factory dropped without close()
+        self._owns_client = client is None
         if client is not None:
             self._client, self.server_url = client, None
             self.ledger = client.ledger
@@ -382,10 +385,12 @@ class ToolEnvironmentFactory:
             self._close(env)
 
     def close(self) -> None:
-        """Close the episodes, the client and the event loop thread (idempotent)."""
+        """Close the episodes, the client (unless it was passed in) and the event loop thread
+        (idempotent)."""
         if self._runner.loop is not None:
             self.flush()
-            self._runner.run(self._client.aclose())
+            if self._owns_client:
+                self._runner.run(self._client.aclose())
         self._runner.stop()
 
 
