@@ -132,6 +132,10 @@ class _LoopThread:
             loop.close()
 
 
+# Public name: reflrl.integrations.trl runs the tool calls of a whole TRL environment pool on one.
+LoopThread = _LoopThread
+
+
 @dataclasses.dataclass
 class _Episode:
     """The mutable state of the current episode."""

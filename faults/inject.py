@@ -17,6 +17,10 @@ and makes the client see it exactly as a real HTTP client would:
   cannot apply (error answer, no dict in the result, not a file tool) nothing is injected and
   nothing is recorded, so the ledger stays exact.
 
+The same middleware sits in the fault proxy (``reflrl.envs.proxy``) in front of any HTTP API: there
+``coords`` derives the coordinates from the request itself and ``envelope=None`` makes the whole
+JSON body the result that schema_drift alters.
+
 Connection-level effects go through a *net control* found in ``scope["extensions"]["reflrl.net"]``:
 the uvicorn protocol in ``reflrl.envs.serve`` provides one that really resets / closes the socket;
 the in-process transport in ``reflrl.envs.client`` provides one that makes httpx raise the same
@@ -30,7 +34,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Callable, Protocol
 
-from .coords import CoordError, parse_coords
+from .coords import H_ATTEMPT, H_CALL, H_EPISODE, H_STEP, CoordError, parse_coords
 from .decide import FaultDecision, decide
 from .ledger import FaultEvent, Ledger
 from .spec import FaultPlan
@@ -70,27 +74,40 @@ class FaultSite:
 Lookup = Callable[[str, str], "FaultSite | None"]
 
 
+Coords = tuple[str, int, int, int, str, str]
+"""(episode, step, call, attempt, client identity, tool) of one request."""
+
+
 class FaultInjector:
     """ASGI middleware; ``lookup(episode_id, tool) -> FaultSite | None`` (None: no such episode,
     let the app answer), ``ledger`` receives the injected events, ``clock.sleep`` is used when
-    there is no net control."""
+    there is no net control.
 
-    def __init__(self, app, *, lookup: Lookup, ledger: Ledger, clock) -> None:
+    coords:   ``coords(scope) -> Coords | None``: which requests are subject to faults and their
+              coordinates; default ``call_coords`` (POST /v1/call/{tool} with X-Reflrl-* headers).
+              None lets the app answer untouched.
+    envelope: the key of a 200 JSON answer that holds the result schema_drift and invalid_file
+              alter (``{"result": ...}`` of the tool server); None = the whole JSON body (the
+              fault proxy in front of any JSON API)."""
+
+    def __init__(self, app, *, lookup: Lookup, ledger: Ledger, clock,
+                 coords: Callable[[dict], Coords | None] | None = None,
+                 envelope: str | None = "result") -> None:
         self.app = app
         self.lookup = lookup
         self.ledger = ledger
         self.clock = clock
+        self.coords = coords or call_coords
+        self.envelope = envelope
 
     async def __call__(self, scope, receive, send) -> None:
-        if (scope["type"] != "http" or scope["method"] != "POST"
-                or not scope["path"].startswith(CALL_PREFIX)):
-            return await self.app(scope, receive, send)
         try:
-            c = parse_coords(scope["headers"])
+            coords = self.coords(scope) if scope["type"] == "http" else None
         except CoordError as e:  # never a silently fault-free call (reflrl.faults.coords)
             return await _send_json(send, 400, _err("bad_header", str(e)))
-        episode, step, call, attempt, ident = c.episode, c.step, c.call, c.attempt, c.client
-        tool = scope["path"][len(CALL_PREFIX):]
+        if coords is None:
+            return await self.app(scope, receive, send)
+        episode, step, call, attempt, ident, tool = coords
         site = self.lookup(episode, tool)
         if site is None:
             return await self.app(scope, receive, send)
@@ -159,25 +176,30 @@ class FaultInjector:
             return await _send_raw(send, 200, hdrs, bad)
         if status != 200:
             return await _send_raw(send, status, headers, body)
+        env = self.envelope
         try:
             payload = json.loads(body)
-            result = payload["result"]
+            result = payload if env is None else payload[env]
         except (ValueError, KeyError, TypeError):
             return await _send_raw(send, status, headers, body)
+
+        def wrap(new_result: Any) -> Any:
+            return new_result if env is None else {env: new_result}
+
         if k == "schema_drift":
             drifted = drift(result, d)
             if drifted is None:
                 return await _send_raw(send, status, headers, body)
             new_result, detail = drifted
             record(k, 200, detail)
-            return await _send_json(send, 200, {"result": new_result})
+            return await _send_json(send, 200, wrap(new_result))
         if k == "invalid_file":
             if d.choose(("corrupt", "missing"), 3) == "missing":
                 record(k, 404, "file_missing")
                 return await _send_json(send, 404, _err(
                     "file_missing", "the file's storage object is missing (try again later)"))
             record(k, 200, "corrupt")
-            return await _send_json(send, 200, {"result": corrupt(result)})
+            return await _send_json(send, 200, wrap(corrupt(result)))
         return await _send_raw(send, status, headers, body)  # pragma: no cover
 
     async def _stall(self, net, seconds: float, receive) -> bool:
@@ -253,6 +275,26 @@ def is_corrupt(result: Any) -> bool:
 
 
 # ---- ASGI helpers -------------------------------------------------------------------------
+def header_coords(scope) -> tuple[str, int, int, int, str] | None:
+    """(episode, step, call, attempt, client) from the X-Reflrl-* headers; None when the request carries
+    no coordinate header at all (the fault proxy then derives them from the request itself); CoordError
+    naming the header when they are there but missing a part or malformed."""
+    present = {name for name, _ in scope["headers"]}
+    if not present & {H_EPISODE, H_STEP, H_CALL, H_ATTEMPT}:
+        return None
+    c = parse_coords(scope["headers"])
+    return (c.episode, c.step, c.call, c.attempt, c.client)
+
+
+def call_coords(scope) -> Coords | None:
+    """The tool server's requests: POST /v1/call/{tool}, whose X-Reflrl-* coordinate headers are
+    required (CoordError, answered 400, when missing or malformed)."""
+    if scope["method"] != "POST" or not scope["path"].startswith(CALL_PREFIX):
+        return None
+    c = parse_coords(scope["headers"])
+    return (c.episode, c.step, c.call, c.attempt, c.client, scope["path"][len(CALL_PREFIX):])
+
+
 def _err(kind: str, message: str) -> dict:
     return {"error": {"type": kind, "message": message}}
 

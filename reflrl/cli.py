@@ -6,6 +6,7 @@ Subcommands::
     reflrl env check  [--id ID ...]
     reflrl tools serve [--host 127.0.0.1] [--port 8077] [--seed 0]
     reflrl faults list
+    reflrl faults proxy --upstream URL --faults SPEC [--seed 0] [--port 8078]
     reflrl train ...   (the trainer's own arguments; see ``reflrl train --help``)
     reflrl eval rotbench taskbench bfcl sealtools --model NAME ...  /  reflrl eval compare RUN_A RUN_B
     reflrl data download rotbench --dest DIR
@@ -148,6 +149,27 @@ def build_parser() -> argparse.ArgumentParser:
         "list", help="print the fault kinds: parameter, retried, what the client sees",
         description="Print the fault kinds table and the --faults spec grammar.")
     flist.add_argument("--width", type=int, default=110, help="table width in characters")
+    proxy = faults_sub.add_parser(
+        "proxy", help="a fault-injecting reverse proxy in front of any HTTP API",
+        description="Forward every request to --upstream and inject the --faults plan's faults "
+                    "(seeded and replayable: the decision is a pure function of seed, request "
+                    "identity and attempt); GET /_reflrl/ledger lists the injected faults. "
+                    "Binds the loopback interface.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    proxy.add_argument("--upstream", required=True,
+                       help="base URL of the API to put the proxy in front of, e.g. "
+                            "http://127.0.0.1:9000")
+    proxy.add_argument("--faults", required=True, type=str,
+                       help="fault spec kind=prob[:param],... (see 'reflrl faults list'); "
+                            "invalid_file is for reflrl's file tools only")
+    proxy.add_argument("--seed", type=int, default=0, help="fault seed")
+    proxy.add_argument("--host", default="127.0.0.1",
+                       help="address to bind (loopback only: 127.0.0.1, localhost or ::1)")
+    proxy.add_argument("--port", type=int, default=8078, help="TCP port (0 = pick a free one)")
+    proxy.add_argument("--max-body-bytes", type=int, default=1 << 20,
+                       help="request bodies over this size are answered 413")
+    proxy.add_argument("--upstream-timeout", type=float, default=60.0,
+                       help="seconds to wait for the upstream before answering 504")
 
     # ---- train (the trainer parses its own arguments) ----------------------------------
     train = sub.add_parser("train", help="train a policy with RL (see 'reflrl train --help')",
@@ -225,6 +247,28 @@ def cmd_tools_serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_faults_proxy(args: argparse.Namespace) -> int:
+    """Run the fault proxy on the loopback interface until interrupted."""
+    faults = _fault_spec(args.faults)
+    if args.host not in ("127.0.0.1", "localhost", "::1"):
+        raise UsageError(f"--host {args.host!r}: the proxy binds the loopback interface only "
+                         "(127.0.0.1, localhost or ::1)")
+    from reflrl.envs import proxy as proxy_mod
+    from reflrl.faults.spec import FaultSpecError
+
+    try:
+        proxy_mod.serve_proxy(args.upstream, faults, seed=args.seed, host=args.host,
+                              port=args.port, max_body_bytes=args.max_body_bytes,
+                              upstream_timeout=args.upstream_timeout)
+    except (proxy_mod.ProxyError, FaultSpecError) as e:
+        raise UsageError(str(e)) from None
+    except OSError as e:  # port in use, permission denied, ...
+        raise UsageError(f"cannot serve on {args.host}:{args.port}: {e}") from None
+    except KeyboardInterrupt:
+        pass
+    return 0
+
+
 def cmd_env_demo(args: argparse.Namespace) -> int:
     """The episode demo (reflrl.envs.demo)."""
     faults = _fault_spec(args.faults)
@@ -249,6 +293,7 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 _COMMANDS = {
     ("faults", "list"): cmd_faults_list,
+    ("faults", "proxy"): cmd_faults_proxy,
     ("env", "check"): cmd_env_check,
     ("env", "demo"): cmd_env_demo,
     ("tools", "serve"): cmd_tools_serve,
