@@ -10,14 +10,14 @@
 
 ``HttpToolTransport`` is an httpx transport that speaks the tool server's protocol to reflrl's
 ``ToolClient`` (``GET /v1/tools``, ``POST/DELETE /v1/episodes``, ``POST /v1/call/{tool}``,
-``GET /v1/ledger``) and plain HTTP to the service: a call becomes ``METHOD path`` with the
+``GET /v1/episodes/{id}/ledger``) and plain HTTP to the service: a call becomes ``METHOD path`` with the
 arguments filling ``{name}`` placeholders of the path, the rest in the query string (GET, DELETE)
 or as a JSON body (POST, PUT, PATCH); the X-Reflrl-* coordinate headers go along, so the fault
 proxy decides each attempt at the client's own coordinates. A 2xx JSON answer is the call's result
 (wrapped as ``{"result": ...}``); everything else (status, Retry-After, an invalid body, a reset,
 a short body, a timeout) reaches the client unchanged, so the client classifies, retries and
 records it as it does with reflrl's own tool server. A 400 from the service becomes 422
-``invalid_arguments`` (the policy's error, not a protocol bug). ``GET /v1/ledger`` reads the
+``invalid_arguments`` (the policy's error, not a protocol bug). ``GET /v1/episodes/{id}/ledger`` reads the
 proxy's ``/_reflrl/ledger``, so ``ledger.reconcile()`` pairs injected and observed faults; against
 a service without the proxy it is empty.
 
@@ -30,7 +30,7 @@ import json
 import threading
 from dataclasses import dataclass
 from typing import Any, Sequence
-from urllib.parse import quote
+from urllib.parse import quote, unquote
 
 import httpx
 
@@ -113,8 +113,13 @@ class HttpToolTransport(httpx.AsyncBaseTransport):
                 known = path[len("/v1/episodes/"):] in self._episodes
                 self._episodes.discard(path[len("/v1/episodes/"):])
             return httpx.Response(204 if known else 404, request=request)
-        if path == "/v1/ledger" and method == "GET":
-            return await self._ledger(request)
+        if path.startswith("/v1/episodes/") and path.endswith("/ledger") and method == "GET":
+            eid = unquote(path[len("/v1/episodes/"):-len("/ledger")])
+            with self._lock:
+                known = eid in self._episodes
+            if not known:
+                return _error(request, 404, "unknown_episode", f"no open episode {eid!r}")
+            return await self._ledger(request, eid)
         return _error(request, 404, "not_found", f"{method} {path} is not part of the protocol")
 
     async def _call(self, request: httpx.Request, name: str) -> httpx.Response:
@@ -153,14 +158,14 @@ class HttpToolTransport(httpx.AsyncBaseTransport):
         return httpx.Response(resp.status_code, headers=_plain(resp.headers), content=data,
                               request=request)
 
-    async def _ledger(self, request: httpx.Request) -> httpx.Response:
-        url = httpx.URL(self.base_url + "/_reflrl/ledger", params=request.url.params)
+    async def _ledger(self, request: httpx.Request, episode: str) -> httpx.Response:
+        url = httpx.URL(self.base_url + "/_reflrl/ledger", params={"episode": episode})
         resp = await self.inner.handle_async_request(httpx.Request("GET", url,
                                                                    extensions=request.extensions))
         data = await resp.aread()
         await resp.aclose()
         if resp.status_code == 404:  # no proxy in front of the service: nothing was injected
-            return _json(request, 200, {"episode": request.url.params.get("episode"), "events": []})
+            return _json(request, 200, {"episode": episode, "events": []})
         return httpx.Response(resp.status_code, headers=_plain(resp.headers), content=data,
                               request=request)
 
