@@ -79,7 +79,7 @@ def chat_generate_fn(engine: Any, tokenizer: Any, *, max_new_tokens: int = 96, t
                      seed: int = 0) -> Callable[[list[dict[str, str]]], str]:
     """A ``generate`` for :class:`PolicyCritic` (``as_messages=True``) from a rollout engine.
 
-    ``engine`` follows ``reflrl.engine.RolloutEngine`` (e.g. the trainer's TransformersEngine, so
+    ``engine`` follows ``reflrl.engines.base.RolloutEngine`` (e.g. the trainer's TransformersEngine, so
     the critic is the current policy); the messages are rendered with the tokenizer's chat
     template; greedy by default (a critic should answer consistently). Returns the decoded text
     without special tokens. Nothing is imported here: the objects are passed in.

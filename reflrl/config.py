@@ -18,7 +18,8 @@ fields, which take the text as it is (``model.name=1e-5`` is the string "1e-5"; 
 Unknown keys, wrong types and out-of-range values raise :class:`ConfigError` naming the
 key path, what was expected and what was given (with a did-you-mean for typos).
 
-This module must not import torch (the CLI and envs import it cheaply).
+This module imports no torch when it is imported (the CLI imports it cheaply); validating a config
+asks the registries of algorithms, samplers, variants, critics and engines for the names they know.
 """
 
 from __future__ import annotations
@@ -26,7 +27,6 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import re
-import sys
 import types
 import typing
 from dataclasses import dataclass, field
@@ -250,14 +250,6 @@ PARSERS = ("hermes", "pythonic", "react", "auto")
 PROMPT_STYLES = ("compact", "json")
 LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 KL_ESTIMATORS = ("k1", "kl", "abs", "k2", "mse", "k3", "low_var_kl")
-# Built-in names of reflrl.algos' registries (tests keep them in sync); names registered at
-# run time are accepted too when reflrl.algos is already imported.
-ADVANTAGES = ("grpo", "dr_grpo", "rloo", "gae")
-POLICY_LOSSES = ("clip_higher", "ppo_clip")
-# reflrl.recovery.VARIANTS (tests keep them in sync)
-VARIANTS = ("grpo", "ppo", "cot", "ref", "cot_is", "external", "external_is", "tool_rerl", "dpo")
-CRITICS = ("rule", "llm", "policy")
-SAMPLERS = ("none", "dapo", "smv", "smr", "rds")  # reflrl.algos.dscl.get_sampler (tests keep them in sync)
 
 
 # ---------------------------------------------------------------------------------- type checks
@@ -360,12 +352,30 @@ def _choice(errors: list[str], path: str, value: Any, choices: tuple | list) -> 
         errors.append(f"{path}: {value!r} is not one of {', '.join(map(str, choices))}{hint}")
 
 
-def _registered(kind: str, builtin: tuple) -> tuple:
-    reg = sys.modules.get("reflrl.algos.registry")
-    if reg is None:
-        return builtin
-    extra = reg.list_advantages() if kind == "advantage" else reg.list_policy_losses()
-    return tuple(sorted(set(builtin) | set(extra)))
+def registered(kind: str) -> list[str]:
+    """The names a registry knows (``reflrl.registry.Registry``), so names registered by a plugin are
+    accepted too. Imported when a config is validated, not when this module is (no torch at import)."""
+    if kind in ("advantage", "policy_loss"):
+        from reflrl.algos.registry import ADVANTAGES, POLICY_LOSSES
+
+        return (ADVANTAGES if kind == "advantage" else POLICY_LOSSES).names()
+    if kind == "sampler":
+        from reflrl.algos.dscl.samplers import SAMPLERS_REGISTRY
+
+        return SAMPLERS_REGISTRY.names()
+    if kind == "variant":
+        from reflrl.recovery.variants import VARIANTS
+
+        return VARIANTS.names()
+    if kind == "critic":
+        from reflrl.recovery.critics import CRITICS
+
+        return CRITICS.names()
+    if kind == "engine":
+        from reflrl.engines import ENGINES
+
+        return ENGINES.names()
+    raise ValueError(f"no registry of {kind!r}")
 
 
 def validate(cfg: Config) -> Config:
@@ -411,7 +421,7 @@ def validate(cfg: Config) -> Config:
     need(r.max_turns >= 1, f"rollout.max_turns: must be >= 1, got {r.max_turns}")
     need(r.answer_cap is None or r.answer_cap >= 1.0,
          f"rollout.answer_cap: must be >= 1 (a multiple of the gold answer's length) or null, got {r.answer_cap}")
-    _choice(e, "rollout.engine", r.engine, ("transformers", "vllm", "openai"))
+    _choice(e, "rollout.engine", r.engine, registered("engine"))
     if r.engine == "openai":
         need(bool(r.engine_base_url), "rollout.engine_base_url: rollout.engine='openai' needs the server's URL, "
              "e.g. http://127.0.0.1:8000/v1")
@@ -424,8 +434,8 @@ def validate(cfg: Config) -> Config:
          f"rollout.max_total_tokens: must be >= rollout.max_new_tokens ({r.max_new_tokens}), got {r.max_total_tokens}")
 
     a = cfg.algo
-    _choice(e, "algo.advantage", a.advantage, _registered("advantage", ADVANTAGES))
-    _choice(e, "algo.policy_loss", a.policy_loss, _registered("policy_loss", POLICY_LOSSES))
+    _choice(e, "algo.advantage", a.advantage, registered("advantage"))
+    _choice(e, "algo.policy_loss", a.policy_loss, registered("policy_loss"))
     _choice(e, "algo.loss_agg", a.loss_agg, LOSS_AGG_MODES)
     _choice(e, "algo.kl_estimator", a.kl_estimator, KL_ESTIMATORS)
     need(0 <= a.clip_low < 1, f"algo.clip_low: must be in [0, 1), got {a.clip_low}")
@@ -445,7 +455,7 @@ def validate(cfg: Config) -> Config:
     need(a.value_clip is None or a.value_clip > 0, f"algo.value_clip: must be > 0 or null, got {a.value_clip}")
 
     s = cfg.sampling
-    _choice(e, "sampling.sampler", s.sampler, SAMPLERS)
+    _choice(e, "sampling.sampler", s.sampler, registered("sampler"))
     for name in ("keep_a", "keep_b1", "keep_b2", "keep_c1", "keep_c2",
                  "format_threshold", "name_threshold", "key_threshold"):
         need(0 <= getattr(s, name) <= 1, f"sampling.{name}: must be in [0, 1], got {getattr(s, name)}")
@@ -486,8 +496,8 @@ def validate(cfg: Config) -> Config:
              f"train.run_name: must be a plain folder name, got {tr.run_name!r}")
 
     f = cfg.reflection
-    _choice(e, "reflection.variant", f.variant, VARIANTS)
-    _choice(e, "reflection.critic", f.critic, CRITICS)
+    _choice(e, "reflection.variant", f.variant, registered("variant"))
+    _choice(e, "reflection.critic", f.critic, registered("critic"))
     _choice(e, "reflection.reveal", f.reveal, ("none", "query", "value"))
     _choice(e, "reflection.reflect_on", f.reflect_on, ("failure", "env_fault"))
     _choice(e, "reflection.mode", f.mode, ("replace", "append"))

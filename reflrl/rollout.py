@@ -25,10 +25,48 @@ import functools
 import math
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any, Sequence
 
 from reflrl.envs.parsing import answer_complete, format_calls
 from reflrl.envs.types import Task
+
+
+@dataclass
+class StepRecord:
+    """What one env step told the rollout: the typed view of the env's ``info`` dict (the Gymnasium
+    contract between env and rollout), kept per step on the :class:`Trajectory`.
+
+    reward / correct:     the step's reward and exact-match verdict.
+    masked:               an env fault the client's retries did not recover (never penalised).
+    parse_ok / n_calls:   whether the answer parsed, and how many calls it made.
+    triage:               the env's triage of the step's calls (ok / env_fault / policy_error ...).
+    env_fault_treatment:  "retried-recovered" | "masked" | None.
+    reward_parts:         the reward's parts (the fine reward's format/name/key/value), if any.
+    fault_events:         the fault events the step observed.
+    billed_calls:         tool calls billed (retries included).
+    info:                 the env's whole info dict (what a critic is shown about the step).
+    """
+
+    reward: float
+    correct: bool
+    masked: bool
+    parse_ok: bool | None = None
+    n_calls: int = 0
+    triage: Any = None
+    env_fault_treatment: str | None = None
+    reward_parts: dict[str, float] | None = None
+    fault_events: list[Any] = field(default_factory=list)
+    billed_calls: int = 0
+    info: dict[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def from_info(cls, reward: float, info: dict[str, Any]) -> "StepRecord":
+        return cls(reward=float(reward), correct=_is_correct(info, reward), masked=_fault_outcome(info),
+                   parse_ok=info.get("parse_ok"), n_calls=len(info.get("calls") or []), triage=info.get("triage"),
+                   env_fault_treatment=info.get("env_fault_treatment"),
+                   reward_parts=dict(info["reward_parts"]) if isinstance(info.get("reward_parts"), dict) else None,
+                   fault_events=list(info.get("fault_events") or []),
+                   billed_calls=int(info.get("billed_calls") or 0), info=info)
 
 
 @dataclass
@@ -43,8 +81,10 @@ class Trajectory:
     reward:        the env's reward (0 for a masked trajectory: it is not used anyway).
     correct:       the answer was fully right (exact match) — used by the pre-rollout filter.
     masked:        an env fault was not recovered: excluded from the loss, never penalised.
-    info:          per-turn env info: fault events, triage, parse_ok, calls, env_fault_treatment ...
+    steps:         one :class:`StepRecord` per env step (fault events, triage, parse_ok, calls, ...).
     group:         index of the task in the batch (GRPO group).
+    added:         a reflection repair that joined its group beside the failure it repairs (Tool-ReRL,
+                   ``reflection.group="add"``), rather than taking its place.
     """
 
     task: Task
@@ -56,7 +96,7 @@ class Trajectory:
     reward: float = 0.0
     correct: bool = False
     masked: bool = False
-    info: dict[str, Any] = field(default_factory=dict)
+    steps: list[StepRecord] = field(default_factory=list)
     texts: list[str] = field(default_factory=list)  # decoded actions, one per turn
     turns: int = 0
     truncated: bool = False
@@ -64,6 +104,24 @@ class Trajectory:
     # critiques) and the failed rollout it replaced in the group; old_logprobs are then log pi(tau*|q*).
     repair: Any = None
     original: Any = None
+    added: bool = False
+
+    @property
+    def last(self) -> StepRecord | None:
+        """The last env step (its triage and env info are what a critic judges), or None."""
+        return self.steps[-1] if self.steps else None
+
+    @property
+    def fault_events(self) -> list[Any]:
+        return [e for s in self.steps for e in s.fault_events]
+
+    @property
+    def parse_ok(self) -> bool | None:
+        return self.steps[-1].parse_ok if self.steps else None
+
+    @property
+    def n_calls(self) -> int:
+        return sum(s.n_calls for s in self.steps)
 
     @property
     def repaired(self) -> bool:
@@ -88,8 +146,11 @@ class Trajectory:
 
 
 @dataclass
-class RolloutConfig:
-    """What a rollout samples: tokens per turn, temperature, turns, concurrency, when an answer stops."""
+class RolloutSpec:
+    """How rollouts run: tokens per turn, temperature, turns, concurrency, when an answer stops.
+
+    Built from a run's config by :meth:`from_config` (the ``rollout`` section, ``env.concurrency``, the
+    answer format and whether prompts ask for a thought); tests and scripts construct it directly."""
 
     max_new_tokens: int = 64
     temperature: float = 1.0
@@ -103,6 +164,16 @@ class RolloutConfig:
     fmt: str = "hermes"               # the tool-call format answers are written in
     think: bool = False               # answers start with a <think> block (adds THINK_TOKENS to the cap)
 
+    @classmethod
+    def from_config(cls, cfg: Any, *, fmt: str, think: bool) -> "RolloutSpec":
+        """From a :class:`reflrl.config.Config` (``fmt``: the format answers are written in; ``think``:
+        whether prompts ask for a <think> block)."""
+        r = cfg.rollout
+        return cls(max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_p=r.top_p, max_turns=r.max_turns,
+                   max_total_tokens=r.max_total_tokens, concurrent=cfg.env.concurrency > 1,
+                   concurrency=cfg.env.concurrency, answer_cap=r.answer_cap, stop_at_complete=r.stop_at_complete,
+                   fmt=fmt, think=think)
+
     def stop_when(self):
         """The engine's ``stop_when`` test for this config (None: stop at the end of the turn only)."""
         return functools.partial(answer_complete, fmt=self.fmt) if self.stop_at_complete else None
@@ -112,7 +183,7 @@ ANSWER_CAP_MARGIN = 16  # tokens added to answer_cap x the gold answer's length
 THINK_TOKENS = 128      # extra tokens for a <think> block
 
 
-def answer_token_cap(task: Task, tokenizer: Any, cfg: RolloutConfig) -> int:
+def answer_token_cap(task: Task, tokenizer: Any, cfg: RolloutSpec) -> int:
     """New-token cap of one single-turn answer to ``task``: ``ceil(cfg.answer_cap x g) + 16`` (+ 128
     with a ``<think>`` block), where g counts the tokens of the task's gold first-turn calls written in
     ``cfg.fmt`` plus the end-of-turn token; at most ``cfg.max_new_tokens``. A correct answer is about
@@ -172,7 +243,7 @@ def observation_text(tokenizer: Any, before: list[dict[str, Any]], action_text: 
 
 
 # ------------------------------------------------------------------------------------ generation
-def generate_batch(engine: Any, prompts: list[list[int]], cfg: RolloutConfig, *, n: int = 1,
+def generate_batch(engine: Any, prompts: list[list[int]], cfg: RolloutSpec, *, n: int = 1,
                    max_new_tokens: int | Sequence[int] | None = None, seed: int = 0
                    ) -> list[tuple[list[int], list[float], bool]]:
     """One batched engine call: ``n`` samples per prompt (token ids), prompt-major; ``max_new_tokens``:
@@ -219,31 +290,26 @@ def _is_correct(info: dict[str, Any], reward: float) -> bool:
     return float(reward) >= 1.0
 
 
-def _record_step(traj: Trajectory, reward: float, info: dict[str, Any]) -> None:
-    traj.reward = float(reward)
-    traj.correct = _is_correct(info, reward)
-    masked = _fault_outcome(info)
-    traj.masked = traj.masked or masked
-    steps = traj.info.setdefault("steps", [])
-    steps.append({k: info.get(k) for k in ("parse_ok", "triage", "env_fault_treatment", "reward_parts")
-                  if k in info})
-    traj.info.setdefault("fault_events", []).extend(info.get("fault_events") or [])
-    triage = info.get("triage")
-    if triage is not None:
-        traj.info.setdefault("triage", []).append(triage)
-    traj.info["parse_ok"] = info.get("parse_ok", traj.info.get("parse_ok"))
-    traj.info["last"] = info  # the last step's full env info (triage and critique of failures)
-    traj.info["n_calls"] = traj.info.get("n_calls", 0) + len(info.get("calls") or [])
+def record_step(traj: Trajectory, reward: float, info: dict[str, Any]) -> StepRecord:
+    """Record an env step's result on ``traj`` (reward, correctness, masking; a :class:`StepRecord`)."""
+    rec = StepRecord.from_info(reward, info)
+    traj.reward = rec.reward
+    traj.correct = rec.correct
+    traj.masked = traj.masked or rec.masked
+    traj.steps.append(rec)
+    return rec
 
 
-async def _reset(env: Any, task: Task, seed: int) -> tuple[Any, dict[str, Any]]:
+async def reset_episode(env: Any, task: Task, seed: int) -> tuple[Any, dict[str, Any]]:
+    """Start an episode of ``task`` on ``env`` (async when the env offers ``areset``)."""
     u = env.unwrapped
     if hasattr(u, "areset"):
         return await u.areset(seed=seed, options={"task": task})
     return env.reset(seed=seed, options={"task": task})
 
 
-async def _step(env: Any, action: str) -> tuple[Any, float, bool, bool, dict[str, Any]]:
+async def step_episode(env: Any, action: str) -> tuple[Any, float, bool, bool, dict[str, Any]]:
+    """One env step with ``action`` (async when the env offers ``astep``)."""
     u = env.unwrapped
     if hasattr(u, "astep"):
         return await u.astep(action)
@@ -270,7 +336,7 @@ async def _run_all(coros: list, concurrent: bool, limit: int = 0) -> list:
 
 # -------------------------------------------------------------------------------------- rollouts
 async def arollout(engine: Any, tokenizer: Any, envs: Sequence[Any], tasks: Sequence[Task], n: int,
-                   cfg: RolloutConfig, *, seed: int = 0, timings: dict[str, float] | None = None
+                   cfg: RolloutSpec, *, seed: int = 0, timings: dict[str, float] | None = None
                    ) -> list[Trajectory]:
     """Roll out n samples for each task: returns B×n Trajectories ordered task-major
     (trajectory j of task i at index i*n + j, ``group == i``).
@@ -287,7 +353,7 @@ async def arollout(engine: Any, tokenizer: Any, envs: Sequence[Any], tasks: Sequ
     t.setdefault("generate_s", 0.0)
     t.setdefault("env_s", 0.0)
     t0 = time.perf_counter()
-    resets = await _run_all([_reset(envs[k], tasks[k // n], seed + k) for k in range(total)],
+    resets = await _run_all([reset_episode(envs[k], tasks[k // n], seed + k) for k in range(total)],
                            cfg.concurrent, cfg.concurrency)
     t["env_s"] += time.perf_counter() - t0
     trajs: list[Trajectory] = []
@@ -305,7 +371,7 @@ async def arollout(engine: Any, tokenizer: Any, envs: Sequence[Any], tasks: Sequ
     return trajs
 
 
-async def _single_turn(engine, tokenizer, envs, trajs: list[Trajectory], cfg: RolloutConfig,
+async def _single_turn(engine, tokenizer, envs, trajs: list[Trajectory], cfg: RolloutSpec,
                        t: dict[str, float], seed: int) -> None:
     """All B×n samples in one engine call, then all env steps concurrently."""
     t0 = time.perf_counter()
@@ -329,15 +395,15 @@ async def _single_turn(engine, tokenizer, envs, trajs: list[Trajectory], cfg: Ro
         texts.append(tokenizer.decode(ids, skip_special_tokens=True))
         tr.texts.append(texts[-1])
     t0 = time.perf_counter()
-    results = await _run_all([_step(envs[k], texts[k]) for k in range(len(trajs))], cfg.concurrent,
+    results = await _run_all([step_episode(envs[k], texts[k]) for k in range(len(trajs))], cfg.concurrent,
                              cfg.concurrency)
     t["env_s"] += time.perf_counter() - t0
     for tr, (_obs, reward, _term, _trunc, info) in zip(trajs, results):
-        _record_step(tr, reward, info)
+        record_step(tr, reward, info)
 
 
 async def _multi_turn(engine, tokenizer, envs, trajs: list[Trajectory], messages: list[list[dict]],
-                      cfg: RolloutConfig, t: dict[str, float], seed: int) -> None:
+                      cfg: RolloutSpec, t: dict[str, float], seed: int) -> None:
     """Alternate batched generation of the ready trajectories with concurrent env steps.
 
     Loop: generate for every ready trajectory in one batch (in a worker thread, so in-flight tool
@@ -388,7 +454,7 @@ async def _multi_turn(engine, tokenizer, envs, trajs: list[Trajectory], messages
             (_obs, reward, term, trunc, info), dt = fut.result()
             t["env_s"] += dt
             tr = trajs[k]
-            _record_step(tr, reward, info)
+            record_step(tr, reward, info)
             if term or trunc or tr.masked or tr.turns >= cfg.max_turns or tr.truncated:
                 tr.truncated = tr.truncated or (bool(trunc) and not term)
                 continue
@@ -405,18 +471,18 @@ async def _multi_turn(engine, tokenizer, envs, trajs: list[Trajectory], messages
             ready.append(k)
 
 
-def _fits(tr: Trajectory, cfg: RolloutConfig) -> bool:
+def _fits(tr: Trajectory, cfg: RolloutSpec) -> bool:
     return len(tr.prompt_ids) + len(tr.response_ids) < cfg.max_total_tokens - 8
 
 
 async def _timed_step(env: Any, action: str):
     t0 = time.perf_counter()
-    res = await _step(env, action)
+    res = await step_episode(env, action)
     return res, time.perf_counter() - t0
 
 
 def rollout(engine: Any, tokenizer: Any, envs: Sequence[Any], tasks: Sequence[Task], n: int,
-            cfg: RolloutConfig, *, seed: int = 0, timings: dict[str, float] | None = None) -> list[Trajectory]:
+            cfg: RolloutSpec, *, seed: int = 0, timings: dict[str, float] | None = None) -> list[Trajectory]:
     """Synchronous wrapper of :func:`arollout` (runs its own event loop)."""
     return asyncio.run(arollout(engine, tokenizer, envs, tasks, n, cfg, seed=seed, timings=timings))
 
@@ -425,11 +491,11 @@ def rollout_stats(trajs: Sequence[Trajectory]) -> dict[str, float]:
     """Batch metrics: mean reward (unmasked), accuracy, parse rate, masked share, fault counts."""
     live = [t for t in trajs if not t.masked]
     n = max(1, len(trajs))
-    faults = sum(len(t.info.get("fault_events", [])) for t in trajs)
+    faults = sum(len(t.fault_events) for t in trajs)
     return {
         "reward_mean": (sum(t.reward for t in live) / len(live)) if live else 0.0,
         "correct_rate": (sum(t.correct for t in live) / len(live)) if live else 0.0,
-        "format_rate": sum(bool(t.info.get("parse_ok")) and t.info.get("n_calls", 0) > 0 for t in trajs) / n,
+        "format_rate": sum(bool(t.parse_ok) and t.n_calls > 0 for t in trajs) / n,
         "masked_frac": (len(trajs) - len(live)) / n,
         "fault_events": float(faults),
         "response_tokens_mean": sum(len(t.response_ids) for t in trajs) / n,

@@ -17,7 +17,7 @@ Endpoints (non-streaming):
   alternatives when asked) and ``usage``.
 
 Requests are served one at a time (an ``asyncio.Lock``; generation runs in a worker thread so
-the event loop keeps answering). Sampling is :class:`reflrl.engine.TransformersEngine`'s: log-probs
+the event loop keeps answering). Sampling is :class:`reflrl.engines.transformers_engine.TransformersEngine`'s: log-probs
 are under the temperature-scaled distribution (the engine's convention). ``stream=true``,
 ``tools`` and unknown models get a 400/404 with an OpenAI-style error body naming the problem
 (nothing is silently ignored). The server binds 127.0.0.1 only.
@@ -102,7 +102,7 @@ class ChatModel:
     the server's lock; :meth:`complete` is blocking)."""
 
     def __init__(self, model: Any, tokenizer: Any, name: str, engine: Any | None = None) -> None:
-        from .engine import TransformersEngine
+        from .engines.transformers_engine import TransformersEngine
 
         self.model, self.tokenizer, self.name = model, tokenizer, name
         self.engine = engine if engine is not None else TransformersEngine(model, tokenizer)
@@ -262,7 +262,7 @@ def create_app(chat: ChatModel) -> Starlette:
 
 def load_chat_model(name: str, dtype: str = "auto", seed: int = 0, max_batch_size: int = 16) -> ChatModel:
     """Load ``name`` (registry name, HF id or folder) frozen, with a TransformersEngine."""
-    from .engine import TransformersEngine
+    from .engines.transformers_engine import TransformersEngine
     from .models import load_model
 
     model, tok = load_model(name, dtype=dtype, trainable="none", seed=seed)

@@ -1,11 +1,11 @@
-"""Decoding speed of the rollout engine with and without reflrl.fast_decode, one run, same inputs.
+"""Decoding speed of the rollout engine with and without reflrl.engines.fast_decode, one run, same inputs.
 
 The workload is the default recipe's held-out evaluation: the 48 test prompts of the synthetic split
 (167-535 tokens, rendered exactly as in training), greedy, up to 160 new tokens, all rows decoded
 together -- what `reflrl train` runs twice per run. Two settings on the embedded model in bfloat16:
 
   plain     transformers' DynamicCache + sdpa attention, one left-padded prefill
-  fast      reflrl.fast_decode: growing in-place KV cache + copy-free GQA decode attention,
+  fast      reflrl.engines.fast_decode: growing in-place KV cache + copy-free GQA decode attention,
             prompts prefilled in chunks of similar length and the caches merged (the engine's default)
 
 It also checks that both give the same greedy tokens on most rows (bfloat16 rounding can flip a
@@ -33,12 +33,12 @@ def main(argv=None) -> int:
 
     from transformers import DynamicCache
 
-    import reflrl.engine as E
+    import reflrl.engines.transformers_engine as E
     from reflrl import config as C
     from reflrl.envs.prompts import build_messages
     from reflrl.models import load_model
     from reflrl.rollout import render_prompt
-    from reflrl.trainer import splits_from_config
+    from reflrl.train.data import splits_from_config
 
     cfg = C.load_config(None)
     tasks = splits_from_config(cfg.data)["test"][: args.limit]

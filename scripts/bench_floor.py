@@ -22,7 +22,7 @@ import time
 
 import torch
 
-from reflrl.engine import TransformersEngine
+from reflrl.engines.transformers_engine import TransformersEngine
 from reflrl.logprobs import sequence_logprobs, shared_prefix_logprobs
 from reflrl.models import count_parameters, load_model
 

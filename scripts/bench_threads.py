@@ -46,7 +46,7 @@ def worker(workload: str, threads: int, repeats: int) -> dict:
             for _ in range(20):
                 torch.matmul(a, b)
     elif workload == "decode":
-        from reflrl.engine import TransformersEngine
+        from reflrl.engines.transformers_engine import TransformersEngine
 
         model, tok = load_model("smollm2-135m-instruct", dtype=dtype, trainable="none")
         eng = TransformersEngine(model, tok)

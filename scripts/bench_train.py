@@ -44,7 +44,7 @@ def median_time(fn, repeats: int) -> float:
 
 
 def build(model_name: str, trainable: str, dtype: str):
-    from reflrl.engine import TransformersEngine
+    from reflrl.engines.transformers_engine import TransformersEngine
     from reflrl.models import load_model
 
     model, tok = load_model(model_name, dtype=dtype, trainable=trainable)
@@ -60,7 +60,7 @@ def real_trajectories(engine, tok, tasks, n, max_new_tokens, style="compact"):
 
     envs = [gym.make("reflrl/ToolCall-v0", dataset=tasks, seed=k, prompt_style=style).unwrapped
             for k in range(len(tasks) * n)]
-    cfg = R.RolloutConfig(max_new_tokens=max_new_tokens, temperature=1.0)
+    cfg = R.RolloutSpec(max_new_tokens=max_new_tokens, temperature=1.0)
     loop = asyncio.new_event_loop()
     trajs = loop.run_until_complete(R.arollout(engine, tok, envs, tasks, n, cfg, seed=1))
     for e in envs:
@@ -72,7 +72,8 @@ def real_trajectories(engine, tok, tasks, n, max_new_tokens, style="compact"):
 # ------------------------------------------------------------------------------------------ (a)
 def bench_downsample(model, tok, trajs, n, repeats):
     from reflrl import config as C
-    from reflrl import trainer as T
+    from reflrl.train.batch import make_batch
+    from reflrl.train.update import policy_update
     from reflrl.algos import max_variance_subset
 
     a = C.AlgoConfig(micro_batch_size=8, lr=1e-6)
@@ -87,13 +88,13 @@ def bench_downsample(model, tok, trajs, n, repeats):
     half = [g[i] for g in groups for i in max_variance_subset([t.reward for t in g], n // 2)]
     adv_full = [1.0 if t.reward > 0 else -1.0 for t in full]
     adv_half = [1.0 if t.reward > 0 else -1.0 for t in half]
-    b_full = T.make_batch(full, adv_full, tok.pad_token_id)
-    b_half = T.make_batch(half, adv_half, tok.pad_token_id)
+    b_full = make_batch(full, adv_full, tok.pad_token_id)
+    b_half = make_batch(half, adv_half, tok.pad_token_id)
     out = {}
     for share in (False, True):
-        T.policy_update(model, opt, b_half, a, share_prompt=share)  # warm-up
-        t_full = median_time(lambda: T.policy_update(model, opt, b_full, a, share_prompt=share), repeats)
-        t_half = median_time(lambda: T.policy_update(model, opt, b_half, a, share_prompt=share), repeats)
+        policy_update(model, opt, b_half, a, share_prompt=share)  # warm-up
+        t_full = median_time(lambda: policy_update(model, opt, b_full, a, share_prompt=share), repeats)
+        t_half = median_time(lambda: policy_update(model, opt, b_half, a, share_prompt=share), repeats)
         speed = t_full / t_half
         how = "prompt once per group" if share else "full sequences (the paper's setting)"
         print(f"(a) update per step, {how}: all n={n}: {t_full:.2f}s ({len(full)} seq, {b_full.n_tokens} tok); "
@@ -141,18 +142,19 @@ def bench_overhead(model, tok, trajs, repeats):
     advantage-weighted log-likelihood of the response tokens, backward, AdamW. Ours is timed with
     the prompt computed once per group (the default) and with full sequences like the bare step."""
     from reflrl import config as C
-    from reflrl import trainer as T
+    from reflrl.train.batch import make_batch
+    from reflrl.train.update import policy_update
 
     a = C.AlgoConfig(micro_batch_size=len(trajs), lr=1e-6)
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=1e-6)
     adv = [1.0 if i % 2 else -1.0 for i in range(len(trajs))]
-    batch = T.make_batch(trajs, adv, tok.pad_token_id)
+    batch = make_batch(trajs, adv, tok.pad_token_id)
     ids, attn, resp = batch.full()
     adv_full = batch.to_full(batch.advantages)
 
     def ours(share=True):
-        T.policy_update(model, opt, batch, a, share_prompt=share)
+        policy_update(model, opt, batch, a, share_prompt=share)
 
     def bare():
         opt.zero_grad(set_to_none=True)
@@ -185,7 +187,7 @@ class GoldReplayEngine:
     of the tool latency concurrent episodes hide. Used only in this benchmark, and labelled so."""
 
     def __init__(self, tok, tasks, prompt_style: str = "compact"):
-        from reflrl.engine import Sample  # noqa: F401  (the protocol's sample type)
+        from reflrl.engines.transformers_engine import Sample  # noqa: F401  (the protocol's sample type)
         from reflrl.envs.parsing import format_calls
         from reflrl.envs.prompts import build_messages
         from reflrl.rollout import render_prompt
@@ -197,7 +199,7 @@ class GoldReplayEngine:
 
     def generate(self, prompts, n=1, max_new_tokens=256, temperature=1.0, top_p=1.0, stop_ids=None, seed=0,
                  stop_when=None):
-        from reflrl.engine import Sample
+        from reflrl.engines.transformers_engine import Sample
 
         out = []
         for i, p in enumerate(prompts):
@@ -227,7 +229,7 @@ def bench_concurrency(engine, tok, tasks, n, max_new_tokens, latency_ms, multi_t
         envs = [gym.make(env_id, dataset=tasks, seed=k, faults=faults, prompt_style="compact",
                          concurrent_calls=mode, timeout=30.0, clock="system").unwrapped
                 for k in range(len(tasks) * n)]
-        cfg = R.RolloutConfig(max_new_tokens=max_new_tokens, temperature=1.0, concurrent=mode,
+        cfg = R.RolloutSpec(max_new_tokens=max_new_tokens, temperature=1.0, concurrent=mode,
                               max_turns=3 if multi_turn else 1, max_total_tokens=1024)
         loop = asyncio.new_event_loop()
         timings_all = []

@@ -32,7 +32,10 @@ def main(argv: list[str] | None = None) -> int:
     a = ap.parse_args(argv)
 
     from reflrl import config as C
-    from reflrl import trainer as T
+    from reflrl import train as T
+from reflrl.cli import main as cli_main
+from reflrl.train.batch import batch_logprobs, make_batch
+from reflrl.train.update import policy_update
 
     class ForcedRewardTrainer(T.Trainer):
         def rollout(self, task_idx, round_, timings):

@@ -15,7 +15,6 @@ from reflrl.algos import (
     broadcast_to_tokens,
     clipped_policy_loss,
     dr_grpo_advantage,
-    drop_zero_variance_groups,
     entropy_from_logits,
     gae_advantage,
     get_advantage_fn,
@@ -25,7 +24,6 @@ from reflrl.algos import (
     kl_loss,
     kl_penalty,
     list_advantages,
-    max_variance_downsample,
     max_variance_subset,
     outcome_to_token_rewards,
     rloo_advantage,
@@ -415,20 +413,21 @@ def test_downsample_is_optimal_against_brute_force():
         assert len(set(got)) == m and _var([r[i] for i in got]) == pytest.approx(best, abs=1e-9)
 
 
-def test_downsample_batched_and_edge_cases():
-    out = max_variance_downsample(torch.tensor([[1.0, 1, 0, 0], [0.0, 0, 0, 0]]), 2)
-    assert out.shape == (2, 2)
-    assert sorted(float(x) for x in torch.tensor([1.0, 1, 0, 0])[out[0]]) == [0.0, 1.0]
-    assert max_variance_subset([1, 0], 5) == [0, 1]
+def test_downsample_edge_cases():
+    assert max_variance_subset([1, 0], 5) == [0, 1]  # m >= n keeps everything
     with pytest.raises(ValueError):
-        max_variance_downsample(torch.zeros(2, 3), 0)
+        max_variance_subset([1.0, 0.0], -1)
 
 
 # ---------------------------------------------------------------- DAPO dynamic sampling
-def test_drop_zero_variance_groups():
-    r = torch.tensor([[1.0, 1, 1], [0.0, 1, 0], [0.0, 0, 0], [0.3, 0.3, 0.30001]])
-    assert drop_zero_variance_groups(r).tolist() == [False, True, False, True]
-    assert drop_zero_variance_groups(r, tol=1e-3).tolist() == [False, True, False, False]
+def test_zero_variance_is_dapos_rule():
+    from reflrl.algos import zero_variance
+
+    groups = [[1.0, 1, 1], [0.0, 1, 0], [0.0, 0, 0], [0.3, 0.3, 0.30001]]
+    assert [zero_variance(g) for g in groups] == [True, False, True, False]
+    assert [zero_variance(g, tol=1e-3) for g in groups] == [True, False, True, True]
+    assert zero_variance([1.0]) and zero_variance([])  # fewer than two rollouts: no signal either
+    assert not zero_variance(torch.tensor([0.0, 1.0]))
 
 
 def test_groups_to_request():
@@ -461,12 +460,7 @@ def test_bfloat16_log_probs_are_computed_in_float32():
     assert abs(float(loss16.detach()) - float(loss32.detach())) < 0.05
 
 
-def test_group_reward_stats_and_nonfinite_rewards():
-    from reflrl.algos import group_reward_stats
-
-    r = torch.tensor([[1.0, 1, 1], [0.0, 1, 0], [0.0, 0, 0], [1.0, 1, 1]])
-    s = group_reward_stats(r, r_max=1.0, r_min=0.0)
-    assert s == {"groups": 4.0, "zero_variance_ratio": 0.75, "all_correct_ratio": 0.5, "all_wrong_ratio": 0.25}
+def test_nonfinite_rewards_are_refused():
     with pytest.raises(ValueError, match="finite"):
         grpo_advantage(torch.tensor([1.0, float("nan")]), [0, 0])
     with pytest.raises(ValueError, match="finite"):

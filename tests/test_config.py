@@ -8,8 +8,6 @@ from pathlib import Path
 import pytest
 
 from reflrl.config import (
-    ADVANTAGES,
-    POLICY_LOSSES,
     Config,
     ConfigError,
     config_diff,
@@ -172,10 +170,22 @@ def test_config_diff_and_help():
     assert "algo.clip_high (float, default 0.28)" in text
 
 
-def test_registry_names_in_sync_and_no_torch_import():
-    from reflrl.algos import list_advantages, list_policy_losses
+def test_names_are_validated_by_asking_the_registries_and_import_is_torch_free():
+    """Algorithm, sampler, variant, critic and engine names are whatever their registries know: a name
+    a plugin registers is accepted at once, a typo is refused with a suggestion. Importing the config
+    module loads no torch (validating a config asks the registries, which do)."""
+    from reflrl.algos.registry import ADVANTAGES, POLICY_LOSSES, register_advantage
 
-    assert set(ADVANTAGES) <= set(list_advantages())
-    assert set(POLICY_LOSSES) <= set(list_policy_losses())
-    code = "import sys, reflrl.config as c; c.load_config(None, ['train.steps=3']); assert 'torch' not in sys.modules"
+    assert set(ADVANTAGES.names()) >= {"grpo", "dr_grpo", "rloo", "gae"}
+    assert set(POLICY_LOSSES.names()) >= {"clip_higher", "ppo_clip", "tool_rerl"}
+    with pytest.raises(ConfigError, match="did you mean 'grpo'"):
+        load_config(None, ["algo.advantage=grop"])
+    if "test_plugin_adv" not in ADVANTAGES:
+        register_advantage("test_plugin_adv")(lambda **kw: None)
+    assert load_config(None, ["algo.advantage=test_plugin_adv"]).algo.advantage == "test_plugin_adv"
+    for key, bad in (("sampling.sampler", "rdss"), ("reflection.variant", "toolrerl"), ("reflection.critic", "rul"),
+                     ("rollout.engine", "vlm")):
+        with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
+            load_config(None, [f"{key}={bad}"])
+    code = "import sys, reflrl.config as c; assert 'torch' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True)

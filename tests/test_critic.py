@@ -17,13 +17,12 @@ from reflrl.critic import (
     critic_messages,
     describe_env_fault,
     format_critique,
-    get_critic,
-    list_critics,
     parse_critique,
     render_ground_truth,
 )
 from reflrl.critic.format import MAX_CHARS
 from reflrl.critic.policy import PolicyCritic
+from reflrl.recovery.critics import CRITICS, get_critic
 from reflrl.envs.parsing import format_calls
 from reflrl.envs.types import ParseResult, ToolCall
 
@@ -240,7 +239,7 @@ def test_stats_count_unparseable_and_errors():
 
 
 def test_registry():
-    assert {"rule", "llm", "policy"} <= set(list_critics())
+    assert {"rule", "llm", "policy"} <= set(CRITICS.names())
     assert isinstance(get_critic("rule", reveal="none"), RuleCritic)
     with pytest.raises(KeyError, match="did you mean 'rule'"):
         get_critic("rules")

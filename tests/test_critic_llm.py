@@ -13,7 +13,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.routing import Route
 
-from reflrl.critic import CRITIC_INSTRUCTION, CriticStats, CritiqueRequest, EnvFault, get_critic
+from reflrl.critic import CRITIC_INSTRUCTION, CriticStats, CritiqueRequest, EnvFault
+from reflrl.recovery.critics import get_critic
 from reflrl.critic.llm import CriticEndpointError, LLMCritic
 from reflrl.envs.types import ToolCall
 from reflrl.serving import ServerThread, create_app, load_chat_model

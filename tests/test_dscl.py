@@ -27,8 +27,8 @@ from reflrl.algos.dscl import (
     stage_reward,
     subreward_fractions,
 )
-from reflrl.algos.filters import drop_zero_variance_groups
-from reflrl.config import SAMPLERS, ConfigError, load_config
+from reflrl.algos.filters import zero_variance
+from reflrl.config import ConfigError, load_config, registered
 from reflrl.envs.rewards import DSCL_STAGE_LAMBDAS, fine_parts, fine_reward
 from reflrl.envs.types import ParseResult, ToolCall
 
@@ -164,10 +164,10 @@ def test_smr_keeps_the_mean_reward_band():
 def test_dapo_adapter_agrees_with_filters():
     groups = [[1.0, 1.0, 1.0], [0.0, 1.0, 1.0], [-3.0, -3.0, -3.0], [2.0, 2.5, 2.0]]
     st = [prompt_stats(i, g) for i, g in enumerate(groups)]
-    expect = drop_zero_variance_groups(torch.tensor(groups)).tolist()
+    expect = [not zero_variance(g) for g in groups]
     assert get_sampler("dapo")(st, P, np.random.default_rng(0)) == expect == [False, True, False, True]
     assert get_sampler("none")(st, P, np.random.default_rng(0)) == [True] * 4
-    assert set(list_samplers()) == set(SAMPLERS) == {"none", "dapo", "smv", "smr", "rds"}
+    assert set(list_samplers()) == set(registered("sampler")) == {"none", "dapo", "smv", "smr", "rds"}
     with pytest.raises(ValueError, match="unknown sampler 'rsd'"):
         get_sampler("rsd")
 
@@ -283,7 +283,7 @@ def test_episode_stage_reward_matches_the_env_scoring():
     steps = [{"parse_ok": True, "reward_parts": {}},  # a tool step inside turn 0: no parts
              {"parse_ok": True, "reward_parts": fine_reward(preds[0], golds[0]).parts},
              {"parse_ok": True, "reward_parts": fine_reward(preds[1], golds[1]).parts}]
-    parts = scored_turn_parts(steps)
+    parts = scored_turn_parts([s["reward_parts"] for s in steps])
     assert len(parts) == 2
     want = (fine_reward(preds[0], golds[0], lambdas=lam).total
             + fine_reward(preds[1], golds[1], lambdas=lam).total - 3.0) / 3

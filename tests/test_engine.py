@@ -1,11 +1,11 @@
-"""Tests of reflrl.engine: the RolloutEngine protocol and the transformers sampling loop."""
+"""Tests of reflrl.engines.transformers_engine: the RolloutEngine protocol and the transformers sampling loop."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from reflrl.engine import RolloutEngine, Sample, TransformersEngine, sample_next
+from reflrl.engines.transformers_engine import RolloutEngine, Sample, TransformersEngine, sample_next
 from reflrl.logprobs import sequence_logprobs
 from reflrl.models import load_model
 
@@ -194,7 +194,7 @@ def test_sample_next_draws_from_the_temperature_distribution():
     the chosen token's under the temperature-scaled distribution."""
     import torch
 
-    from reflrl.engine import sample_next
+    from reflrl.engines.transformers_engine import sample_next
 
     p = torch.tensor([0.1, 0.6, 0.0, 0.3])
     logits = torch.log(p).clamp(min=-1e9).repeat(20000, 1)

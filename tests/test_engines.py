@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from reflrl.engine import RolloutEngine, TransformersEngine
-from reflrl.engines import get_engine, list_engines
+from reflrl.engines.transformers_engine import RolloutEngine, TransformersEngine
+from reflrl.engines import ENGINES, get_engine
 from reflrl.engines.openai_engine import OpenAIEngine, TokenAlignmentError, samples_from_completion
 from reflrl.logprobs import sequence_logprobs
 from reflrl.serving import ServerThread, create_app, load_chat_model
@@ -30,7 +30,7 @@ def engine(served):
 
 def test_registry_builds_engines_by_name(served):
     chat, _ = served
-    assert list_engines() == ["openai", "transformers", "vllm"]
+    assert ENGINES.names() == ["openai", "transformers", "vllm"]
     eng = get_engine("transformers", model=chat.model, tokenizer=chat.tokenizer)
     assert isinstance(eng, TransformersEngine) and isinstance(eng, RolloutEngine)
     with pytest.raises(KeyError, match="did you mean 'openai'"):

@@ -121,7 +121,7 @@ def test_bad_parser_reward_and_style_names():
 
 
 def test_import_and_episode_do_not_load_torch():
-    code = ("import sys, gymnasium, reflrl.envs, reflrl.envs.demo\n"
+    code = ("import sys, gymnasium, reflrl.envs\n"
             "e = gymnasium.make('reflrl/ToolCall-v0', seed=0); e.reset(); e.close()\n"
             "assert 'torch' not in sys.modules, 'torch imported'\n")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)

@@ -123,7 +123,7 @@ SWEEP_ARGS = ["experiment", "faults", "--methods", "grpo,tool_rerl", "--faults",
 
 
 def sweep_cmd(out: Path, *extra: str) -> list[str]:
-    return [sys.executable, "-m", "reflrl.cli", *SWEEP_ARGS, "--out", str(out), *extra]
+    return [sys.executable, "-m", "reflrl", *SWEEP_ARGS, "--out", str(out), *extra]
 
 
 def test_sweep_killed_after_its_first_cell_finishes_the_rest_on_rerun(tmp_path):

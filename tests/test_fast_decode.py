@@ -1,4 +1,4 @@
-"""reflrl.fast_decode: the growing KV cache and copy-free GQA decode attention give the same
+"""reflrl.engines.fast_decode: the growing KV cache and copy-free GQA decode attention give the same
 outputs as transformers' DynamicCache + sdpa (tiny model: 4 query heads over 2 key/value heads)."""
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ import pytest
 import torch
 from transformers import DynamicCache
 
-from reflrl.engine import TransformersEngine
-from reflrl.fast_decode import ATTN_NAME, GrowingLayer, fast_decoding, growing_cache
+from reflrl.engines.transformers_engine import TransformersEngine
+from reflrl.engines.fast_decode import ATTN_NAME, GrowingLayer, fast_decoding, growing_cache
 from reflrl.models import load_model
 
 
@@ -85,7 +85,7 @@ def test_engine_greedy_unchanged_by_fast_path(tiny, monkeypatch):
     prompts = [tok.encode("hello there"), tok.encode("a much longer prompt with more tokens in it, ok")]
     eng = TransformersEngine(model, tok)
     fast = eng.generate(prompts, n=2, max_new_tokens=12, temperature=0.0)
-    import reflrl.engine as E
+    import reflrl.engines.transformers_engine as E
     monkeypatch.setattr(E, "growing_cache", lambda cfg: DynamicCache(config=cfg))
     monkeypatch.setattr(E, "fast_decoding", lambda m: torch.inference_mode())
     slow = eng.generate(prompts, n=2, max_new_tokens=12, temperature=0.0)
@@ -95,7 +95,7 @@ def test_engine_greedy_unchanged_by_fast_path(tiny, monkeypatch):
 
 
 def test_length_chunks_cover_every_row_once_and_limit_padding():
-    from reflrl.fast_decode import length_chunks
+    from reflrl.engines.fast_decode import length_chunks
 
     lengths = [300, 120, 310, 500, 125, 130, 495, 305]
     chunks = length_chunks(lengths, max_waste=0.15, max_rows=16)
@@ -114,7 +114,7 @@ def test_chunked_prefill_matches_one_padded_prefill(tiny, monkeypatch):
     eng = TransformersEngine(model, tok)
     a = eng.generate(prompts, n=2, max_new_tokens=10, temperature=0.0)
     assert eng.last_stats.forward_calls > 10  # several prefill chunks ran
-    import reflrl.engine as E
+    import reflrl.engines.transformers_engine as E
     monkeypatch.setattr(E, "length_chunks", lambda lengths: [list(range(len(lengths)))])
     b = eng.generate(prompts, n=2, max_new_tokens=10, temperature=0.0)
     assert [s.token_ids for s in a] == [s.token_ids for s in b]

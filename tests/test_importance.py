@@ -14,7 +14,7 @@ from reflrl.algos.importance import (
 )
 from reflrl.logprobs import sequence_logprobs
 from reflrl.models import load_model
-from reflrl.reflection import Attempt, augmented_messages
+from reflrl.recovery.reflection import Attempt, augmented_messages
 
 MSGS = [{"role": "system", "content": "You can call get_weather(city: str)."},
         {"role": "user", "content": "What's the weather in Paris?"}]

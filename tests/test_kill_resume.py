@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from test_run_folder import tb_scalars
+from doubles import tb_scalars
 
 DRIVER = Path(__file__).resolve().parent / "kill_resume_driver.py"
 STEPS = 10

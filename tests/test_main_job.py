@@ -15,14 +15,17 @@ import torch
 
 from reflrl import config as C
 from reflrl import precision as P
-from reflrl import trainer as T
-from reflrl.engine import TransformersEngine, cut_at, Sample
+from reflrl import train as T
+from reflrl.cli import main as cli_main
+from reflrl.train.batch import batch_logprobs, make_batch
+from reflrl.train.update import policy_update
+from reflrl.engines.transformers_engine import TransformersEngine, cut_at, Sample
 from reflrl.envs.parsing import answer_complete, format_calls
 from reflrl.envs.types import Task, ToolCall
-from reflrl.evaluate import evaluate
+from reflrl.heldout import evaluate
 from reflrl.models import load_model
 from reflrl.progress import Progress
-from reflrl.rollout import RolloutConfig, answer_token_cap
+from reflrl.rollout import RolloutSpec, answer_token_cap
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -100,7 +103,7 @@ def test_a_budget_cut_is_reported_in_summary_log_and_exit_status(tmp_path, capsy
     args = ["--config", str(ROOT / "configs" / "tiny.yaml"), "--name", "cut", "--no-report",
             "--set", f"train.out_dir={tmp_path}", "--set", "warmup.enabled=true", "--set", "warmup.steps=400",
             "--set", "train.time_budget_min=1", "--set", "data.n_test=2", "--set", "warmup.probe_n=0"]
-    assert T.main(args) == 3
+    assert cli_main(["train", *args]) == 3
     out = capsys.readouterr()
     s = json.loads((tmp_path / "cut" / "summary.json").read_text())
     assert s["recipe_complete"] is False
@@ -114,7 +117,7 @@ def test_a_budget_cut_is_reported_in_summary_log_and_exit_status(tmp_path, capsy
 def test_a_whole_run_says_so_and_exits_0(tmp_path, capsys):
     args = ["--config", str(ROOT / "configs" / "tiny.yaml"), "--name", "ok", "--no-report",
             "--set", f"train.out_dir={tmp_path}", "--set", "train.steps=1", "--set", "data.n_test=2"]
-    assert T.main(args) == 0
+    assert cli_main(["train", *args]) == 0
     assert capsys.readouterr().out.rstrip().splitlines()[-1] == "result: the recipe ran whole (every planned step)"
     s = json.loads((tmp_path / "ok" / "summary.json").read_text())
     assert s["budget_cuts"] == [] and s["recipe_complete"] is True
@@ -126,7 +129,7 @@ def test_progress_lines_when_stdout_is_not_a_terminal(tmp_path, capsys):
     args = ["--config", str(ROOT / "configs" / "tiny.yaml"), "--name", "p", "--no-report",
             "--set", f"train.out_dir={tmp_path}", "--set", "warmup.enabled=true", "--set", "warmup.steps=2",
             "--set", "data.n_test=2", "--set", "warmup.probe_n=2"]
-    assert T.main(args) == 0
+    assert cli_main(["train", *args]) == 0
     out = capsys.readouterr().out  # captured: not a terminal
     for phase in ("eval before: 2 held-out tasks", "warm-up: 0/2 steps", "warm-up 2/2 steps", "warm-up done",
                   "eval after warm-up done", "RL: 0/3 steps", "RL 3/3 steps", "RL done", "eval after done"):
@@ -226,15 +229,15 @@ def test_evaluation_stops_each_answer_when_complete_and_caps_it_by_its_gold():
     msgs = lambda t: build_messages(t, style="compact", fmt="hermes")  # noqa: E731
     answers = {tuple(render_prompt(tok, msgs(t))): format_calls(t.gold[0], "hermes") for t in tasks}
     eng = RamblingEngine(tok, answers)
-    gen = RolloutConfig(max_new_tokens=400, answer_cap=1.5, stop_at_complete=True, temperature=0.0)
+    gen = RolloutSpec(max_new_tokens=400, answer_cap=1.5, stop_at_complete=True, temperature=0.0)
     res = evaluate(eng, tok, tasks, msgs, gen)
     gold_len = len(tok(format_calls(tasks[0].gold[0], "hermes"), add_special_tokens=False)["input_ids"])
     assert res.accuracy == 1.0 and res.capped == 0
     assert res.new_tokens <= 3 * (gold_len + 2)  # the call and one token of trailing text, not 400
-    off = evaluate(eng, tok, tasks, msgs, RolloutConfig(max_new_tokens=400, temperature=0.0))
+    off = evaluate(eng, tok, tasks, msgs, RolloutSpec(max_new_tokens=400, temperature=0.0))
     assert off.new_tokens > 5 * res.new_tokens and off.accuracy == 1.0
     # without the early stop, the gold-sized cap still bounds a rambling answer
-    capped = evaluate(eng, tok, tasks, msgs, RolloutConfig(max_new_tokens=400, answer_cap=1.5, temperature=0.0))
+    capped = evaluate(eng, tok, tasks, msgs, RolloutSpec(max_new_tokens=400, answer_cap=1.5, temperature=0.0))
     cap = answer_token_cap(tasks[0], tok, gen)
     assert capped.capped == 3 and capped.new_tokens == 3 * cap and cap == -(-3 * (gold_len + 1) // 2) + 16
 
@@ -284,9 +287,9 @@ def test_the_wheel_installs_the_same_default_recipe(tmp_path):
                           capture_output=True, text=True, timeout=600)
     assert inst.returncode == 0, inst.stderr[-3000:]
     run = subprocess.run([str(env_dir / "bin" / "python"), "-c",
-                          "import sys, reflrl, reflrl.config as C; from reflrl.trainer import main; "
+                          "import sys, reflrl, reflrl.config as C; from reflrl.cli import main; "
                           "print(reflrl.__file__, file=sys.stderr); print(C.default_recipe(), file=sys.stderr); "
-                          "sys.exit(main(['--print-config']))"],
+                          "sys.exit(main(['train', '--print-config']))"],
                          capture_output=True, text=True, cwd=tmp_path, timeout=300,
                          env={k: v for k, v in os.environ.items() if k != "PYTHONPATH"})
     assert run.returncode == 0, run.stderr[-3000:]

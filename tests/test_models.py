@@ -175,7 +175,7 @@ def test_unknown_names_raise_clear_errors(tmp_path):
 @pytest.mark.slow
 def test_embedded_model_loads_chats_and_stops_at_im_end():
     """Real GGUF model: ChatML, stops at <|im_end|>, cached reload is fast and identical."""
-    from reflrl.engine import TransformersEngine
+    from reflrl.engines.transformers_engine import TransformersEngine
 
     model, tok = M.load_model("smollm2-135m-instruct", dtype="float32", trainable="none")
     assert M.count_parameters(model)["total"] == 134_515_008

@@ -13,13 +13,16 @@ import torch
 from reflrl import config as C
 from reflrl import recovery as RC
 from reflrl import rollout as R
-from reflrl import trainer as T
+from reflrl import train as T
+from reflrl.cli import main as cli_main
+from reflrl.train.batch import batch_logprobs, make_batch
+from reflrl.train.update import policy_update
 from reflrl.critic import Critique, CritiqueRequest, RuleCritic
 from reflrl.envs.parsing import format_calls
 from reflrl.envs.types import ToolCall
-from reflrl.reflection import RETRY_HEADER, Generation
+from reflrl.recovery.reflection import RETRY_HEADER, Generation
 
-from test_rollout import ScriptedEngine, gold_text
+from doubles import ScriptedEngine, gold_text, scripted
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -43,15 +46,13 @@ def repairing_answer(tasks):
 
 
 def make_trainer(cfg, run_dir, answer=None):
-    tr = T.Trainer(cfg, run_dir, progress=False, quiet=True)
-    tasks = tr.train_tasks + tr.splits["test"]
-    tr.engine = tr.eval_engine = ScriptedEngine(tr.tokenizer, (answer or repairing_answer)(tasks))
-    return tr
+    """A Trainer whose engine answers by script (default: gold under q*, wrong for odd samples under q)."""
+    return T.Trainer(cfg, run_dir, progress=False, quiet=True, engine=scripted(cfg, answer or repairing_answer))
 
 
 # ----------------------------------------------------------------------------- variants and config
 def test_variants_in_sync_and_configs_load():
-    assert tuple(RC.VARIANTS) == C.VARIANTS
+    assert RC.VARIANTS.names() == C.registered("variant") and "tool_rerl" in RC.VARIANTS
     for name in ("grpo", "cot", "ref", "cot_is", "tool_rerl", "external", "external_is", "dpo", "ppo"):
         cfg = C.load_config(ROOT / "configs" / f"{name}.yaml")
         assert cfg.reflection.variant == name
@@ -71,7 +72,7 @@ def test_variants_in_sync_and_configs_load():
 
 
 def test_cli_ppo_exits_with_the_reason(capsys):
-    assert T.main(["--config", str(ROOT / "configs" / "ppo.yaml")]) == 2
+    assert cli_main(["train", "--config", str(ROOT / "configs" / "ppo.yaml")]) == 2
     assert "value head" in capsys.readouterr().err
 
 
@@ -147,7 +148,7 @@ def _repaired_batch(tok, model, q_msgs, qstar_msgs, response, adv=1.0, other=Non
         o.append_action(ids, [-1.0] * len(ids))
         trajs.append(o)
         advs.append(-adv)
-    return T.make_batch(trajs, advs, 0), q, q_star, resp
+    return make_batch(trajs, advs, 0), q, q_star, resp
 
 
 MSGS = [{"role": "system", "content": "You can call get_weather(city: str)."},
@@ -165,7 +166,7 @@ def tiny():
 
 def test_trainer_update_weight_is_pi_q_over_pi_qstar_by_hand(tiny):
     model, tok = tiny
-    from reflrl.reflection import Attempt, augmented_messages
+    from reflrl.recovery.reflection import Attempt, augmented_messages
 
     q_star_msgs = augmented_messages(MSGS, [Attempt("", "get_weather()", "The call is missing the argument 'city'.")])
     batch, q, q_star, resp = _repaired_batch(tok, model, MSGS, q_star_msgs, TAU, other="no call")
@@ -176,7 +177,7 @@ def test_trainer_update_weight_is_pi_q_over_pi_qstar_by_hand(tiny):
     m = copy.deepcopy(model)
     opt = torch.optim.AdamW([p for p in m.parameters() if p.requires_grad], lr=0.0)
     cfg = C.AlgoConfig(micro_batch_size=1)  # one row per micro-batch: the weight stats are pooled exactly
-    out = T.policy_update(m, opt, batch, cfg, importance={"level": "sequence", "log_cap": 50.0})
+    out = policy_update(m, opt, batch, cfg, importance={"level": "sequence", "log_cap": 50.0})
     assert out["rerl/count"] == 1.0
     assert out["rerl/weight_mean"] == pytest.approx(expected, rel=1e-3)
     assert out["rerl/weight_std"] == 0.0 and math.isfinite(out["loss"])
@@ -189,7 +190,7 @@ def test_identical_prompts_weight_one_and_plain_loss_and_ref_has_no_weight(tiny)
     for name, imp in (("is", {"level": "sequence", "log_cap": 5.0}), ("plain", None)):
         m = copy.deepcopy(model)
         opt = torch.optim.SGD([p for p in m.parameters() if p.requires_grad], lr=0.1)
-        out = T.policy_update(m, opt, batch, C.AlgoConfig(micro_batch_size=8, clip_high=0.2), importance=imp)
+        out = policy_update(m, opt, batch, C.AlgoConfig(micro_batch_size=8, clip_high=0.2), importance=imp)
         res[name] = (out, [p.detach().clone() for p in m.parameters()])
     out_is, p_is = res["is"]
     out_plain, p_plain = res["plain"]
@@ -210,7 +211,7 @@ def test_weight_clipping_bounds_the_update(tiny):
         b.engine_logprobs = b.engine_logprobs + shift * b.response_mask.float()
         m = copy.deepcopy(model)
         opt = torch.optim.SGD([p for p in m.parameters() if p.requires_grad], lr=0.0)
-        out = T.policy_update(m, opt, b, C.AlgoConfig(grad_clip=0.0), importance={"level": "sequence", "log_cap": 5.0})
+        out = policy_update(m, opt, b, C.AlgoConfig(grad_clip=0.0), importance={"level": "sequence", "log_cap": 5.0})
         assert math.isfinite(out["loss"]) and math.isfinite(out["grad_norm"])
         assert out["rerl/capped_frac"] == 1.0
         assert out["grad_norm"] == 0.0  # beyond the cap (or outside the clip on eq. 2's side): no gradient

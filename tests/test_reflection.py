@@ -7,7 +7,7 @@ from reflrl.critic import CriticStats, Critique, CritiqueRequest, EnvFault, Rule
 from reflrl.envs.parsing import format_calls, parse
 from reflrl.envs.rewards import binary_reward
 from reflrl.envs.types import Task, ToolCall
-from reflrl.reflection import (
+from reflrl.recovery.reflection import (
     Attempt,
     EnvFeedback,
     Generation,
@@ -180,7 +180,7 @@ async def test_env_fault_reflects_with_the_fault_description():
 
 
 def test_feedback_from_env_step_info():
-    from reflrl.reflection import env_fault_from_info, feedback_from_step
+    from reflrl.recovery.reflection import env_fault_from_info, feedback_from_step
 
     info = {
         "calls": [{"name": "Market", "arguments": {"country": "us"}}], "parse_ok": True, "parse_error": None,

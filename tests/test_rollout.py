@@ -6,52 +6,12 @@ import asyncio
 import pytest
 
 from reflrl import rollout as R
-from reflrl.engine import Sample
+from reflrl.engines.transformers_engine import Sample
 from reflrl.envs.parsing import format_calls
 from reflrl.envs.types import Task, ToolCall
 
 
-# ----------------------------------------------------------------------------- test doubles
-class ScriptedEngine:
-    """Test double of the rollout engine: answers ``answer(prompt_text, sample_index)`` exactly,
-    with a fixed log-prob per token, ending with eos (finish_reason "stop")."""
-
-    def __init__(self, tokenizer, answer, row_as_sample: bool = False):
-        self.tok = tokenizer
-        self.answer = answer
-        self.row_as_sample = row_as_sample  # sample index = row in the batch (multi-turn: n=1 per call)
-        self.calls: list[int] = []  # batch size of each generate call
-
-    def generate(self, prompts, n=1, max_new_tokens=256, temperature=1.0, top_p=1.0, stop_ids=None, seed=0,
-                 stop_when=None):
-        from reflrl.engine import PieceDecoder, cut_at, per_prompt_caps
-
-        self.calls.append(len(prompts) * n)
-        caps = per_prompt_caps(max_new_tokens, len(prompts))
-        out = []
-        for i, p in enumerate(prompts):
-            text = self.tok.decode(p)
-            for j in range(n):
-                jj = i if self.row_as_sample and n == 1 else j
-                ids = self.tok(self.answer(text, jj), add_special_tokens=False)["input_ids"][: caps[i] - 1]
-                ids = ids + [self.tok.eos_token_id]
-                smp = Sample(i, list(p), ids, [-0.5] * len(ids), "stop")
-                out.append(cut_at(smp, stop_when, PieceDecoder(self.tok)) if stop_when is not None else smp)
-        return out
-
-
-def gold_text(task: Task) -> str:
-    return format_calls(list(task.gold[0]), "hermes")
-
-
-def answer_by_task(tasks, wrong_every: int = 2):
-    """Gold call for samples j % wrong_every == 0, a wrong call otherwise (found by the query)."""
-    def answer(prompt_text: str, j: int) -> str:
-        task = next(t for t in tasks if t.query in prompt_text)
-        if j % wrong_every == 0:
-            return gold_text(task)
-        return format_calls([ToolCall(task.gold[0][0].name, {"nonsense": j})], "hermes")
-    return answer
+from doubles import ScriptedEngine, answer_by_task, gold_text  # noqa: E402  (shared test doubles)
 
 
 @pytest.fixture(scope="module")
@@ -88,7 +48,7 @@ def run(coro):
 def test_single_turn_one_batched_generate_and_group_order(tok, tasks):
     eng = ScriptedEngine(tok, answer_by_task(tasks))
     envs = make_envs(6, tasks)
-    trajs = run(R.arollout(eng, tok, envs, tasks[:2], 3, R.RolloutConfig(max_new_tokens=96), seed=5))
+    trajs = run(R.arollout(eng, tok, envs, tasks[:2], 3, R.RolloutSpec(max_new_tokens=96), seed=5))
     assert len(trajs) == 6
     assert eng.calls == [6]  # all B x n samples from ONE engine call
     assert [t.group for t in trajs] == [0, 0, 0, 1, 1, 1]
@@ -136,7 +96,7 @@ def test_env_steps_run_concurrently():
         counter = {"now": 0, "max": 0}
         barrier = asyncio.Barrier(8) if concurrent else None
         envs = [BarrierEnv(barrier, counter) for _ in range(8)]
-        cfg = R.RolloutConfig(max_new_tokens=8, concurrent=concurrent)
+        cfg = R.RolloutSpec(max_new_tokens=8, concurrent=concurrent)
         await asyncio.wait_for(R.arollout(eng, tk, envs, [t, t], 4, cfg), timeout=20)
         return counter["max"]
 
@@ -165,7 +125,7 @@ def test_multi_turn_observation_tokens_are_separate_and_masked(tok, tasks):
 
     eng = Recording(tok, answer)
     envs = make_envs(2, [task], multi=True)
-    cfg = R.RolloutConfig(max_new_tokens=96, max_turns=4, max_total_tokens=2048)
+    cfg = R.RolloutSpec(max_new_tokens=96, max_turns=4, max_total_tokens=2048)
     trajs = run(R.arollout(eng, tok, envs, [task], 2, cfg, seed=1))
     for tr in trajs:
         assert tr.turns == 2
@@ -193,12 +153,12 @@ def test_faults_on_one_prompts_tools_mask_its_rollouts_without_penalty(tok, task
     the fault never becomes a negative reward. Group 1 (no faults) is untouched."""
     eng = ScriptedEngine(tok, answer_by_task(tasks))
     envs = make_envs(3, tasks, faults="server_error=1.0") + make_envs(3, tasks)
-    trajs = run(R.arollout(eng, tok, envs, tasks[:2], 3, R.RolloutConfig(max_new_tokens=96), seed=2))
+    trajs = run(R.arollout(eng, tok, envs, tasks[:2], 3, R.RolloutSpec(max_new_tokens=96), seed=2))
     g0, g1 = trajs[:3], trajs[3:]
     assert all(t.masked for t in g0)
     assert all(t.reward >= 0 for t in g0)
     assert [t.reward for t in g0] == [1.0, 0.0, 1.0]  # same as without faults
-    assert all(len(t.info["fault_events"]) > 0 for t in g0)
+    assert all(len(t.fault_events) > 0 for t in g0)
     assert not any(t.masked for t in g1)
     assert [t.reward for t in g1] == [1.0, 0.0, 1.0]
     stats = R.rollout_stats(trajs)
@@ -211,7 +171,7 @@ def test_retried_faults_are_recovered_not_masked(tok, tasks):
     recovered faults are recorded."""
     eng = ScriptedEngine(tok, lambda text, j: gold_text(next(t for t in tasks if t.query in text)))
     envs = make_envs(8, tasks, faults="rate_limit=0.5", retry={"max_attempts": 12, "budget_s": 1e6})
-    trajs = run(R.arollout(eng, tok, envs, tasks[:2], 4, R.RolloutConfig(max_new_tokens=96), seed=9))
+    trajs = run(R.arollout(eng, tok, envs, tasks[:2], 4, R.RolloutSpec(max_new_tokens=96), seed=9))
     assert not any(t.masked for t in trajs)
     assert all(t.reward == 1.0 for t in trajs)
-    assert sum(len(t.info["fault_events"]) for t in trajs) > 0
+    assert sum(len(t.fault_events) for t in trajs) > 0

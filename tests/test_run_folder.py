@@ -13,11 +13,13 @@ import torch
 
 from reflrl import cli
 from reflrl import config as C
-from reflrl import trainer as T
+from reflrl import train as T
+from reflrl.cli import main as cli_main
+from reflrl.train.batch import batch_logprobs, make_batch
+from reflrl.train.update import policy_update
 from reflrl.runlog import RunLog, latest_checkpoint, list_checkpoints
 
-from test_rollout import ScriptedEngine, answer_by_task
-from test_trainer import run_until_killed, tiny_cfg
+from doubles import ScriptedEngine, answer_by_task, run_until_killed, scripted, tiny_cfg
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -87,15 +89,11 @@ def test_a_resumed_tiny_run_logs_each_step_once_and_leaves_no_sandbox_folder(tmp
     monkeypatch.setattr(tempfile, "tempdir", str(tmp))
     cfg = tiny_cfg(tmp_path, **{"train.steps": 2, "train.save_every": 2, "rollout.n": 2})
 
-    def scripted(tr):
-        tr.engine = tr.eval_engine = ScriptedEngine(tr.tokenizer, answer_by_task(tr.train_tasks + tr.splits["test"]))
-        return tr
-
-    a = scripted(T.Trainer(cfg, tmp_path / "run", progress=False, quiet=True))
+    a = T.Trainer(cfg, tmp_path / "run", progress=False, quiet=True, engine=scripted(cfg))
     run_until_killed(a, 1)
     logged = [(r["phase"], r["step"]) for r in a.log.read_metrics()]
     assert ("train", 1) in logged and latest_checkpoint(tmp_path / "run").name == "step_000000"
-    r = scripted(T.Trainer(cfg, tmp_path / "run", resume=True, progress=False, quiet=True))
+    r = T.Trainer(cfg, tmp_path / "run", resume=True, progress=False, quiet=True, engine=scripted(cfg))
     try:
         r.run()
     finally:
@@ -119,7 +117,7 @@ def test_a_taken_run_name_is_refused_before_the_model_loads(tmp_path, monkeypatc
         raise AssertionError("the model was loaded")
 
     monkeypatch.setattr("reflrl.models.load_model", no_load)
-    rc = T.main(["--config", str(ROOT / "configs" / "tiny.yaml"), "--name", "taken",
+    rc = cli_main(["train", "--config", str(ROOT / "configs" / "tiny.yaml"), "--name", "taken",
                  "--set", f"train.out_dir={tmp_path / 'runs'}"])
     err = capsys.readouterr().err.strip().splitlines()
     assert rc == 2 and len(err) == 1, err
@@ -136,7 +134,7 @@ def test_invalid_yaml_is_one_line_naming_file_line_and_column(tmp_path, capsys):
     msg = str(ei.value)
     assert "\n" not in msg and msg.startswith(f"{bad}:4:6: not valid YAML:")
     assert "line 3, column 10" in msg
-    assert T.main(["--config", str(bad)]) == 2
+    assert cli_main(["train", "--config", str(bad)]) == 2
     assert capsys.readouterr().err.count("\n") == 1
 
 
@@ -151,8 +149,7 @@ def test_tools_serve_with_a_bad_port_is_a_usage_error_not_a_traceback(port, caps
 
 def test_resuming_a_run_whose_final_checkpoint_was_written_only_writes_its_summary(tmp_path):
     cfg = tiny_cfg(tmp_path, **{"train.steps": 1, "train.save_every": 1, "rollout.n": 2})
-    a = T.Trainer(cfg, tmp_path / "run", progress=False, quiet=True)
-    a.engine = a.eval_engine = ScriptedEngine(a.tokenizer, answer_by_task(a.train_tasks + a.splits["test"]))
+    a = T.Trainer(cfg, tmp_path / "run", progress=False, quiet=True, engine=scripted(cfg))
     try:
         a.run()
     finally:

@@ -33,7 +33,7 @@ def test_the_reflrl_command_sets_it_before_torch_loads_and_a_plain_import_does_n
            "print(os.environ.get('OMP_WAIT_POLICY'), 'torch' in sys.modules)")
     assert _run(cmd).endswith("PASSIVE False")  # set, and torch not yet loaded (so OpenMP will read it)
     assert _run(cmd, OMP_WAIT_POLICY="ACTIVE").endswith("ACTIVE False")  # the user's choice wins
-    assert _run("import os, reflrl, reflrl.trainer; print(os.environ.get('OMP_WAIT_POLICY'))") == "None"
+    assert _run("import os, reflrl, reflrl.train; print(os.environ.get('OMP_WAIT_POLICY'))") == "None"
 
 
 def test_a_run_started_as_the_scripts_start_it_records_its_thread_settings(tmp_path):

@@ -9,41 +9,27 @@ import torch
 
 from reflrl import config as C
 from reflrl import rollout as R
-from reflrl import trainer as T
+from reflrl import train as T
+from reflrl.cli import main as cli_main
+from reflrl.train.batch import batch_logprobs, make_batch
+from reflrl.train.update import policy_update
+from reflrl.train.data import splits_from_config
+from reflrl.train.step import group_advantages
+from reflrl.train.summary import ledger_totals
+from reflrl.cli import build_parser
+from reflrl.cli.train import resolve_config
 from reflrl.algos import PreRolloutFilter
 from reflrl.envs.types import Task, ToolCall
 
-from test_rollout import ScriptedEngine, answer_by_task, gold_text
+from doubles import ScriptedEngine, answer_by_task, gold_text, run_until_killed, scripted, tiny_cfg
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def tiny_cfg(tmp_path: Path, **over) -> C.Config:
-    sets = [f"train.out_dir={tmp_path}", "train.run_name=run", "data.n_train=6", "data.n_test=4",
-            "data.n_val=0", "warmup.enabled=false", "rollout.max_new_tokens=200", "algo.downsample_m=0"]
-    sets += [f"{k}={v}" for k, v in over.items()]
-    return C.load_config(ROOT / "configs" / "tiny.yaml", sets)
-
-
 def scripted_trainer(cfg, run_dir, answer=None, resume=False) -> T.Trainer:
-    tr = T.Trainer(cfg, run_dir, resume=resume, progress=False, quiet=True)
-    tr.engine = tr.eval_engine = ScriptedEngine(tr.tokenizer, answer or answer_by_task(tr.train_tasks + tr.splits["test"]))
-    return tr
-
-
-def run_until_killed(trainer: T.Trainer, step: int) -> None:
-    """Run ``trainer`` until it is "killed" (KeyboardInterrupt) entering step ``step + 1``; close it."""
-    real_step = trainer.train_step
-
-    def dying_step():
-        if trainer.step == step:
-            raise KeyboardInterrupt("killed")
-        return real_step()
-
-    trainer.train_step = dying_step
-    with pytest.raises(KeyboardInterrupt):
-        trainer.run()
-    trainer.close()
+    """A Trainer whose engine answers by script: ``answer(tasks)`` (default: gold for even samples)."""
+    return T.Trainer(cfg, run_dir, resume=resume, progress=False, quiet=True,
+                     engine=scripted(cfg, answer or answer_by_task))
 
 
 def trainable(model):
@@ -104,7 +90,7 @@ def test_observation_tokens_get_no_gradient(tmp_path):
 
     model, tok = load_model("tiny-random", dtype="float32", trainable="all", seed=1)
     t = _traj([5, 6, 7, 8], [("act", [10, 11, 12]), ("obs", [20, 21, 22, 23]), ("act", [13, 14])])
-    batch = T.make_batch([t], [1.5], pad_id=0)
+    batch = make_batch([t], [1.5], pad_id=0)
     assert batch.response_mask[0].tolist() == [1, 1, 1, 0, 0, 0, 0, 1, 1]
     assert batch.advantages[0, 3:7].tolist() == [0.0] * 4  # no advantage on observations
 
@@ -112,7 +98,7 @@ def test_observation_tokens_get_no_gradient(tmp_path):
 
     def grads(poison: bool):
         model.zero_grad(set_to_none=True)
-        lp = T.batch_logprobs(model, batch)
+        lp = batch_logprobs(model, batch)
         adv, old = batch.advantages.clone(), lp.detach().clone()
         if poison:
             obs = batch.response_mask == 0
@@ -127,7 +113,7 @@ def test_observation_tokens_get_no_gradient(tmp_path):
     assert l0 == l1
     assert all(torch.equal(a, b) for a, b in zip(g0, g1))
     # and observation positions carry no log-prob term at all
-    lp = T.batch_logprobs(model, batch)
+    lp = batch_logprobs(model, batch)
     assert lp[0, 3:7].tolist() == [0.0] * 4
 
 
@@ -141,12 +127,12 @@ def test_prompt_sharing_gives_the_full_sequence_logprobs_and_gradients():
              _traj([5, 6, 7, 8, 9], [("act", [13]), ("obs", [30, 31]), ("act", [14, 15])]),
              _traj([40, 41], [("act", [16, 17, 18, 19])]),
              _traj([40, 41], [("act", [20])])]
-    batch = T.make_batch(trajs, [1.0, -1.0, 0.5, -0.5], pad_id=0)
+    batch = make_batch(trajs, [1.0, -1.0, 0.5, -0.5], pad_id=0)
     assert len(batch.prompts) == 2 and batch.owner.tolist() == [0, 0, 1, 1]
 
     def run(share):
         model.zero_grad(set_to_none=True)
-        lp = T.batch_logprobs(model, batch, share_prompt=share)
+        lp = batch_logprobs(model, batch, share_prompt=share)
         (lp * batch.advantages).sum().backward()
         return lp.detach(), [p.grad.clone() for p in model.parameters() if p.grad is not None]
 
@@ -167,15 +153,15 @@ def test_masked_rollouts_get_no_advantage_and_no_baseline_shift():
 
     grp = [traj(1.0, False), traj(0.0, False), traj(0.0, True), traj(0.0, True)]
     a = C.AlgoConfig()
-    trajs, adv, gids = T.select_and_score([grp], a)
+    trajs, adv, gids = group_advantages([grp], a)
     assert trajs == grp[:2]  # the masked rollouts are out
     assert adv[0] > 0 > adv[1] and adv[0] == pytest.approx(-adv[1])
     # a group whose only live rollout is right: zero variance, zero advantage (never negative)
-    trajs, adv, _ = T.select_and_score([[traj(1.0, False), traj(0.0, True)]], a)
+    trajs, adv, _ = group_advantages([[traj(1.0, False), traj(0.0, True)]], a)
     assert adv == [0.0]
     # down-sampling m=2 keeps one of each class (eq. 7)
     grp = [traj(r, False) for r in (1.0, 1.0, 1.0, 0.0)]
-    trajs, adv, _ = T.select_and_score([grp], C.AlgoConfig(downsample_m=2))
+    trajs, adv, _ = group_advantages([grp], C.AlgoConfig(downsample_m=2))
     assert sorted(t.reward for t in trajs) == [0.0, 1.0]
 
 
@@ -191,7 +177,7 @@ def test_env_faults_on_one_prompt_are_masked_not_penalised_in_a_training_step(tm
         tr.close()
     assert m["masked"] == m["groups"] * cfg.rollout.n
     assert m["trained_rollouts"] == 0 and m["update_skipped"] == 1.0
-    assert tr.ledger_totals()["given_up"] > 0
+    assert ledger_totals(tr.envs)["given_up"] > 0
 
 
 # ----------------------------------------------------------------------------- data order + filter
@@ -217,20 +203,20 @@ def test_kill_and_resume_gives_the_same_next_batches_and_filter_state(tmp_path):
     over = {"train.steps": 7, "train.save_every": 1, "rollout.batch_prompts": 2, "rollout.n": 2,
             "algo.prefilter_k": 1}
 
-    def answer_for(trainer):
-        tasks = trainer.train_tasks + trainer.splits["test"]
-        easy = {t.query for t in trainer.train_tasks[::2]}
+    def engine_for(cfg):
+        sp = splits_from_config(cfg.data)
+        tasks = sp["train"] + sp["test"]
+        easy = {t.query for t in sp["train"][::2]}
         mixed = answer_by_task(tasks)
 
         def answer(text, j):
             task = next(t for t in tasks if t.query in text)
             return gold_text(task) if task.query in easy else mixed(text, j)
-        return answer
+        return lambda model, tok: ScriptedEngine(tok, answer)
 
     # A: uninterrupted
     cfg_a = tiny_cfg(tmp_path / "a", **over)
-    a = T.Trainer(cfg_a, tmp_path / "a" / "run", progress=False, quiet=True)
-    a.engine = a.eval_engine = ScriptedEngine(a.tokenizer, answer_for(a))
+    a = T.Trainer(cfg_a, tmp_path / "a" / "run", progress=False, quiet=True, engine=engine_for(cfg_a))
     try:
         a.run()
     finally:
@@ -240,17 +226,15 @@ def test_kill_and_resume_gives_the_same_next_batches_and_filter_state(tmp_path):
 
     # B: killed in step 5
     cfg_b = tiny_cfg(tmp_path / "b", **over)
-    b = T.Trainer(cfg_b, tmp_path / "b" / "run", progress=False, quiet=True)
-    b.engine = b.eval_engine = ScriptedEngine(b.tokenizer, answer_for(b))
+    b = T.Trainer(cfg_b, tmp_path / "b" / "run", progress=False, quiet=True, engine=engine_for(cfg_b))
     run_until_killed(b, 4)
     assert (tmp_path / "b" / "run" / "checkpoints" / "step_000004").is_dir()
 
     # resume in a fresh Trainer (reads config.yaml + the last checkpoint)
-    cfg_r, run_dir, resume = T.resolve_config(T.build_arg_parser().parse_args(
-        ["--resume", str(tmp_path / "b" / "run")]))
+    cfg_r, run_dir, resume = resolve_config(build_parser().parse_args(
+        ["train", "--resume", str(tmp_path / "b" / "run")]))
     assert resume and cfg_r == cfg_b
-    r = T.Trainer(cfg_r, run_dir, resume=True, progress=False, quiet=True)
-    r.engine = r.eval_engine = ScriptedEngine(r.tokenizer, answer_for(r))
+    r = T.Trainer(cfg_r, run_dir, resume=True, progress=False, quiet=True, engine=engine_for(cfg_r))
     assert r.step == 4
     try:
         r.run()
@@ -270,17 +254,18 @@ def test_dynamic_sampling_refills_zero_variance_groups(tmp_path):
     sampled; only groups with reward variance are trained."""
     cfg = tiny_cfg(tmp_path, **{"train.steps": 1, "train.save_every": 0, "algo.dynamic_sampling": True,
                                 "algo.max_refill_rounds": 3, "rollout.batch_prompts": 2, "rollout.n": 2})
-    tr = T.Trainer(cfg, tmp_path / "run", progress=False, quiet=True)
+    sp = splits_from_config(cfg.data)
+    tasks = sp["train"] + sp["test"]
+    easy = {t.query for t in sp["train"][:4]}
+    mixed = answer_by_task(tasks)
+
+    def answer(text, j):
+        task = next(t for t in tasks if t.query in text)
+        return gold_text(task) if task.query in easy else mixed(text, j)
+
+    tr = T.Trainer(cfg, tmp_path / "run", progress=False, quiet=True,
+                   engine=lambda model, tok: ScriptedEngine(tok, answer))
     try:
-        tasks = tr.train_tasks + tr.splits["test"]
-        easy = {t.query for t in tr.train_tasks[:4]}
-        mixed = answer_by_task(tasks)
-
-        def answer(text, j):
-            task = next(t for t in tasks if t.query in text)
-            return gold_text(task) if task.query in easy else mixed(text, j)
-
-        tr.engine = tr.eval_engine = ScriptedEngine(tr.tokenizer, answer)
         m = tr.train_step()
     finally:
         tr.close()
@@ -312,15 +297,15 @@ def test_multi_turn_training_step(tmp_path):
     update trains the two actions (observations masked) and changes the parameters."""
     cfg = tiny_cfg(tmp_path, **{"train.steps": 1, "train.save_every": 0, "env.id": "reflrl/ToolCallMultiTurn-v0",
                                 "rollout.max_turns": 3, "rollout.max_total_tokens": 2048})
-    tr = T.Trainer(cfg, tmp_path / "run", progress=False, quiet=True)
+    sp = splits_from_config(cfg.data)
+    first = answer_by_task(sp["train"] + sp["test"])
+
+    def answer(text, j):
+        return first(text, j) if "<|im_start|>tool" not in text else "Done."
+
+    tr = T.Trainer(cfg, tmp_path / "run", progress=False, quiet=True,
+                   engine=lambda model, tok: ScriptedEngine(tok, answer, row_as_sample=True))
     try:
-        tasks = tr.train_tasks + tr.splits["test"]
-        first = answer_by_task(tasks)
-
-        def answer(text, j):
-            return first(text, j) if "<|im_start|>tool" not in text else "Done."
-
-        tr.engine = tr.eval_engine = ScriptedEngine(tr.tokenizer, answer, row_as_sample=True)
         before = trainable(tr.model)
         m = tr.train_step()
     finally:
@@ -421,9 +406,9 @@ def test_rollout_engine_vllm_needs_vllm_and_gets_the_weights_after_every_update(
 
 
 def test_cli_rejects_bad_config_with_status_2(tmp_path, capsys):
-    assert T.main(["--config", str(ROOT / "configs" / "tiny.yaml"), "--set", "algo.clip_hihg=0.3"]) == 2
+    assert cli_main(["train", "--config", str(ROOT / "configs" / "tiny.yaml"), "--set", "algo.clip_hihg=0.3"]) == 2
     assert "clip_high" in capsys.readouterr().err
-    assert T.main(["--faults", "rate_limit=2"]) == 2
+    assert cli_main(["train", "--faults", "rate_limit=2"]) == 2
 
 
 @pytest.mark.slow

@@ -1,11 +1,11 @@
-"""reflrl.trunk_cache: held-out prompts seen before skip the frozen bottom layers, with the same outputs."""
+"""reflrl.engines.trunk_cache: held-out prompts seen before skip the frozen bottom layers, with the same outputs."""
 from __future__ import annotations
 
 import torch
 
-from reflrl.engine import TransformersEngine
+from reflrl.engines.transformers_engine import TransformersEngine
 from reflrl.models import load_model
-from reflrl.trunk_cache import TrunkCache, frozen_depth
+from reflrl.engines.trunk_cache import TrunkCache, frozen_depth
 
 
 def _prompts(tok):

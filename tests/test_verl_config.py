@@ -12,7 +12,7 @@ pytest.importorskip("verl")
 from reflrl.config import ConfigError  # noqa: E402
 from reflrl.verl_backend.config import build_verl_config, load_recipe  # noqa: E402
 from reflrl.verl_backend.episode import task_from_dict  # noqa: E402
-from reflrl.verl_backend.launch import main as launch_main  # noqa: E402
+from reflrl.verl_backend.launch import launch as launch_main  # noqa: E402
 
 RECIPES = ["configs/verl/tool_rerl_qwen2.5-7b.yaml", "configs/verl/grpo_efficient_qwen3-4b.yaml"]
 

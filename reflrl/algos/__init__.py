@@ -18,15 +18,10 @@ from .advantages import (
     outcome_to_token_rewards,
     rloo_advantage,
 )
-from .filters import (
-    PreRolloutFilter,
-    all_correct,
-    drop_zero_variance_groups,
-    group_reward_stats,
-    groups_to_request,
-    max_variance_downsample,
-    max_variance_subset,
-)
+from .filters import PreRolloutFilter, all_correct, groups_to_request, max_variance_subset, zero_variance
+from .advantages import live_group_advantages
+from .dpo import dpo_loss
+from .importance import pooled_weight_stats
 from .losses import (
     KL_ESTIMATORS,
     clipped_policy_loss,
@@ -51,10 +46,11 @@ from .registry import (
 __all__ = [
     "KL_ESTIMATORS", "LOSS_AGG_MODES", "PreRolloutFilter", "advantage_needs_critic", "agg_loss",
     "all_correct", "broadcast_to_tokens", "clipped_policy_loss", "dr_grpo_advantage",
-    "drop_zero_variance_groups", "entropy_from_logits", "gae_advantage", "get_advantage_fn", "importance_weights",
-    "get_policy_loss_fn", "group_index", "group_reward_stats", "group_stats", "groups_to_request", "grpo_advantage",
+    "entropy_from_logits", "gae_advantage", "get_advantage_fn", "importance_weights",
+    "get_policy_loss_fn", "group_index", "group_stats", "live_group_advantages", "dpo_loss", "pooled_weight_stats",
+    "zero_variance", "groups_to_request", "grpo_advantage",
     "kl_loss", "kl_penalty", "list_advantages", "list_policy_losses", "masked_mean", "masked_sum",
-    "masked_var", "masked_whiten", "max_variance_downsample", "max_variance_subset",
+    "masked_var", "masked_whiten", "max_variance_subset",
     "outcome_to_token_rewards", "register_advantage", "register_policy_loss", "rloo_advantage",
     "value_loss",
 ]

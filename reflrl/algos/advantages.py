@@ -267,3 +267,33 @@ def _gae(*, response_mask, values, rewards=None, token_rewards=None, gamma: floa
             raise ValueError("advantage 'gae' needs rewards [B] or token_rewards [B, T]")
         token_rewards = outcome_to_token_rewards(rewards, response_mask)
     return gae_advantage(token_rewards, values, response_mask, gamma, lam, whiten=whiten)
+
+
+def live_group_advantages(rewards: torch.Tensor, live: torch.Tensor, group_ids: GroupIds, *,
+                          estimator: str = "grpo", eps: float = 1e-6, gamma: float = 1.0,
+                          lam: float = 1.0) -> torch.Tensor:
+    """Outcome advantages [B] over the LIVE rollouts of each group; the others get 0.
+
+    rewards: [B] one outcome reward per rollout; live: [B] bool, False for a rollout whose env
+    fault was not recovered (masked); group_ids: [B] prompt of each rollout. A masked rollout gets
+    no advantage AND is left out of its group's mean and std, so an env fault never shifts the
+    baseline of the policy's own rollouts (Tool-ReRL sec. 3.2: env faults are never turned into a
+    learning signal). ``estimator`` is a registered outcome estimator ("grpo", "dr_grpo", "rloo").
+    Used by the CPU trainer and by the verl backend's estimators alike.
+    """
+    rewards = torch.as_tensor(rewards, dtype=torch.float32)
+    live = torch.as_tensor(live, dtype=torch.bool)
+    if rewards.dim() != 1 or live.shape != rewards.shape or len(group_ids) != rewards.shape[0]:
+        raise ValueError(f"shape mismatch: rewards {tuple(rewards.shape)}, live {tuple(live.shape)}, "
+                         f"{len(group_ids)} group ids")
+    out = torch.zeros_like(rewards)
+    rows = live.nonzero().flatten().tolist()
+    if not rows:
+        return out
+    from .registry import get_advantage_fn
+
+    one = torch.ones((len(rows), 1), dtype=torch.long)  # outcome advantages: one value per rollout
+    adv, _ = get_advantage_fn(estimator)(rewards=rewards[live], group_ids=[group_ids[i] for i in rows],
+                                         response_mask=one, eps=eps, gamma=gamma, lam=lam)
+    out[live] = adv[:, 0].float()
+    return out

@@ -2,9 +2,9 @@
 
 * :class:`PreRolloutFilter`: online pre-rollout filtering (sec. 4.1, eqs. 4-6): skip the
   prompts whose rollouts were all-correct in the last k epochs.
-* :func:`max_variance_subset` / :func:`max_variance_downsample`: max-variance rollout
+* :func:`max_variance_subset`: max-variance rollout
   down-sampling (sec. 4.2, eq. 7; Xu et al. 2025): back-propagate m of n rollouts.
-* :func:`drop_zero_variance_groups` / :func:`groups_to_request`: DAPO dynamic sampling
+* :func:`zero_variance` / :func:`groups_to_request`: DAPO dynamic sampling
   (Yu et al. 2025), the baseline the paper compares against.
 
 Pure Python / torch; no trainer or CLI imports.
@@ -218,27 +218,12 @@ def max_variance_subset(rewards: Sequence[float] | torch.Tensor, m: int) -> list
     return sorted(best)  # type: ignore[arg-type]
 
 
-def max_variance_downsample(rewards: torch.Tensor, m: int) -> torch.Tensor:
-    """Eq. 7 for a batch of groups: rewards [G, n] -> chosen indices [G, m] (ascending per row)."""
-    if rewards.dim() != 2:
-        raise ValueError(f"rewards must be [G, n], got shape {tuple(rewards.shape)}")
-    if not 0 < m <= rewards.shape[1]:
-        raise ValueError(f"m must be in 1..n={rewards.shape[1]}, got {m}")
-    return torch.tensor([max_variance_subset(row, m) for row in rewards], dtype=torch.long).reshape(-1, m)
-
-
-# ---- DAPO dynamic sampling ----------------------------------------------------------------------
-
-
-def drop_zero_variance_groups(rewards: torch.Tensor, tol: float = 0.0) -> torch.Tensor:
-    """DAPO dynamic sampling filter: rewards [G, n] -> keep mask [G] (bool).
-
-    A group is kept iff its rewards are not all equal (max - min > ``tol``): only such
-    groups give a non-zero GRPO advantage (efficiency paper, sec. 2.2 after eq. 3).
-    """
-    if rewards.dim() != 2:
-        raise ValueError(f"rewards must be [G, n], got shape {tuple(rewards.shape)}")
-    return (rewards.max(dim=1).values - rewards.min(dim=1).values) > tol
+def zero_variance(rewards: Sequence[float] | torch.Tensor, tol: float = 0.0) -> bool:
+    """DAPO's rule (Yu et al. 2025): a group whose rewards are all equal (max - min <= ``tol``), or that
+    has fewer than two, gives every rollout a zero GRPO advantage (efficiency paper, sec. 2.2 after
+    eq. 3): no learning signal, so dynamic sampling drops it. The one implementation of the rule."""
+    vals = _as_float_list(rewards)
+    return len(vals) < 2 or max(vals) - min(vals) <= tol
 
 
 def groups_to_request(
@@ -263,29 +248,3 @@ def groups_to_request(
     rate = 1.0 if keep_rate is None else max(float(keep_rate), min_keep_rate)
     want = math.ceil(missing / min(rate, 1.0))
     return min(want, max_request) if max_request is not None else want
-
-
-def group_reward_stats(
-    rewards: torch.Tensor, r_max: float = 1.0, r_min: float | None = None, tol: float = 1e-6
-) -> dict[str, float]:
-    """Shares of prompt groups by outcome, for per-step logging: rewards [G, n] -> dict.
-
-    ``zero_variance_ratio`` (all n rewards equal: no GRPO signal, efficiency paper Fig. 4),
-    ``all_correct_ratio`` (all == r_max), ``all_wrong_ratio`` (all == r_min; default: the
-    batch minimum is not assumed, so it is only reported when r_min is given), ``groups``.
-    """
-    if rewards.dim() != 2:
-        raise ValueError(f"rewards must be [G, n], got shape {tuple(rewards.shape)}")
-    g = rewards.shape[0]
-    if g == 0:
-        return {"groups": 0.0, "zero_variance_ratio": 0.0, "all_correct_ratio": 0.0}
-    r = rewards.detach().double()
-    zero_var = ~drop_zero_variance_groups(r)
-    out = {
-        "groups": float(g),
-        "zero_variance_ratio": float(zero_var.double().mean()),
-        "all_correct_ratio": float(((r - r_max).abs() <= tol).all(dim=1).double().mean()),
-    }
-    if r_min is not None:
-        out["all_wrong_ratio"] = float(((r - r_min).abs() <= tol).all(dim=1).double().mean())
-    return out

@@ -43,6 +43,7 @@ repaired trajectories' weights (the paper's Fig. 3, top-left, plots them) and th
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 import torch
 
@@ -248,3 +249,24 @@ def tool_rerl_policy_loss(
 def log_weight_bounds(log_cap: float = DEFAULT_LOG_CAP) -> tuple[float, float]:
     """The range of a capped weight: (e^-log_cap, e^log_cap)."""
     return math.exp(-log_cap), math.exp(log_cap)
+
+
+def pooled_weight_stats(parts: Sequence[dict[str, float]]) -> dict[str, float]:
+    """Exact weight statistics over all repaired rows from per-micro-batch ``rerl/*`` metrics
+    (count, mean, std, min, max, capped_frac, log_weight_mean) -- averaging them token-weighted would
+    be wrong."""
+    parts = [p for p in parts if p.get("rerl/count")]
+    n = sum(p["rerl/count"] for p in parts)
+    if not n:
+        return {"rerl/count": 0.0}
+    mean = sum(p["rerl/count"] * p["rerl/weight_mean"] for p in parts) / n
+    ex2 = sum(p["rerl/count"] * (p["rerl/weight_std"] ** 2 + p["rerl/weight_mean"] ** 2) for p in parts) / n
+    return {
+        "rerl/count": float(n),
+        "rerl/weight_mean": mean,
+        "rerl/weight_std": math.sqrt(max(0.0, ex2 - mean * mean)),
+        "rerl/weight_min": min(p["rerl/weight_min"] for p in parts),
+        "rerl/weight_max": max(p["rerl/weight_max"] for p in parts),
+        "rerl/log_weight_mean": sum(p["rerl/count"] * p["rerl/log_weight_mean"] for p in parts) / n,
+        "rerl/capped_frac": sum(p["rerl/count"] * p["rerl/capped_frac"] for p in parts) / n,
+    }

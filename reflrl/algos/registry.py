@@ -27,81 +27,42 @@ Policy losses (``get_policy_loss_fn(name)``)::
 
 from __future__ import annotations
 
-import difflib
-from dataclasses import dataclass
 from typing import Callable
 
+from reflrl.registry import Registry
 
-@dataclass(frozen=True)
-class AdvantageEntry:
-    """A registered advantage estimator: the function and whether it needs a critic (values)."""
-
-    name: str
-    fn: Callable
-    needs_critic: bool
-
-
-_ADVANTAGES: dict[str, AdvantageEntry] = {}
-_POLICY_LOSSES: dict[str, Callable] = {}
-
-
-def _unknown(kind: str, name: str, known: dict) -> KeyError:
-    names = sorted(known)
-    close = difflib.get_close_matches(name, names, n=1)
-    hint = f"; did you mean {close[0]!r}?" if close else ""
-    return KeyError(f"unknown {kind} {name!r}{hint} (registered: {', '.join(names)})")
+ADVANTAGES: Registry[Callable] = Registry("advantage estimator")  # meta: needs_critic
+POLICY_LOSSES: Registry[Callable] = Registry("policy loss")
 
 
 def register_advantage(name: str, *, needs_critic: bool = False) -> Callable[[Callable], Callable]:
     """Decorator registering an advantage estimator under ``name`` (see module docstring)."""
-
-    def deco(fn: Callable) -> Callable:
-        if name in _ADVANTAGES and _ADVANTAGES[name].fn is not fn:
-            raise ValueError(f"advantage estimator {name!r} is already registered")
-        _ADVANTAGES[name] = AdvantageEntry(name, fn, needs_critic)
-        return fn
-
-    return deco
+    return ADVANTAGES.register(name, needs_critic=needs_critic)
 
 
 def get_advantage_fn(name: str) -> Callable:
-    """The advantage estimator registered as ``name``; KeyError (with suggestions) otherwise."""
-    if name not in _ADVANTAGES:
-        raise _unknown("advantage estimator", name, _ADVANTAGES)
-    return _ADVANTAGES[name].fn
+    """The advantage estimator registered as ``name`` (UnknownName, a KeyError, with a suggestion)."""
+    return ADVANTAGES.get(name)
 
 
 def advantage_needs_critic(name: str) -> bool:
     """True when the estimator needs critic values (e.g. "gae"), so the trainer builds a value head."""
-    if name not in _ADVANTAGES:
-        raise _unknown("advantage estimator", name, _ADVANTAGES)
-    return _ADVANTAGES[name].needs_critic
+    return bool(ADVANTAGES.meta(name).get("needs_critic"))
 
 
 def list_advantages() -> list[str]:
-    """Names of all registered advantage estimators, sorted."""
-    return sorted(_ADVANTAGES)
+    return ADVANTAGES.names()
 
 
 def register_policy_loss(name: str) -> Callable[[Callable], Callable]:
     """Decorator registering a policy loss under ``name`` (see module docstring)."""
-
-    def deco(fn: Callable) -> Callable:
-        if name in _POLICY_LOSSES and _POLICY_LOSSES[name] is not fn:
-            raise ValueError(f"policy loss {name!r} is already registered")
-        _POLICY_LOSSES[name] = fn
-        return fn
-
-    return deco
+    return POLICY_LOSSES.register(name)
 
 
 def get_policy_loss_fn(name: str) -> Callable:
-    """The policy loss registered as ``name``; KeyError (with suggestions) otherwise."""
-    if name not in _POLICY_LOSSES:
-        raise _unknown("policy loss", name, _POLICY_LOSSES)
-    return _POLICY_LOSSES[name]
+    """The policy loss registered as ``name`` (UnknownName, a KeyError, with a suggestion)."""
+    return POLICY_LOSSES.get(name)
 
 
 def list_policy_losses() -> list[str]:
-    """Names of all registered policy losses, sorted."""
-    return sorted(_POLICY_LOSSES)
+    return POLICY_LOSSES.names()

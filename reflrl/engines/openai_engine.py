@@ -3,9 +3,9 @@
 For rollouts of a frozen policy and for evaluation: the server owns its weights, so
 :meth:`OpenAIEngine.update_weights` raises (use ``--engine vllm`` or ``transformers`` to train).
 
-Two request paths, both returning :class:`reflrl.engine.Sample` (token ids + per-token log-probs):
+Two request paths, both returning :class:`reflrl.engines.base.Sample` (token ids + per-token log-probs):
 
-``generate(prompts)`` -- the :class:`~reflrl.engine.RolloutEngine` protocol (token-id prompts)
+``generate(prompts)`` -- the :class:`~reflrl.engines.base.RolloutEngine` protocol (token-id prompts)
     ``POST /v1/completions`` with ``prompt`` = the token ids (the OpenAI completions API accepts a
     list of token ids; vLLM and SGLang honour it), ``logprobs=0`` (the sampled token's log-prob),
     ``n``, ``seed``, ``max_tokens``, ``temperature``, ``top_p``, and the vLLM extensions
@@ -46,7 +46,7 @@ import warnings
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Sequence
 
-from ..engine import GenerateStats, PieceDecoder, Sample, cut_at, per_prompt_caps
+from .base import GenerateStats, PieceDecoder, Sample, cut_at, per_prompt_caps
 
 TOKEN_ID_PREFIX = "token_id:"
 
@@ -99,7 +99,7 @@ class OpenAIEngine:
                  stop_when: Callable[[str], bool] | None = None) -> list[Sample]:
         """``n`` samples per token-id prompt via ``/v1/completions``; prompt-major order. Prompt ``i``
         uses seed ``seed + i`` (deterministic on servers that honour ``seed``) and its own cap;
-        ``stop_when`` cuts each sample afterwards (:func:`reflrl.engine.cut_at`; needs ``tokenizer``)."""
+        ``stop_when`` cuts each sample afterwards (:func:`reflrl.engines.base.cut_at`; needs ``tokenizer``)."""
         caps = per_prompt_caps(max_new_tokens, len(prompts))
         self._check(n, max(caps), top_p)
         for i, p in enumerate(prompts):

@@ -10,7 +10,7 @@ older releases without ``logprobs_mode`` raise a TypeError at ``LLM(...)``):
 - ``vllm.LLM(model=..., dtype=..., gpu_memory_utilization=..., seed=..., enable_prefix_caching=True,
   logprobs_mode="processed_logprobs", worker_extension_cls="reflrl.engines.vllm_engine.ReflrlWorkerExtension")``.
   ``processed_logprobs``: log-probs after temperature scaling, to match our convention
-  ``log softmax(logits / T)`` (reflrl.engine); vLLM's default ``raw_logprobs`` ignores the temperature.
+  ``log softmax(logits / T)`` (reflrl.engines.base); vLLM's default ``raw_logprobs`` ignores the temperature.
   With ``top_p < 1`` vLLM may report log-probs of the truncated distribution (version dependent),
   ours are before truncation: keep ``top_p = 1`` (the papers' setting) when these log-probs are
   used as behaviour log-probs.
@@ -31,7 +31,7 @@ import time
 import warnings
 from typing import Any, Callable, Sequence
 
-from ..engine import GenerateStats, PieceDecoder, Sample, cut_at, per_prompt_caps
+from .base import GenerateStats, PieceDecoder, Sample, cut_at, per_prompt_caps
 
 EXTENSION = "reflrl.engines.vllm_engine.ReflrlWorkerExtension"
 
@@ -111,9 +111,9 @@ class VLLMEngine:
     def generate(self, prompts: list[list[int]], n: int = 1, max_new_tokens: int | Sequence[int] = 256,
                  temperature: float = 1.0, top_p: float = 1.0, stop_ids: list[int] | None = None, seed: int = 0,
                  stop_when: Callable[[str], bool] | None = None) -> list[Sample]:
-        """See :meth:`reflrl.engine.RolloutEngine.generate`; prompt ``i`` is sampled with seed ``seed + i``
+        """See :meth:`reflrl.engines.base.RolloutEngine.generate`; prompt ``i`` is sampled with seed ``seed + i``
         and its own cap. The stop token is included in ``token_ids`` when sampled (as vLLM returns it);
-        ``stop_when`` cuts each sample afterwards (:func:`reflrl.engine.cut_at`)."""
+        ``stop_when`` cuts each sample afterwards (:func:`reflrl.engines.base.cut_at`)."""
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 

@@ -103,7 +103,7 @@ def _torch_threads() -> int:
 
 
 class LocalBackend:
-    """A transformers causal LM on the CPU through :class:`reflrl.engine.TransformersEngine`.
+    """A transformers causal LM on the CPU through :class:`reflrl.engines.transformers_engine.TransformersEngine`.
 
     ``name``: registry name (``smollm2-135m-instruct``, ``tiny-random``), HF id or local folder.
     Prompts are rendered with the tokenizer's chat template (``add_generation_prompt=True``); batches of
@@ -115,7 +115,7 @@ class LocalBackend:
                  threads: int | None = None):
         import torch
 
-        from reflrl.engine import TransformersEngine
+        from reflrl.engines.transformers_engine import TransformersEngine
         from reflrl.models import load_model
 
         if threads:  # on a shared CPU one thread can be several times faster than oversubscribed ones

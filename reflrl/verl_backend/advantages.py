@@ -4,9 +4,10 @@ all-zero ``response_mask``) are left OUT of their group's mean and std and get a
 (Tool-ReRL, Reflective Reinforcement Tool Learning sec. 3.2: env faults are never turned into a learning signal).
 verl's built-in ``grpo`` would still count their reward in the group statistics.
 
-The values are :func:`reflrl.algos.grpo_advantage` (efficiency paper (arXiv:2606.00135)
-eq. 2; zero-variance groups -> 0, Bessel-corrected std, eps 1e-6) on each row's outcome score
-(``token_level_rewards`` summed over the response), broadcast over the action tokens.
+The values are :func:`reflrl.algos.live_group_advantages` -- the same function the CPU trainer uses --
+with the ``grpo`` estimator (efficiency paper, arXiv:2606.00135, eq. 2; zero-variance groups -> 0,
+Bessel-corrected std, eps 1e-6) on each row's outcome score (``token_level_rewards`` summed over the
+response), broadcast over the action tokens.
 
 Registered names: ``reflrl_grpo`` and ``reflrl_dr_grpo`` (no std division, Dr.GRPO).
 """
@@ -16,13 +17,13 @@ from typing import Any
 
 import torch
 
-from reflrl.algos import grpo_advantage
+from reflrl.algos import live_group_advantages
 
 DEFAULT_EPS = 1e-6
 
 
 def _group_advantage(token_level_rewards: torch.Tensor, response_mask: torch.Tensor, index: Any,
-                     norm_std: bool, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+                     estimator: str, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     """[B, T] rewards and mask, [B] prompt uids -> (advantages [B, T], returns [B, T])."""
     if index is None:
         raise ValueError("reflrl_grpo needs the prompt uid of every row (verl passes data.non_tensor_batch['uid'])")
@@ -30,11 +31,8 @@ def _group_advantage(token_level_rewards: torch.Tensor, response_mask: torch.Ten
         raise ValueError(f"shape mismatch: rewards {tuple(token_level_rewards.shape)}, mask "
                          f"{tuple(response_mask.shape)}, {len(index)} uids")
     scores = token_level_rewards.float().sum(dim=-1)
-    keep = response_mask.bool().any(dim=-1)
-    adv = torch.zeros_like(scores)
-    rows = keep.nonzero().flatten().tolist()
-    if rows:
-        adv[keep] = grpo_advantage(scores[keep], [index[i] for i in rows], eps=eps, norm_std=norm_std)
+    live = response_mask.bool().any(dim=-1)  # an all-zero mask: an env fault the agent loop masked
+    adv = live_group_advantages(scores, live, list(index), estimator=estimator, eps=eps)
     out = adv[:, None] * response_mask.to(adv.dtype)
     return out, out
 
@@ -42,13 +40,13 @@ def _group_advantage(token_level_rewards: torch.Tensor, response_mask: torch.Ten
 def reflrl_grpo(token_level_rewards: torch.Tensor, response_mask: torch.Tensor, index: Any = None,
                 config: Any = None, epsilon: float = DEFAULT_EPS, **_: Any) -> tuple[torch.Tensor, torch.Tensor]:
     """GRPO over the rows that count (module doc); verl's estimator calling convention."""
-    return _group_advantage(token_level_rewards, response_mask, index, True, epsilon)
+    return _group_advantage(token_level_rewards, response_mask, index, "grpo", epsilon)
 
 
 def reflrl_dr_grpo(token_level_rewards: torch.Tensor, response_mask: torch.Tensor, index: Any = None,
                    config: Any = None, epsilon: float = DEFAULT_EPS, **_: Any) -> tuple[torch.Tensor, torch.Tensor]:
     """Dr.GRPO (r - group mean) over the rows that count (module doc)."""
-    return _group_advantage(token_level_rewards, response_mask, index, False, epsilon)
+    return _group_advantage(token_level_rewards, response_mask, index, "dr_grpo", epsilon)
 
 
 ESTIMATORS = {"reflrl_grpo": reflrl_grpo, "reflrl_dr_grpo": reflrl_dr_grpo}

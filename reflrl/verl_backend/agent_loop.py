@@ -6,7 +6,7 @@ One dataset row = one episode (Tool-ReRL, sec. 3.2-3.3, Definition 1):
    its tokens come from verl's own Continuous Token builder (``ct_build_initial_tokens``).
 2. The policy samples tau under q through verl's LLM server client (``server_manager.generate``,
    vLLM/SGLang in a real run); the env executes the tool calls (injected faults, client retries).
-3. If the critic judges the response negative, :func:`reflrl.reflection.reflect_and_retry` builds the
+3. If the critic judges the response negative, :func:`reflrl.recovery.reflection.reflect_and_retry` builds the
    augmented query q* = [q, t, a, rfl] and samples retries under q* until one is positive or
    ``max_attempts`` is reached; each retry runs in a fresh episode of the same task and seed.
 4. The output is what verl trains on (eq. 2): ``prompt_ids`` = tokens of the ORIGINAL prompt q,
@@ -45,7 +45,7 @@ from uuid import uuid4
 from verl.experimental.agent_loop.agent_loop import AgentLoopBase, AgentLoopMetrics, AgentLoopOutput, register
 
 from reflrl.envs.types import Task
-from reflrl.reflection import EnvFeedback, Generation, feedback_from_step, reflect_and_retry
+from reflrl.recovery.reflection import EnvFeedback, Generation, feedback_from_step, reflect_and_retry
 
 from .episode import EpisodeSettings, task_from_dict
 from .losses import UNREPAIRED_LOGPROB
@@ -149,7 +149,7 @@ class ReflrlToolAgentLoop(AgentLoopBase):
 
     async def run(self, sampling_params: dict[str, Any], **kwargs: Any) -> AgentLoopOutput:
         """One episode -> AgentLoopOutput (module doc). ``kwargs`` are the dataset row's fields."""
-        from reflrl.critic import get_critic
+        from reflrl.recovery.critics import get_critic
 
         extra = dict(kwargs.get("extra_info") or {})
         if "task" not in extra:

@@ -43,7 +43,7 @@ class EpisodeSettings:
     (``env.retry`` of our Config); mark_unrepaired: write the ordinary-row marker as rollout log-probs
     of rows that were not repaired (reflrl.verl_backend.losses: they then get the token-level PPO ratio,
     as in the CPU trainer); reflect_on: "failure" (any negative critique) | "env_fault" (only failures
-    caused by the environment); mode: q* rendering ("replace" | "append", see reflrl.reflection).
+    caused by the environment); mode: q* rendering ("replace" | "append", see reflrl.recovery.reflection).
     """
 
     faults: str = ""

@@ -1,6 +1,6 @@
 """``reflrl train --backend verl --config configs/verl/X.yaml [overrides]``: launch verl's PPO trainer.
 
-Steps (:func:`main`):
+Steps (:func:`launch`):
 
 1. read the recipe and overrides (:func:`reflrl.verl_backend.config.load_recipe`): ``algo.lr=1e-6`` /
    ``reflrl.algo.lr=1e-6`` change our Config, ``verl.n_gpus_per_node=4`` the scale-out settings, any
@@ -19,7 +19,6 @@ TransferQueue for the v1 trainer); it was NOT run on this machine. See docs/scal
 """
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 from typing import Any
@@ -29,7 +28,7 @@ from .config import Recipe, build_verl_config, load_recipe
 
 def prepare_data(recipe: Recipe) -> dict[str, Path]:
     """Write the recipe's train/val tasks as verl parquet files; returns {"train": path, "val": path}."""
-    from reflrl.trainer import splits_from_config
+    from reflrl.train.data import splits_from_config
 
     from .data import rows_from_tasks, write_parquet
 
@@ -42,8 +41,8 @@ def prepare_data(recipe: Recipe) -> dict[str, Path]:
             "val": write_parquet(rows_from_tasks(val, **common), s.val_files)}
 
 
-def main(config_path: str | Path, overrides: list[str] | tuple[str, ...] = (), *, dry_run: bool = False,
-         write_data: bool = True) -> Any:
+def launch(config_path: str | Path, overrides: list[str] | tuple[str, ...] = (), *, dry_run: bool = False,
+           write_data: bool = True) -> Any:
     """Launch verl training for a recipe (module doc). Returns the verl config (``dry_run``) or None
     after training. Raises ConfigError / verl's validation errors naming what is wrong."""
     recipe = load_recipe(config_path, list(overrides))
@@ -67,23 +66,3 @@ def main(config_path: str | Path, overrides: list[str] | tuple[str, ...] = (), *
         from verl.trainer.main_ppo_v0 import TaskRunner as runner
     run_ppo(conf, task_runner_class=runner)
     return None
-
-
-def cli(argv: list[str] | None = None) -> int:
-    """``python -m reflrl.verl_backend.launch --config X.yaml [--dry-run] [key=value ...]``."""
-    ap = argparse.ArgumentParser(prog="python -m reflrl.verl_backend.launch",
-                                 description="train with verl on Ray (reflrl recipe -> verl config)")
-    ap.add_argument("--config", required=True, help="a recipe, e.g. configs/verl/tool_rerl_qwen2.5-7b.yaml")
-    ap.add_argument("--dry-run", action="store_true", help="write data, build and validate the config, print it")
-    ap.add_argument("overrides", nargs="*", help="algo.lr=1e-6, verl.n_gpus_per_node=4, trainer.nnodes=2, ...")
-    a = ap.parse_args(argv)
-    conf = main(a.config, a.overrides, dry_run=a.dry_run)
-    if a.dry_run:
-        from omegaconf import OmegaConf
-
-        print(OmegaConf.to_yaml(conf))
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(cli())

@@ -1,135 +1,31 @@
-"""Rollout engines: sample completions with per-token log-probs (the RolloutEngine protocol).
+"""The CPU rollout engine: :class:`TransformersEngine` samples from the training model itself.
 
-:class:`TransformersEngine` runs on the CPU with its own batched sampling loop over a
-transformers KV cache (no ``model.generate``), because that loop can (a) prefill each prompt once
-and copy its cache to the ``n`` samples (GRPO groups share the prompt), (b) compute only the
-chosen token's log-prob per step instead of keeping full-vocabulary scores for all steps, and
-(c) drop finished rows from the batch, and (d) decode with an in-place KV cache and copy-free
-grouped-query attention (:mod:`reflrl.fast_decode`, ~3x faster steps on the CPU), and (e) stop each
-row at its own cap or as soon as its answer is complete (``stop_when``). The other engines in
-:mod:`reflrl.engines` (vLLM, any OpenAI-compatible server) implement the same protocol; they hold
-their own copy of the weights, hence ``update_weights``.
-
-Log-prob convention (all engines): ``Sample.logprobs[i]`` is
-``log softmax(logits / temperature)[token_ids[i]]`` -- the temperature-scaled distribution, before
-top-p truncation -- which is exactly what :func:`reflrl.logprobs.sequence_logprobs` with the same
-temperature computes, so the rollout/train importance ratio is 1 up to numerics. With
-``temperature == 0`` (greedy), log-probs are taken at temperature 1.
+It runs its own batched sampling loop over a transformers KV cache (no ``model.generate``), because
+that loop can (a) prefill each prompt once and copy its cache to the ``n`` samples (GRPO groups share
+the prompt), (b) compute only the chosen token's log-prob per step instead of keeping full-vocabulary
+scores for all steps, (c) drop finished rows from the batch, (d) decode with an in-place KV cache and
+copy-free grouped-query attention (:mod:`.fast_decode`, ~3x faster steps on the CPU), (e) stop each
+row at its own cap or as soon as its answer is complete (``stop_when``), and (f) replay the frozen
+bottom layers of prompts it has prefilled before (:mod:`.trunk_cache`). The protocol and the
+log-prob convention are in :mod:`.base`; the other engines of :mod:`reflrl.engines` (vLLM, any
+OpenAI-compatible server) implement the same protocol.
 """
-
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
-from typing import Any, Callable, Literal, Protocol, Sequence, runtime_checkable
+from typing import Any, Callable, Sequence
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from reflrl.logprobs import head_of
+
+from .base import FinishReason, GenerateStats, PieceDecoder, RolloutEngine, Sample, cut_at, per_prompt_caps
 from .fast_decode import fast_decoding, growable, growing_cache, length_chunks, merge_left_padded
-from .logprobs import head_of
 
-FinishReason = Literal["stop", "length"]
-
-
-@dataclass
-class Sample:
-    """One sampled completion.
-
-    prompt_index: index of its prompt in the ``prompts`` list given to ``generate``.
-    prompt_ids: the prompt's token ids (unpadded).
-    token_ids: sampled token ids, no padding; ends with the stop token when ``finish_reason`` is
-        "stop" (the stop token is included: it was sampled and is trained on).
-    logprobs: one float per token in ``token_ids`` (float32 values), see the module doc.
-    finish_reason: "stop" (a stop id was sampled) or "length" (``max_new_tokens`` reached).
-    """
-
-    prompt_index: int
-    prompt_ids: list[int]
-    token_ids: list[int]
-    logprobs: list[float]
-    finish_reason: FinishReason
-
-
-@runtime_checkable
-class RolloutEngine(Protocol):
-    """What the rollout loop needs from a generator backend."""
-
-    def generate(
-        self,
-        prompts: list[list[int]],
-        n: int = 1,
-        max_new_tokens: int | Sequence[int] = 256,
-        temperature: float = 1.0,
-        top_p: float = 1.0,
-        stop_ids: list[int] | None = None,
-        seed: int = 0,
-        stop_when: Callable[[str], bool] | None = None,
-    ) -> list[Sample]:
-        """Sample ``n`` completions per prompt; returns ``len(prompts) * n`` samples ordered
-        prompt-major (samples ``i*n .. i*n+n-1`` belong to prompt ``i``). Deterministic given
-        ``seed`` and the same inputs. ``max_new_tokens``: one cap, or one per prompt.
-        ``stop_when(text)``: a sample also stops (finish_reason "stop") after the first token at
-        which its decoded text satisfies it (e.g. :func:`reflrl.envs.parsing.answer_complete`);
-        engines that cannot stop early cut the sample there afterwards (:func:`cut_at`)."""
-        ...
-
-    def update_weights(self, model: nn.Module) -> None:
-        """Make the engine sample from ``model``'s current weights."""
-        ...
-
-
-def per_prompt_caps(max_new_tokens: int | Sequence[int], n_prompts: int) -> list[int]:
-    """``max_new_tokens`` as one cap per prompt (ValueError naming a bad cap or a length mismatch)."""
-    caps = [int(max_new_tokens)] * n_prompts if isinstance(max_new_tokens, int) else [int(c) for c in max_new_tokens]
-    if len(caps) != n_prompts:
-        raise ValueError(f"max_new_tokens has {len(caps)} caps for {n_prompts} prompts")
-    for i, c in enumerate(caps):
-        if c < 1:
-            raise ValueError(f"max_new_tokens={c} (prompt {i}): must be >= 1")
-    return caps
-
-
-class PieceDecoder:
-    """Decoded text of single token ids, memoized (the stop test reads a sample's text token by token)."""
-
-    def __init__(self, tokenizer: Any):
-        self.tokenizer = tokenizer
-        self._memo: dict[int, str] = {}
-
-    def __call__(self, token_id: int) -> str:
-        piece = self._memo.get(token_id)
-        if piece is None:
-            piece = self._memo[token_id] = self.tokenizer.decode([token_id], skip_special_tokens=True)
-        return piece
-
-
-def cut_at(sample: Sample, stop_when: Callable[[str], bool], decode: Callable[[int], str]) -> Sample:
-    """``sample`` cut after the first token at which its text satisfies ``stop_when`` (finish "stop"),
-    or unchanged: what an engine that cannot stop early returns, so every engine answers alike."""
-    text = ""
-    for i, t in enumerate(sample.token_ids):
-        text += decode(t)
-        if stop_when(text):
-            if i + 1 == len(sample.token_ids) and sample.finish_reason == "stop":
-                return sample
-            return Sample(sample.prompt_index, sample.prompt_ids, list(sample.token_ids[: i + 1]),
-                          list(sample.logprobs[: i + 1]), "stop")
-    return sample
-
-
-@dataclass
-class GenerateStats:
-    """Counters of the last ``generate`` call (for run logs)."""
-
-    prompts: int = 0
-    samples: int = 0
-    prompt_tokens: int = 0
-    new_tokens: int = 0
-    forward_calls: int = 0
-    seconds: float = 0.0
-    extra: dict[str, Any] = field(default_factory=dict)
+__all__ = ["FinishReason", "GenerateStats", "PieceDecoder", "RolloutEngine", "Sample", "TransformersEngine",
+           "cut_at", "per_prompt_caps", "sample_next"]
 
 
 def sample_next(
@@ -176,14 +72,14 @@ class TransformersEngine:
         tokenizer: gives the default stop id (eos) and pad id.
         max_batch_size: at most this many rows (prompts x n) decode together; prompts are
             processed in consecutive groups of ``max(1, max_batch_size // n)``.
-        trunk_cache: a :class:`reflrl.trunk_cache.TrunkCache` of the same model: prompts prefilled
+        trunk_cache: a :class:`reflrl.engines.trunk_cache.TrunkCache` of the same model: prompts prefilled
             before skip the frozen bottom layers (the held-out evaluations of a run reuse it).
     """
 
     def __init__(self, model: nn.Module, tokenizer: Any, max_batch_size: int = 64, trunk_cache: Any = None):
         self.model = model
         self.tokenizer = tokenizer
-        # reflrl.trunk_cache.TrunkCache: replay the frozen bottom layers of prompts seen before (evaluation)
+        # reflrl.engines.trunk_cache.TrunkCache: replay the frozen bottom layers of prompts seen before (evaluation)
         self.trunk_cache = trunk_cache
         self.max_batch_size = max(1, int(max_batch_size))
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
@@ -252,7 +148,7 @@ class TransformersEngine:
         """Prompt forward pass: (last hidden state [num, hidden], KV cache left-padded to ``width``).
 
         Prompts of very different lengths are prefilled in chunks of similar length
-        (:func:`reflrl.fast_decode.length_chunks`) and their caches merged, so padding costs little
+        (:func:`reflrl.engines.fast_decode.length_chunks`) and their caches merged, so padding costs little
         compute; the merged cache is the same as one left-padded prefill except in masked positions.
         """
         one = len(prompts) == 1 or not growable(self.model.config)

@@ -1,4 +1,6 @@
-"""Held-out evaluation: exact-match tool-call accuracy with greedy decoding, and the format rate.
+"""The held-out evaluation a training run makes of itself (before, after the warm-up, after RL): exact-match
+tool-call accuracy with greedy decoding, and the format rate. (The benchmark harness, ``reflrl eval``, is
+:mod:`reflrl.eval`.)
 
 * accuracy: the share of tasks whose greedy answer parses (``pred.ok``) and calls exactly the gold
   calls of the first turn (multiset of name + normalised arguments, ``envs.rewards.calls_match``;
@@ -9,7 +11,7 @@
   rule of the default recipe).
 
 Both run batched through the rollout engine on prompts rendered exactly like rollouts, with the
-rollouts' generation settings (``gen``, a :class:`reflrl.rollout.RolloutConfig`): each answer stops
+rollouts' generation settings (``gen``, a :class:`reflrl.rollout.RolloutSpec`): each answer stops
 as soon as it is complete (the end of the turn, or the end of its tool-call blocks when other text
 follows: ``gen.stop_at_complete``) and at a token cap sized to its gold answer (``gen.answer_cap``),
 so a model that rambles costs about what one that answers does.
@@ -25,7 +27,7 @@ from reflrl.envs.parsing import parse
 from reflrl.envs.rewards import calls_match
 from reflrl.envs.types import Task
 
-from .rollout import RolloutConfig, answer_token_cap, render_prompt
+from .rollout import RolloutSpec, answer_token_cap, render_prompt
 
 
 @dataclass
@@ -52,7 +54,7 @@ class EvalResult:
         return d
 
 
-def _generate_texts(engine: Any, tokenizer: Any, prompts: list[list[int]], caps: list[int], gen: RolloutConfig, *,
+def _generate_texts(engine: Any, tokenizer: Any, prompts: list[list[int]], caps: list[int], gen: RolloutSpec, *,
                     batch_size: int, temperature: float, seed: int = 0) -> tuple[list[str], int, int]:
     """(decoded completions in the order of ``prompts``, new tokens, answers cut at their cap);
     batches group prompts of similar length; each answer has its own cap and stops when complete."""
@@ -79,14 +81,14 @@ def _format_ok(text: str, fmt: str) -> bool:
 
 
 def evaluate(engine: Any, tokenizer: Any, tasks: Sequence[Task], messages_fn: Callable[[Task], list[dict]],
-             gen: RolloutConfig | None = None, *, batch_size: int = 16, keep_texts: bool = False) -> EvalResult:
+             gen: RolloutSpec | None = None, *, batch_size: int = 16, keep_texts: bool = False) -> EvalResult:
     """Greedy exact-match accuracy on ``tasks`` (first-turn gold calls); batched generation.
 
     ``messages_fn(task)`` gives the chat messages of a task (the same rendering as rollouts); ``gen``:
-    the rollouts' settings (format, token caps, early stop; default ``RolloutConfig()``).
+    the rollouts' settings (format, token caps, early stop; default ``RolloutSpec()``).
     The returned format_rate here is the share of GREEDY answers that parse as a call."""
     t0 = time.perf_counter()
-    gen = gen or RolloutConfig()
+    gen = gen or RolloutSpec()
     fmt = gen.fmt
     tasks = list(tasks)
     if not tasks:
@@ -114,11 +116,11 @@ def evaluate(engine: Any, tokenizer: Any, tasks: Sequence[Task], messages_fn: Ca
 
 
 def format_rate(engine: Any, tokenizer: Any, tasks: Sequence[Task], messages_fn: Callable[[Task], list[dict]],
-                gen: RolloutConfig | None = None, *, samples_per_task: int = 1, batch_size: int = 16,
+                gen: RolloutSpec | None = None, *, samples_per_task: int = 1, batch_size: int = 16,
                 seed: int = 0) -> float:
     """Share of sampled answers (``samples_per_task`` per task, at ``gen.temperature``, with the caps
     and early stop of ``gen``) that parse as at least one tool call in format ``gen.fmt``."""
-    gen = gen or RolloutConfig()
+    gen = gen or RolloutSpec()
     tasks = [t for t in tasks for _ in range(samples_per_task)]
     if not tasks:
         raise ValueError("format_rate: no tasks")

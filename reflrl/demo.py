@@ -1,4 +1,6 @@
-"""``reflrl env demo``: a real episode demo of the fault-injecting tool environments.
+"""``reflrl env demo``: a model answers a few tasks against the fault-injecting tools, every call shown.
+
+It lives in the core (it loads a model and an engine); the envs it drives never import the core.
 
 A model (default: the embedded SmolLM2-135M-Instruct) answers a handful of synthetic tasks in
 ``reflrl/ToolCall-v0`` (or the multi-turn env); every assistant message is parsed and its calls run
@@ -18,7 +20,7 @@ import sys
 import time
 from typing import Any, Callable, TextIO
 
-from .types import Task
+from reflrl.envs.types import Task
 
 Generate = Callable[[list[dict[str, Any]]], str]
 
@@ -28,11 +30,11 @@ def load_generator(model: str, *, dtype: str = "auto", max_new_tokens: int = 128
     """Load ``model`` (``reflrl.models.load_model``) and return ``generate(messages) -> text``.
 
     The messages are rendered with the tokenizer's chat template (generation prompt added) and
-    decoded by ``reflrl.engine.TransformersEngine`` (greedy when ``temperature == 0``); special
+    decoded by ``reflrl.engines.transformers_engine.TransformersEngine`` (greedy when ``temperature == 0``); special
     tokens are stripped from the returned text.
     """
     from reflrl import models
-    from reflrl.engine import TransformersEngine
+    from reflrl.engines.transformers_engine import TransformersEngine
 
     net, tok = models.load_model(model, dtype=dtype, seed=seed)
     net.eval()
@@ -139,7 +141,7 @@ def run_episode(env: Any, generate: Generate, *, task: Task | None = None, seed:
 
 def gold_policy(task: Task, fmt: str, multi_turn: bool) -> Generate:
     """A scripted policy that answers with the task's gold calls (see ``tool_env.gold_actions``)."""
-    from .tool_env import gold_actions
+    from reflrl.envs.tool_env import gold_actions
 
     actions = iter(gold_actions(task, fmt, multi_turn=multi_turn))
 

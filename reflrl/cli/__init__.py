@@ -7,7 +7,7 @@ Subcommands::
     reflrl tools serve [--host 127.0.0.1] [--port 8077] [--seed 0]
     reflrl faults list
     reflrl faults proxy --upstream URL --faults SPEC [--seed 0] [--port 8078]
-    reflrl train ...   (the trainer's own arguments; see ``reflrl train --help``)
+    reflrl train [--config F] [--faults SPEC] [--set k=v] ...   (reflrl.cli.train)
     reflrl eval rotbench taskbench bfcl sealtools --model NAME ...  /  reflrl eval compare RUN_A RUN_B
     reflrl data download rotbench --dest DIR
     reflrl experiment faults --methods grpo,tool_rerl --faults "rate_limit=0,0.1;timeout=0,0.1" --seeds 3
@@ -172,10 +172,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help="seconds to wait for the upstream before answering 504")
 
     # ---- train (the trainer parses its own arguments) ----------------------------------
-    train = sub.add_parser("train", help="train a policy with RL (see 'reflrl train --help')",
-                           add_help=False)
-    train.add_argument("train_args", nargs=argparse.REMAINDER,
-                       help="arguments passed to the trainer")
+    from reflrl.cli import train as train_cli  # 'reflrl train ...'
+    train_cli.add_parser(sub)
     from reflrl.eval.cli import add_eval_commands  # 'reflrl eval ...', 'reflrl data download ...'
     add_eval_commands(sub)
     from reflrl.experiment.cli import add_experiment_commands  # 'reflrl experiment faults', 'reflrl report'
@@ -270,25 +268,13 @@ def cmd_faults_proxy(args: argparse.Namespace) -> int:
 
 
 def cmd_env_demo(args: argparse.Namespace) -> int:
-    """The episode demo (reflrl.envs.demo)."""
+    """The episode demo (reflrl.demo)."""
     faults = _fault_spec(args.faults)
     if args.n_tasks < 1:
         raise UsageError("--n-tasks must be at least 1")
-    from reflrl.envs import demo
+    from reflrl import demo
 
     return int(demo.main_demo(args, faults=faults) or 0)
-
-
-def cmd_train(args: argparse.Namespace) -> int:
-    """Hand over to the trainer (imported only now: it loads torch)."""
-    try:
-        from reflrl import trainer
-    except ModuleNotFoundError as e:
-        if e.name != "reflrl.trainer":
-            raise
-        raise UsageError("'reflrl train' needs reflrl.trainer, which this install does not have "
-                         "yet; try 'reflrl env demo'") from None
-    return int(trainer.main(list(args.train_args)) or 0)
 
 
 _COMMANDS = {
@@ -306,15 +292,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     configure_openmp()  # before anything loads torch: waiting OpenMP threads sleep (reflrl.threads)
     argv = list(sys.argv[1:] if argv is None else argv)
-    parser = build_parser()
-    if argv[:1] == ["train"]:  # the trainer parses its own flags (including --help)
-        args = argparse.Namespace(command="train", train_args=argv[1:])
-    else:
-        args = parser.parse_args(argv)
+    args = build_parser().parse_args(argv)
     try:
-        if args.command == "train":
-            return cmd_train(args)
-        if getattr(args, "func", None) is not None:  # eval / data carry their handler (reflrl.eval.cli)
+        if getattr(args, "func", None) is not None:  # train / eval / data / experiment carry their handler
             return int(args.func(args))
         sub = {"env": "env_command", "tools": "tools_command", "faults": "faults_command"}[args.command]
         return _COMMANDS[(args.command, getattr(args, sub))](args)

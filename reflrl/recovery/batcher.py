@@ -1,0 +1,53 @@
+"""Batched generation for concurrent repairs: one engine call per attempt round."""
+from __future__ import annotations
+
+import asyncio
+from typing import Callable
+
+from .reflection import Generation
+
+
+class RoundBatcher:
+    """Collects the ``generate`` requests of concurrent repairs and serves them in one batch.
+
+    ``n`` coroutines share it; each calls :meth:`generate` (awaits a sample) zero or more times and
+    :meth:`done` once when it finishes. When every live coroutine is waiting for a sample, all pending
+    requests go to ``sample(list of message lists) -> list of Generation`` in ONE call (one attempt
+    round). Errors of ``sample`` are raised in every waiting coroutine.
+    """
+
+    def __init__(self, n: int, sample: Callable[[list[list[dict]]], list[Generation]]):
+        self.live = int(n)
+        self.sample = sample
+        self.pending: list[tuple[list[dict], asyncio.Future]] = []
+        self.calls = 0
+        self.sizes: list[int] = []
+
+    async def generate(self, messages: list[dict]) -> Generation:
+        fut = asyncio.get_running_loop().create_future()
+        self.pending.append((messages, fut))
+        self._maybe_flush()
+        return await fut
+
+    def done(self) -> None:
+        self.live -= 1
+        self._maybe_flush()
+
+    def _maybe_flush(self) -> None:
+        if not self.pending or len(self.pending) < self.live:
+            return
+        batch, self.pending = self.pending, []
+        self.calls += 1
+        self.sizes.append(len(batch))
+        try:
+            gens = self.sample([m for m, _ in batch])
+            if len(gens) != len(batch):
+                raise RuntimeError(f"sampler returned {len(gens)} generations for {len(batch)} prompts")
+        except Exception as e:  # noqa: BLE001 - delivered to every waiter
+            for _, fut in batch:
+                if not fut.done():
+                    fut.set_exception(e)
+            return
+        for (_, fut), g in zip(batch, gens):
+            if not fut.done():
+                fut.set_result(g)

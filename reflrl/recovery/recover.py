@@ -1,0 +1,135 @@
+"""Reflection-recovery of one round of rollouts (:func:`arecover`): triage, batched reflection-guided
+retries, repaired rollouts in their groups."""
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any, Callable, Sequence
+
+from reflrl import config as C
+from reflrl import rollout as R
+from reflrl.critic.base import CriticStats
+
+from .accounting import COUNT_KEYS, RecoveryResult, triage
+from .batcher import RoundBatcher
+from .reflection import EnvFeedback, Generation, RepairRecord, feedback_from_step, reflect_and_retry
+
+
+def _first_generation(t: R.Trajectory) -> Generation:
+    ids = [i for i, m in zip(t.response_ids, t.loss_mask) if m]
+    lps = [x for x, m in zip(t.old_logprobs, t.loss_mask) if m]
+    return Generation(t.texts[0] if t.texts else "", ids, lps)
+
+
+def repaired_trajectory(t: R.Trajectory, rec: RepairRecord) -> R.Trajectory:
+    """tau* as a rollout of t's group: q's prompt tokens, tau*'s ids with their behaviour log-probs
+    under q* (``old_logprobs``), tau*'s env verdict; ``repair`` = the record, ``original`` = t."""
+    new = R.Trajectory(task=t.task, group=t.group, prompt_ids=list(t.prompt_ids))
+    new.append_action(rec.response_ids, rec.behaviour_logprobs)
+    new.turns = 1
+    new.texts = [rec.response_text]
+    fb = rec.final_feedback
+    R.record_step(new, fb.reward, dict(fb.info) if fb.info else {"correct": fb.correct})
+    new.repair = rec
+    new.original = t
+    return new
+
+
+async def arecover(trajs: list[R.Trajectory], *, cfg: C.Config, engine: Any, tokenizer: Any, envs: Sequence[Any],
+                   critic: Any, messages_of: Callable[[Any], list[dict]], rollout_cfg: R.RolloutSpec,
+                   seed: int = 0) -> RecoveryResult:
+    """Triage ``trajs`` (one round's single-turn rollouts; env k served trajs[k]), repair the selected
+    failures with batched reflection-guided retries, and replace each repaired rollout in place
+    -- or, with ``reflection.group="add"``, append it to ``trajs`` with the same ``group`` --
+    (module doc). Never raises for a critic's or a repair's failure: those are counted
+    (``reflection_errors``) and the failed rollout is kept as it was."""
+    t0 = time.perf_counter()
+    f = cfg.reflection
+    counts = {k: 0.0 for k in COUNT_KEYS}
+    stats = CriticStats()
+    counts["rollouts"] = len(trajs)
+    failed: list[tuple[int, str]] = []
+    for k, t in enumerate(trajs):
+        counts["rollout_tool_calls"] += float(t.last.billed_calls if t.last else 0)
+        tri = triage(t)
+        if tri == "recovered_by_retry":
+            counts["recovered_by_retry"] += 1
+        if tri in ("env_fault", "policy_error"):
+            counts["failed"] += 1
+            counts[f"failed_{tri}"] += 1
+            failed.append((k, tri))
+    chosen = [(k, c) for k, c in failed if f.reflect_on == "failure" or c == "env_fault"]
+    chosen.sort(key=lambda kc: (kc[1] != "env_fault", kc[0]))  # env faults first: they carry no signal otherwise
+    if f.max_per_step:
+        chosen = chosen[: f.max_per_step]
+    counts["reflected"] = len(chosen)
+    gen_s = [0.0]
+    rounds = [0]
+
+    def sample(batch: list[list[dict]]) -> list[Generation]:
+        tg = time.perf_counter()
+        prompts = [R.render_prompt(tokenizer, m) for m in batch]
+        out = R.generate_batch(engine, prompts, rollout_cfg, n=1, seed=seed + 7919 * (rounds[0] + 1))
+        rounds[0] += 1
+        gen_s[0] += time.perf_counter() - tg
+        return [Generation(tokenizer.decode(ids, skip_special_tokens=True), ids, lps) for ids, lps, _fin in out]
+
+    batcher = RoundBatcher(len(chosen), sample)
+    errors: list[str] = []
+
+    async def repair(k: int) -> RepairRecord | None:
+        t = trajs[k]
+        env = envs[k]
+        attempt = [0]
+
+        async def step_env(text: str) -> EnvFeedback:
+            attempt[0] += 1
+            await R.reset_episode(env, t.task, seed + 104729 * attempt[0] + k)  # a fresh episode of the same task
+            _obs, reward, _term, _trunc, info = await R.step_episode(env, text)
+            return feedback_from_step(info, reward)
+
+        try:
+            fb0 = feedback_from_step(t.last.info if t.last else {}, t.reward)
+            gold = list(t.task.gold[0]) if t.task.gold else None
+            return await reflect_and_retry(batcher.generate, critic, step_env, t.task, _first_generation(t),
+                                           f.max_attempts, first_feedback=fb0, messages=messages_of(t.task),
+                                           gold=gold, mode=f.mode, stats=stats)
+        except Exception as e:  # noqa: BLE001 - a broken critic/repair must not stop training
+            errors.append(f"{type(e).__name__}: {e}")
+            return None
+        finally:
+            batcher.done()
+
+    recs = await asyncio.gather(*(repair(k) for k, _ in chosen)) if chosen else []
+    records: list[RepairRecord] = []
+    added: list[R.Trajectory] = []
+    for (k, cause), rec in zip(chosen, recs):
+        if rec is None:
+            counts["reflection_errors"] += 1
+            counts["unrecovered"] += 1
+            counts["discarded"] += cause == "env_fault"
+            continue
+        records.append(rec)
+        counts["retries"] += rec.retries
+        counts["reflection_tool_calls"] += rec.tool_calls
+        if rec.repaired and not (rec.final_feedback.info or {}).get("masked"):
+            new = repaired_trajectory(trajs[k], rec)
+            if f.group == "add" and cause == "policy_error":
+                new.added = True  # beside the failure, which keeps its (negative) advantage
+                added.append(new)
+            else:  # an env-fault failure is masked (no signal to keep): the repair always takes its place
+                trajs[k] = new
+            counts["recovered_by_reflection"] += 1
+            counts[f"recovered_{cause}"] += 1
+        else:
+            counts["unrecovered"] += 1
+            counts["discarded"] += cause == "env_fault"
+    # failures not reflected on: env faults stay masked (no learning signal)
+    picked = {k for k, _ in chosen}
+    for k, cause in failed:
+        if k not in picked:
+            counts["unrecovered"] += 1
+            counts["discarded"] += cause == "env_fault"
+    counts["generate_calls"] = batcher.calls
+    trajs.extend(added)
+    return RecoveryResult(records, counts, stats, time.perf_counter() - t0, gen_s[0], errors)

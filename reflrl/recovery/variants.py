@@ -1,0 +1,63 @@
+"""Tool-ReRL's variants (Table 1, Table 2), by name: what each does in the CPU trainer."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from reflrl import config as C
+from reflrl.registry import Registry
+
+
+@dataclass(frozen=True)
+class Variant:
+    """What a variant does (module doc table).
+
+    reflect: failed trajectories are repaired; source: "critic" | "self" | "external";
+    importance: repaired rows get eq. 2's weight (the ``tool_rerl`` loss); think: default of
+    ``reflection.think``; dpo: train with DPO on (repair, failure) pairs; cpu_error: why the CPU
+    trainer cannot run it (None: it can).
+    """
+
+    name: str
+    reflect: bool = False
+    source: str = "critic"
+    importance: bool = False
+    think: bool = False
+    dpo: bool = False
+    cpu_error: str | None = None
+
+
+VARIANTS: Registry[Variant] = Registry("reflection variant")
+for _v in (
+    Variant("grpo"),
+    Variant("ppo", cpu_error=(
+        "reflection.variant='ppo' is PPO with a learned value function (GAE, Tool-ReRL appendix A.2); the "
+        "CPU trainer has no value head -- use 'grpo' here, or the verl backend (reflrl train --backend verl "
+        "--config configs/verl/tool_rerl_qwen2.5-7b.yaml, algo.advantage=gae)")),
+    Variant("cot", think=True),
+    Variant("ref", reflect=True, source="critic"),
+    Variant("cot_is", reflect=True, source="self", importance=True, think=True),
+    Variant("external", reflect=True, source="external"),
+    Variant("external_is", reflect=True, source="external", importance=True),
+    Variant("tool_rerl", reflect=True, source="critic", importance=True),
+    Variant("dpo", reflect=True, source="critic", dpo=True),
+):
+    VARIANTS.register(_v.name, _v)
+
+
+def variant_of(cfg: C.Config) -> Variant:
+    return VARIANTS.get(cfg.reflection.variant)
+
+
+def think_of(cfg: C.Config) -> bool:
+    """Whether prompts ask for a <think> block: ``reflection.think``, else the variant's default."""
+    t = cfg.reflection.think
+    return variant_of(cfg).think if t is None else bool(t)
+
+
+def check_cpu_support(cfg: C.Config) -> None:
+    """Raise ConfigError when the CPU trainer cannot run ``cfg``'s variant (e.g. ``ppo``)."""
+    v = variant_of(cfg)
+    if v.cpu_error:
+        raise C.ConfigError(v.cpu_error)
+    if v.dpo and cfg.algo.epochs_per_batch != 1:
+        raise C.ConfigError("reflection.variant='dpo' makes one DPO step per batch; set algo.epochs_per_batch=1")

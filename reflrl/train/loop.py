@@ -1,0 +1,529 @@
+"""``reflrl train``'s run, top to bottom (CleanRL style: one readable path from the config to the loss).
+
+    cfg -> splits (train/val/test tasks)                       reflrl.train.data
+        -> model, engines, envs, critic                        reflrl.train.setup
+        -> run folder                                          reflrl.runlog
+    eval before (greedy exact match on the test split)         reflrl.heldout
+    warm-up: SFT on the train split's gold calls when the model cannot write calls yet   reflrl.train.warmup
+    eval after the warm-up
+    for each RL step (Trainer.train_step; reflrl.train.step):
+        collect    n rollouts per prompt of the seeded per-epoch order, minus the prompts the online
+                   pre-rollout filter skips (efficiency paper, arXiv:2606.00135, sec. 4.1, eqs. 4-6);
+                   env steps run concurrently (VerlTool, arXiv:2509.01055, sec. 3.3)
+        recover    Tool-ReRL: failures critiqued and retried under q*, repairs join their groups
+        score      DSCL: curriculum stage reward (eq. 7)
+        select     filter streaks, DAPO / DSCL samplers (refill rounds)
+        advantages masked GRPO over the live rollouts (eq. 2), max-variance down-sampling (sec. 4.2, eq. 7)
+        update     clipped surrogate with clip-higher (eq. 3, appendix F), token-mean; eq. 2's importance
+                   weight on repaired rows (reflrl.train.update)
+        account    metrics, recovery accounting
+    eval after; summary.json; a short human summary (reflrl.train.summary).
+
+Old log-probs: with one optimiser step per rollout batch (``algo.epochs_per_batch == 1``) the policy
+that sampled is exactly the current one, so old_logprob = current logprob, detached (ratio 1, the plain
+policy gradient); the engine's log-probs are not used as "old" because they come from a different kernel
+path (KV-cache decoding) whose numerical noise would show up as spurious ratios and clipping. With several
+epochs the old log-probs are recomputed once with the current model before the first update.
+
+The recipe is defined by step counts, so the same seed gives the same numbers on any machine; the time
+budget is only a guard (reflrl.budget).
+"""
+from __future__ import annotations
+
+import asyncio
+import copy
+import dataclasses
+import random
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from reflrl import config as C
+from reflrl import rollout as R
+from reflrl.algos import PreRolloutFilter, groups_to_request
+from reflrl.budget import budget_cut_text, cut_record
+from reflrl.envs.seeding import derive_seed
+from reflrl.progress import Progress
+from reflrl.recovery import RecoveryLedger, check_cpu_support, own_rollouts, step_accounting
+from reflrl.runlog import RunLog, latest_checkpoint, load_checkpoint, refuse_existing_run
+
+from . import step as S
+from .batch import make_batch
+from .data import PromptSampler, splits_from_config
+from .setup import EngineFactory, answer_format, build_components, messages_fn
+from .summary import build_summary, ledger_totals
+from .update import dpo_update, policy_update
+from .warmup import run_warmup
+
+
+class Trainer:
+    """Holds everything a run needs; :meth:`run` executes it (see the module docstring).
+
+    ``run_dir``: the run folder (created; with ``resume=True`` the run continues from its last
+    checkpoint with the same data order and filter state). ``engine``: a factory
+    ``(model, tokenizer) -> RolloutEngine`` replacing the transformers engines (tests: a scripted one).
+    """
+
+    def __init__(self, cfg: C.Config, run_dir: str | Path, *, resume: bool = False, progress: bool = True,
+                 quiet: bool = False, engine: EngineFactory | None = None):
+        self.cfg = cfg
+        self.quiet = quiet
+        self.t_start = time.perf_counter()
+        if not resume:
+            refuse_existing_run(run_dir)  # before the model loads
+        # bars on a terminal, plain lines with elapsed time and ETA elsewhere (CI logs, nohup, pipes)
+        self.progress_out = Progress(enabled=progress and not quiet, clock=self.elapsed, start=0.0,
+                                     remaining_after=self._remaining_after)
+        tr = cfg.train
+        if tr.threads:  # fixed for the run (reflrl.threads: why the count never changes mid-run)
+            torch.set_num_threads(tr.threads)
+        random.seed(tr.seed)
+        np.random.seed(tr.seed)
+        torch.manual_seed(tr.seed)
+        if cfg.algo.advantage == "gae" or cfg.algo.entropy_coef > 0:
+            raise C.ConfigError("the CPU trainer supports outcome advantages (grpo, dr_grpo, rloo) without "
+                                "an entropy bonus; algo.advantage='gae' and algo.entropy_coef>0 need a "
+                                "value head / full-vocabulary logits it does not compute")
+        check_cpu_support(cfg)  # e.g. reflection.variant='ppo' needs a value head
+
+        # ---- data ------------------------------------------------------------------
+        self.splits = splits_from_config(cfg.data)
+        self.train_tasks = self.splits["train"]
+        self.prefilter = PreRolloutFilter(cfg.algo.prefilter_k)
+        self.sampler = PromptSampler([t.id for t in self.train_tasks], tr.seed, self.prefilter)
+        self.sampling = None  # DSCL curriculum / prompt-level samplers; None = off
+        sc = cfg.sampling
+        if sc.curriculum and not cfg.env.reward.startswith("fine"):
+            raise C.ConfigError(f"sampling.curriculum=true needs a fine-grained reward (env.reward='fine'), "
+                                f"got env.reward={cfg.env.reward!r}")
+        if sc.sampler != "none" or sc.curriculum:
+            from reflrl.algos.dscl import SamplingController, batches_per_epoch
+
+            self.sampling = SamplingController.from_config(
+                sc, reward_name=cfg.env.reward, seed=tr.seed,
+                batches_per_epoch=batches_per_epoch(len(self.train_tasks), cfg.rollout.batch_prompts))
+        self.messages = messages_fn(cfg)
+
+        # ---- model, engines, critic, envs -------------------------------------------------
+        parts = build_components(cfg, self.train_tasks, say=self.say, engine=engine)
+        self.model, self.tokenizer, self.precision = parts.model, parts.tokenizer, parts.precision
+        self.engine, self.eval_engine, self.remote_engine = parts.engine, parts.eval_engine, parts.remote_engine
+        self.variant, self.critic, self.envs, self.tool_server = parts.variant, parts.critic, parts.envs, parts.tool_server
+        self.rollout_cfg, self.load_s = parts.rollout, parts.load_s
+        self.eval_cfg = dataclasses.replace(self.rollout_cfg, temperature=0.0)  # greedy, same caps and early stop
+        self.eval_batch = 64  # greedy evaluation: prompts decoded together (sorted by length)
+        self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        if not params:
+            raise C.ConfigError(f"model.trainable={cfg.model.trainable!r} leaves no trainable parameter")
+        self.optimizer = torch.optim.AdamW(params, lr=cfg.algo.lr, weight_decay=cfg.algo.weight_decay)
+        self.ref_model = None  # KL / DPO reference: the policy as RL starts, see run()
+        self.loop = asyncio.new_event_loop()
+
+        # ---- run folder and state -------------------------------------------------------
+        self.log = RunLog(run_dir, None, resume=resume)
+        if not resume:
+            C.save_config(cfg, self.log.path / "config.yaml", header="resolved config of this run "
+                          "(reflrl train --resume RUN_DIR reads it back)")
+        self.step = 0
+        self.state: dict[str, Any] = {"phase": "start", "timers": {"rollout_s": 0.0, "update_s": 0.0,
+                                                                    "eval_s": 0.0, "warmup_s": 0.0},
+                                      "elapsed_before_s": 0.0, "zero_var_ratio": [], "rewards": [],
+                                      "masked": 0, "trajectories": 0, "episodes": 0}
+        if resume:
+            ck = latest_checkpoint(self.log.path)
+            if ck is None:  # killed before the first checkpoint: RunLog emptied the metrics
+                self.say(f"{self.log.path} has no checkpoint yet: the run starts from the beginning")
+            else:
+                self._load(ck)
+
+    # -------------------------------------------------------------------------------- small helpers
+    @property
+    def rollout_engine(self):
+        """The engine that samples RL rollouts: the remote one when configured, else ``self.engine``."""
+        return self.remote_engine if self.remote_engine is not None else self.engine
+
+    def elapsed(self) -> float:
+        """Seconds of this run so far (across --resume)."""
+        before = self.state["elapsed_before_s"] if hasattr(self, "state") else 0.0
+        return before + (time.perf_counter() - self.t_start)
+
+    def _remaining_after(self) -> float | None:
+        """Estimated seconds after the current phase (progress ETA): during RL, the final evaluation."""
+        return self._eval_estimate_s() if self.state.get("phase") == "rl" else None
+
+    def say(self, msg: str) -> None:
+        if not self.quiet:
+            print(f"[reflrl] {msg}", flush=True)
+
+    # -------------------------------------------------------------------------------- evaluation
+    def evaluate(self, split: str = "test") -> dict[str, Any]:
+        """Greedy exact-match accuracy on a split (reflrl.heldout)."""
+        from reflrl.heldout import evaluate
+
+        t0 = time.perf_counter()
+        res = evaluate(self.eval_engine, self.tokenizer, self.splits[split], self.messages, self.eval_cfg,
+                       batch_size=self.eval_batch)
+        self.state["timers"]["eval_s"] += time.perf_counter() - t0
+        return res.to_dict()
+
+    def probe_format_rate(self) -> float:
+        """The share of sampled answers (rollout temperature) on ``warmup.probe_n`` tasks that parse as calls."""
+        from reflrl.heldout import format_rate
+
+        w = self.cfg.warmup
+        pool = self.splits["val"] or self.train_tasks
+        tasks = [pool[i % len(pool)] for i in range(w.probe_n)]
+        t0 = time.perf_counter()
+        r = format_rate(self.engine, self.tokenizer, tasks, self.messages, self.rollout_cfg,
+                        batch_size=self.eval_batch, seed=derive_seed(self.cfg.train.seed, 77, bits=31))
+        self.state["timers"]["eval_s"] += time.perf_counter() - t0
+        return r
+
+    def _evaluate_phase(self, name: str, split: str) -> dict[str, Any]:
+        """A held-out evaluation as a progress phase (a line when it starts and when it ends)."""
+        n = len(self.splits[split])
+        if self.progress_out.enabled:
+            self.progress_out.line(f"{name}: {n} held-out tasks, greedy")
+        res = self.evaluate(split)
+        if self.progress_out.enabled:
+            self.progress_out.line(f"{name} done: accuracy {res['accuracy']:.1%} in {res['seconds']:.0f}s "
+                                   f"({res.get('new_tokens', 0)} new tokens)")
+        return res
+
+    # -------------------------------------------------------------------------------- warm-up
+    def warmup(self) -> dict[str, Any]:
+        """The warm-up phase (reflrl.train.warmup): exactly ``warmup.steps`` SFT steps unless the time
+        guard cuts it (then recorded as a budget cut)."""
+        w, tr = self.cfg.warmup, self.cfg.train
+        if w.probe_n > 0:  # sampled at the rollout temperature on probe_n tasks (costs a generation pass)
+            before = (self.probe_format_rate(), f"{w.probe_n} sampled answers (temperature {self.cfg.rollout.temperature})")
+        else:  # free: the greedy answers of the held-out evaluation that just ran
+            before = (float(self.state["eval_before"]["format_rate"]), "greedy held-out evaluation")
+        n_evals = 1 + int(bool(w.eval_after or tr.eval_every))  # still to come, each about the first one's cost
+        out = run_warmup(self.cfg, model=self.model, tokenizer=self.tokenizer, train_tasks=self.train_tasks,
+                         messages=self.messages, fmt=answer_format(self.cfg), format_rate_before=before,
+                         over_budget=self._over_budget, reserve_s=n_evals * self._eval_estimate_s(),
+                         progress=self.progress_out, log=lambda s, m: self.log.log(s, m, phase="warmup"),
+                         say=self.say, probe=self.probe_format_rate if w.probe_n > 0 else None)
+        self.state["timers"]["warmup_s"] += out.get("seconds", 0.0)
+        if out.get("sft_cut"):
+            self._record_cut("warm-up", out["sft_steps"], w.steps)
+        return out
+
+    # -------------------------------------------------------------------------------- one RL step
+    def collect(self, want: int, round_: int, timings: dict[str, float]) -> tuple[list[int], list[R.Trajectory]]:
+        """The next ``want`` prompts of the data order and their n rollouts each."""
+        idx = self.sampler.next(want)
+        return idx, self.rollout(idx, round_, timings)
+
+    def rollout(self, task_idx: list[int], round_: int, timings: dict[str, float]) -> list[R.Trajectory]:
+        """n rollouts of each training task in ``task_idx`` (seeded by the step and the sampling round)."""
+        tasks = [self.train_tasks[i] for i in task_idx]
+        seed = derive_seed(self.cfg.train.seed, self.step, round_, 1, bits=31)
+        self.state["episodes"] += len(tasks) * self.cfg.rollout.n
+        return self.loop.run_until_complete(
+            R.arollout(self.rollout_engine, self.tokenizer, self.envs, tasks, self.cfg.rollout.n, self.rollout_cfg,
+                       seed=seed, timings=timings))
+
+    def recover(self, trajs: list[R.Trajectory], round_: int) -> Any:
+        """Tool-ReRL's reflection-recovery on one round of rollouts (:func:`reflrl.recovery.arecover`):
+        triage, batched reflection-guided retries, repaired rollouts in their groups."""
+        from reflrl.recovery import arecover
+
+        res = self.loop.run_until_complete(arecover(
+            trajs, cfg=self.cfg, engine=self.engine, tokenizer=self.tokenizer, envs=self.envs, critic=self.critic,
+            messages_of=self.messages, rollout_cfg=self.rollout_cfg,
+            seed=derive_seed(self.cfg.train.seed, self.step, round_, 2, bits=31)))
+        if res.errors and not self.state.get("reflection_error_shown"):
+            self.state["reflection_error_shown"] = True
+            self.say(f"reflection failed for {len(res.errors)} rollout(s) (counted, training goes on): {res.errors[0]}")
+        return res
+
+    def train_step(self) -> dict[str, Any]:
+        """collect -> recover -> score -> select -> advantages -> update -> account (reflrl.train.step)."""
+        cfg, a = self.cfg, self.cfg.algo
+        B = cfg.rollout.batch_prompts
+        t_step = time.perf_counter()
+        timings: dict[str, float] = {}
+        epoch_before = self.sampler.epoch
+        ctl = self.sampling
+        got = S.StepRollouts()
+        want = B
+        while want > 0:
+            idx, trajs = self.collect(want, got.rounds, timings)
+            if self.critic is not None:  # Tool-ReRL: failed rollouts repaired in place, in their groups
+                got.recoveries.append(self.recover(trajs, got.rounds))
+            groups = [[t for t in trajs if t.group == g] for g in range(len(idx))]  # n (+ added repairs)
+            got.groups.extend(groups)
+            if ctl is not None:
+                S.score_groups(groups, ctl, self.step, self.rollout_cfg.max_turns)
+            sel = S.select_groups(groups, prefilter=self.prefilter, dynamic_sampling=a.dynamic_sampling, ctl=ctl,
+                                  step=self.step, epoch=self.sampler.epoch, round_=got.rounds)
+            got.kept.extend(g for g, k in zip(groups, sel.keep) if k)
+            got.live_groups += sel.live_groups
+            got.zero_var += sel.zero_var
+            got.rounds += 1
+            refill = a.dynamic_sampling or (ctl is not None and ctl.refill)
+            if not refill or got.rounds > a.max_refill_rounds:
+                break
+            keep_rate = len(got.kept) / max(1, len(got.groups))
+            want = min(B, groups_to_request(B, len(got.kept), keep_rate, max_request=B))
+        rollout_s = time.perf_counter() - t_step
+
+        t_up = time.perf_counter()
+        metrics, n_signal = self.update(got.kept[:B])
+        update_s = time.perf_counter() - t_up
+        metrics.update(self.account(got, n_signal, metrics, timings, rollout_s, update_s, t_step))
+        if ctl is not None:
+            metrics.update(ctl.step_metrics())
+        if self.sampler.epoch != epoch_before:
+            metrics["new_epoch"] = True
+            if ctl is not None and epoch_before >= 0:  # the finished epoch's category shares (reflrl.algos.dscl)
+                self.log.log(self.step, ctl.epoch_record(epoch_before), phase="epoch")
+        return metrics
+
+    def update(self, kept: list[list[R.Trajectory]]) -> tuple[dict[str, Any], int]:
+        """Advantages over the kept groups, then the optimiser step(s); (metrics, trajectories with a signal)."""
+        cfg, a = self.cfg, self.cfg.algo
+        train_trajs, adv, group_ids = S.group_advantages(kept, a)
+        # rollouts with zero advantage give exactly zero gradient: leave them out of the compute
+        use = [i for i, v in enumerate(adv) if v != 0.0 and train_trajs[i].n_action_tokens > 0]
+        m: dict[str, Any] = {"groups_trained": len({group_ids[i] for i in use}),
+                             "adv_abs_mean": float(np.mean(np.abs(adv))) if adv else 0.0,
+                             "repaired_trained": float(sum(bool(train_trajs[i].repaired) for i in use)),
+                             "trained_rollouts": len(train_trajs)}
+        n_signal = len(use)
+        if self.variant.dpo:  # Tool-ReRL's DPO baseline: DPO on (repaired, failed) pairs only
+            from reflrl.recovery import dpo_pairs
+
+            pairs = dpo_pairs([t for g in kept for t in g])
+            n_signal = 2 * len(pairs)
+            if pairs:
+                if self.ref_model is None:  # the policy as DPO starts (no update happened before the first pair)
+                    self.ref_model = frozen_copy(self.model)
+                m.update(dpo_update(self.model, self.optimizer, self.ref_model, pairs, cfg, self.pad_id))
+        elif use:
+            batch = make_batch([train_trajs[i] for i in use], [adv[i] for i in use], self.pad_id)
+            imp = ({"level": cfg.reflection.level, "log_cap": cfg.reflection.log_cap}
+                   if self.variant.importance else None)  # eq. 2 on repaired rows (tool_rerl, cot_is, external_is)
+            m.update(policy_update(self.model, self.optimizer, batch, a, importance=imp,
+                                   temperature=cfg.rollout.temperature, ref_model=self.ref_model))
+        m["update_skipped"] = float("loss" not in m)
+        if "loss" in m and cfg.rollout.engine == "vllm":
+            self.remote_engine.update_weights(self.model)  # the next rollouts sample the updated policy
+        return m, n_signal
+
+    def account(self, got: S.StepRollouts, n_signal: int, update_metrics: dict[str, Any], timings: dict[str, float],
+                rollout_s: float, update_s: float, t_step: float) -> dict[str, Any]:
+        """The step's metrics and the run's running totals (reward/accuracy of the policy's own samples;
+        ``masked``: left out of the loss)."""
+        all_trajs = got.trajectories
+        stats = R.rollout_stats(own_rollouts(all_trajs))
+        counts, rec_metrics = step_accounting(got.recoveries, all_trajs, n_signal)
+        RecoveryLedger(self.state.setdefault("recovery", {})).add_step(
+            counts, [r.critic for r in got.recoveries], n_signal, update_metrics)
+        masked = sum(t.masked for t in all_trajs)
+        zvr = got.zero_var / max(1, got.live_groups)
+        st = self.state
+        st["masked"] += masked
+        st["trajectories"] += len(all_trajs)
+        st["zero_var_ratio"].append(zvr)
+        st["rewards"].append(stats["reward_mean"])
+        st["timers"]["rollout_s"] += rollout_s
+        st["timers"]["update_s"] += update_s
+        return {**rec_metrics, **stats,
+                "epoch": self.sampler.epoch, "groups": len(got.groups), "zero_var_ratio": zvr, "masked": masked,
+                "sampling_rounds": got.rounds, "prefilter_skipped_epoch": self.sampler.skipped.get(self.sampler.epoch, 0),
+                "task_ids": [g[0].task.id for g in got.groups],
+                "group_all_correct": [S.group_all_correct(g) for g in got.groups],  # aligned with task_ids (reflrl.report)
+                "time_rollout_s": rollout_s, "time_generate_s": timings.get("generate_s", 0.0),
+                "time_env_s": timings.get("env_s", 0.0), "time_update_s": update_s,
+                "time_step_s": time.perf_counter() - t_step}
+
+    # -------------------------------------------------------------------------------- checkpoints
+    def checkpoint_state(self) -> dict[str, Any]:
+        s = dict(self.state)
+        s["step"] = self.step
+        s["elapsed_before_s"] = self.elapsed()
+        s["sampler"] = self.sampler.state_dict()
+        s["prefilter"] = self.prefilter.state_dict()
+        if self.sampling is not None:
+            s["sampling"] = self.sampling.state_dict()
+        return s
+
+    def save(self) -> Path:
+        return self.log.save_checkpoint(self.step, model=self.model, tokenizer=self.tokenizer,
+                                        optimizer=self.optimizer, state=self.checkpoint_state(),
+                                        keep_last=self.cfg.train.keep_checkpoints)
+
+    def _load(self, ck: Path) -> None:
+        s = load_checkpoint(ck, model=self.model, optimizer=self.optimizer)
+        self.step = int(s.pop("step"))
+        self.sampler.load_state_dict(s.pop("sampler"))
+        self.prefilter.load_state_dict(s.pop("prefilter"))
+        sampling = s.pop("sampling", None)
+        if self.sampling is not None and sampling is not None:
+            self.sampling.load_state_dict(sampling)
+        self.state.update(s)
+        self.t_start = time.perf_counter()
+        self.say(f"resumed {self.log.path} at step {self.step} ({ck.name})")
+
+    # -------------------------------------------------------------------------------- the run
+    def run(self) -> dict[str, Any]:
+        """Eval before, warm-up, eval after warm-up, RL steps, eval after, summary.
+
+        The time budget (``train.time_budget_min``, ``warmup.time_budget_min``) is only a guard: a phase
+        it cuts is recorded in ``state["budget_cuts"]`` and reported loudly (log, summary, report, exit status)."""
+        cfg, tr = self.cfg, self.cfg.train
+        st = self.state
+        st.setdefault("budget_cuts", [])
+        if st["phase"] == "done":  # resumed after the final checkpoint: nothing to redo
+            summary = self.summary()
+            self.log.write_summary(summary)
+            return summary
+        if st["phase"] == "start":
+            self.say(f"run folder {self.log.path}; model {cfg.model.name} loaded in {self.load_s:.0f}s; "
+                     f"{len(self.train_tasks)} train / {len(self.splits['test'])} test tasks; "
+                     f"faults: {cfg.env.faults or 'none'}")
+            st["eval_before"] = self._evaluate_phase("eval before", "test")
+            self.log.log(0, {f"test_{k}": v for k, v in st["eval_before"].items()}, phase="eval")
+            self.say(f"held-out accuracy before: {st['eval_before']['accuracy']:.1%} "
+                     f"({st['eval_before']['n']} tasks, {st['eval_before']['seconds']:.0f}s)")
+            st["warmup"] = self.warmup()
+            if st["warmup"].get("ran") and (cfg.warmup.eval_after or tr.eval_every):
+                # what the warm-up alone gives, to tell it apart from RL's gain (costs one more evaluation)
+                st["eval_after_warmup"] = self._evaluate_phase("eval after warm-up", "test")
+                self.log.log(0, {f"test_after_warmup_{k}": v for k, v in st["eval_after_warmup"].items()},
+                             phase="eval")
+                self.say(f"held-out accuracy after warm-up: {st['eval_after_warmup']['accuracy']:.1%} "
+                         f"({st['eval_after_warmup']['seconds']:.0f}s)")
+                if cfg.warmup.probe_n == 0:  # the warm-up's format rate, from the same greedy answers
+                    st["warmup"]["format_rate_after"] = float(st["eval_after_warmup"]["format_rate"])
+            st["phase"] = "rl"
+            self.save()
+        if cfg.algo.kl_coef > 0 and self.ref_model is None:
+            # the reference is the policy RL starts from (after the warm-up; on --resume, the resumed one)
+            self.ref_model = frozen_copy(self.model)
+        self._rl_phase()
+        st["phase"] = "done"
+        st["eval_after"] = self._evaluate_phase("eval after", "test")
+        self.log.log(self.step, {f"test_{k}": v for k, v in st["eval_after"].items()}, phase="eval")
+        self.save()
+        summary = self.summary()
+        self.log.write_summary(summary)
+        return summary
+
+    def _rl_phase(self) -> None:
+        """RL steps until ``train.steps`` (or the time guard); periodic validation and checkpoints."""
+        tr = self.cfg.train
+        final_eval_s = self._eval_estimate_s()
+        step_times: list[float] = []
+        stop_reason = "steps"
+        phase = self.progress_out.phase("RL", tr.steps, initial=self.step) if tr.steps else None
+        while self.step < tr.steps:
+            est = float(np.mean(step_times[-3:])) if step_times else 0.0
+            if self._over_budget(est + final_eval_s):
+                stop_reason = "time_budget"
+                self._record_cut("RL", self.step, tr.steps)
+                break
+            m = self.train_step()
+            self.step += 1
+            step_times.append(m["time_step_s"])
+            if self.step % tr.log_every == 0 or self.step == tr.steps:
+                self.log.log(self.step, m)
+            if tr.eval_every and self.step % tr.eval_every == 0 and self.splits["val"]:
+                ev = self.evaluate("val")
+                self.log.log(self.step, {f"val_{k}": v for k, v in ev.items()}, phase="eval")
+            if tr.save_every and self.step % tr.save_every == 0:
+                self.save()
+            if phase is not None:
+                phase.update(1, reward=m["reward_mean"], acc=m["correct_rate"], zero_var=m["zero_var_ratio"],
+                             masked=int(m["masked"]))
+        if phase is not None:
+            phase.close("cut by the time budget" if stop_reason == "time_budget" else "")
+        self.state["stop_reason"] = stop_reason
+        if self.sampling is not None and self.sampler.epoch >= 0:  # the last epoch's shares so far
+            self.log.log(self.step, self.sampling.epoch_record(
+                self.sampler.epoch, partial=self.sampler.pos < len(self.sampler.order)), phase="epoch")
+
+    # -------------------------------------------------------------------------------- the time guard
+    def _eval_estimate_s(self) -> float:
+        """Seconds the next held-out evaluation should take: the last one's."""
+        for key in ("eval_after_warmup", "eval_before"):
+            if key in self.state:
+                return float(self.state[key].get("seconds", 0.0))
+        return 0.0
+
+    def _over_budget(self, upcoming_s: float) -> bool:
+        """Would ``upcoming_s`` more seconds overrun ``train.time_budget_min`` (the whole run's guard)?"""
+        b = self.cfg.train.time_budget_min
+        return b is not None and self.elapsed() + upcoming_s > b * 60
+
+    def _record_cut(self, phase: str, done: int, planned: int) -> None:
+        """Record (and say loudly) that the time budget cut ``phase`` at ``done`` of ``planned`` steps."""
+        cut = cut_record(phase, done, planned, elapsed_s=self.elapsed(), budget_min=self.cfg.train.time_budget_min,
+                         warmup_budget_min=self.cfg.warmup.time_budget_min)
+        self.state.setdefault("budget_cuts", []).append(cut)
+        print(f"[reflrl] WARNING: {budget_cut_text(cut)}", file=sys.stderr, flush=True)
+        self.log.log(self.step, {"budget_cut_phase": phase, "budget_cut_done": done, "budget_cut_planned": planned},
+                     phase="budget")
+
+    # -------------------------------------------------------------------------------- the end
+    def summary(self) -> dict[str, Any]:
+        return build_summary(self.state, cfg=self.cfg, run_dir=str(self.log.path), step=self.step,
+                             precision=self.precision, load_s=self.load_s, elapsed_s=self.elapsed(),
+                             prefilter_skipped=self.sampler.skipped, sampling=self.sampling,
+                             faults=ledger_totals(self.envs))
+
+    def close(self) -> None:
+        for env in self.envs:
+            try:
+                if getattr(env, "_client", None) is not None:
+                    self.loop.run_until_complete(env.aclose())
+            except Exception:  # noqa: BLE001  closing is best-effort at shutdown
+                pass
+        if not self.loop.is_closed():
+            self.loop.close()
+        self.tool_server.shutdown()
+        self.log.close()
+
+
+def frozen_copy(model: torch.nn.Module) -> torch.nn.Module:
+    """A frozen copy of ``model`` (the KL / DPO reference: the policy as RL starts)."""
+    ref = copy.deepcopy(model).eval()
+    for p in ref.parameters():
+        p.requires_grad_(False)
+    return ref
+
+
+def train(cfg: C.Config, run_dir: str | Path, *, resume: bool = False, progress: bool = True,
+          quiet: bool = False, report: bool = True, engine: EngineFactory | None = None) -> dict[str, Any]:
+    """Run a whole training job; returns the summary (also in run_dir/summary.json). With ``report``
+    the run report (reflrl.report: report.html, report.md, plots/) is written at the end and its
+    path returned as ``summary["report"]`` (None, with the reason on stderr, if it failed: the
+    finished training is never lost to a report error)."""
+    trainer = Trainer(cfg, run_dir, resume=resume, progress=progress, quiet=quiet, engine=engine)
+    try:
+        summary = trainer.run()
+    finally:
+        trainer.close()
+    if report:
+        summary["report"] = write_run_report(trainer.log.path)
+    return summary
+
+
+def write_run_report(run_dir: str | Path) -> str | None:
+    """``reflrl report RUN_DIR`` for a finished run; logs (never raises) a failure."""
+    try:
+        from reflrl.report import build_report
+
+        return str(build_report(run_dir).html)
+    except Exception as e:  # noqa: BLE001  the training is done; the report can be redone by hand
+        print(f"[reflrl] the run finished but its report could not be written: {type(e).__name__}: {e}\n"
+              f"[reflrl] retry with: reflrl report {run_dir}", file=sys.stderr, flush=True)
+        return None

@@ -1,0 +1,141 @@
+"""What a run is built from: the model, its engines, the environments and the critic (:class:`Components`),
+assembled from a config by :func:`build_components`. Tests and tools swap a part by passing it in
+(``engine=``: a factory ``(model, tokenizer) -> RolloutEngine``, e.g. a scripted engine)."""
+from __future__ import annotations
+
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import torch
+
+from reflrl import config as C
+from reflrl.precision import DtypeChoice, resolve_dtype
+from reflrl.recovery import Variant, build_critic, think_of, variant_of
+from reflrl.rollout import RolloutSpec
+from reflrl.runlog import load_checkpoint
+
+EngineFactory = Callable[[torch.nn.Module, Any], Any]
+
+
+def answer_format(cfg: C.Config) -> str:
+    """The tool-call format prompts ask for and answers are written in ('auto' parses any: ask hermes)."""
+    return "hermes" if cfg.env.parser == "auto" else cfg.env.parser
+
+
+def messages_fn(cfg: C.Config) -> Callable[[Any], list[dict]]:
+    """``task -> the chat messages that start an episode`` (the envs' own rendering)."""
+    from reflrl.envs.prompts import build_messages
+
+    style, fmt, think = cfg.data.prompt_style, answer_format(cfg), think_of(cfg)
+    return lambda task: build_messages(task, style=style, fmt=fmt, think=think)
+
+
+@dataclass
+class Components:
+    """The parts of a run. ``engine`` samples rollouts and reflection retries from the trained model;
+    ``eval_engine`` decodes the held-out evaluations (reusing the frozen trunk's prompt states);
+    ``remote_engine``: a vLLM / OpenAI-compatible engine that samples the RL rollouts instead (None)."""
+
+    model: torch.nn.Module
+    tokenizer: Any
+    precision: DtypeChoice
+    engine: Any
+    eval_engine: Any
+    remote_engine: Any
+    variant: Variant
+    critic: Any
+    envs: list[Any]
+    tool_server: Any
+    rollout: RolloutSpec
+    load_s: float
+
+
+def load_policy(cfg: C.Config, say: Callable[[str], None]) -> tuple[torch.nn.Module, Any, DtypeChoice, float]:
+    """(model, tokenizer, precision, seconds): the policy in the precision ``model.dtype`` resolves to here."""
+    from transformers.utils import logging as hf_logging
+
+    from reflrl.models import load_model
+
+    hf_logging.disable_progress_bar()  # our own bars only
+    t0 = time.perf_counter()
+    m = cfg.model
+    precision = resolve_dtype(m.dtype)  # 'auto': bfloat16 only where the CPU computes it natively
+    say(precision.log_line())
+    if precision.warning:
+        print(f"[reflrl] warning: {precision.warning}", file=sys.stderr, flush=True)
+    model, tok = load_model(m.name, dtype=precision.dtype, trainable=m.trainable, lora_r=m.lora_r,
+                            lora_alpha=m.lora_alpha, lora_dropout=m.lora_dropout, seed=cfg.train.seed,
+                            trainable_dtype=m.trainable_dtype)
+    if m.init_from:  # e.g. RL variants that share one warm-up (scripts/paper_table.py --warm-start)
+        load_checkpoint(Path(m.init_from).expanduser(), model=model, optimizer=None, restore_rng=False)
+    return model, tok, precision, time.perf_counter() - t0
+
+
+def remote_engine(cfg: C.Config, tokenizer: Any) -> Any:
+    """The engine that samples RL rollouts when it is not the trained model itself (``rollout.engine``).
+
+    'transformers': None (rollouts come from the trained model: always on-policy). 'vllm': the vLLM
+    offline engine on one GPU; the trainer replaces its weights after every update, so rollouts stay
+    on-policy. 'openai': an OpenAI-compatible server that samples from ITS OWN weights, never synced:
+    off-policy after the first update and not corrected for (config validation refuses it unless
+    ``rollout.engine_off_policy=true``); held-out evaluation still scores the local, trained model."""
+    r = cfg.rollout
+    if r.engine == "transformers":
+        return None
+    from reflrl.engines import get_engine
+
+    if r.engine == "vllm":
+        from reflrl.models import EMBEDDED_NAME, _convert_embedded
+
+        path = str(_convert_embedded()) if cfg.model.name == EMBEDDED_NAME else cfg.model.name
+        return get_engine("vllm", model_path=path, dtype=cfg.model.dtype, seed=cfg.train.seed)
+    print(f"[reflrl] warning: rollouts come from {r.engine_base_url} (rollout.engine=openai), whose weights "
+          "are never synced with the trained model: off-policy after the first update", file=sys.stderr)
+    return get_engine("openai", base_url=r.engine_base_url, model=r.engine_model or cfg.model.name,
+                      tokenizer=tokenizer, max_concurrency=max(1, cfg.env.concurrency))
+
+
+def make_envs(cfg: C.Config, tasks: Sequence[Any], count: int) -> tuple[list[Any], Any]:
+    """``count`` tool environments over one in-process tool server (returned too: closing it deletes
+    its file sandboxes)."""
+    import gymnasium as gym
+
+    import reflrl.envs  # noqa: F401  (registers the env ids)
+    from reflrl.envs.server import create_app
+
+    e = cfg.env
+    app = create_app()
+    envs = [gym.make(e.id, dataset=list(tasks), faults=e.faults or None, fault_seed=e.fault_seed,
+                     seed=cfg.train.seed + k, reward=e.reward, parser=e.parser, prompt_style=cfg.data.prompt_style,
+                     max_steps=e.max_steps, retry={"max_attempts": e.retry.max_attempts, "budget_s": e.retry.budget_s},
+                     app=app, episode_prefix=f"w{k}", think=think_of(cfg)).unwrapped
+            for k in range(count)]
+    return envs, app.server
+
+
+def build_components(cfg: C.Config, train_tasks: Sequence[Any], *, say: Callable[[str], None] = lambda _m: None,
+                     engine: EngineFactory | None = None) -> Components:
+    """Load the policy and build its engines, the critic of the variant and the environments.
+
+    ``engine``: a factory ``(model, tokenizer) -> RolloutEngine`` used for rollouts, reflection
+    retries and evaluation alike (tests pass a scripted one); default: the transformers engine."""
+    from reflrl.engines.transformers_engine import TransformersEngine
+    from reflrl.engines.trunk_cache import TrunkCache
+
+    model, tok, precision, load_s = load_policy(cfg, say)
+    if engine is not None:
+        rollout_engine = eval_engine = engine(model, tok)
+    else:
+        rollout_engine = TransformersEngine(model, tok, max_batch_size=max(64, cfg.rollout.n * cfg.rollout.batch_prompts))
+        # held-out evaluations see the same prompts each time: the frozen bottom layers run once per prompt
+        eval_engine = TransformersEngine(model, tok, max_batch_size=64, trunk_cache=TrunkCache(model))
+    variant = variant_of(cfg)  # Tool-ReRL variant (reflection.variant): its critic when it repairs failures
+    critic = build_critic(cfg, rollout_engine, tok) if variant.reflect else None
+    envs, server = make_envs(cfg, train_tasks, cfg.rollout.n * cfg.rollout.batch_prompts)
+    spec = RolloutSpec.from_config(cfg, fmt=answer_format(cfg), think=think_of(cfg))
+    return Components(model=model, tokenizer=tok, precision=precision, engine=rollout_engine, eval_engine=eval_engine,
+                      remote_engine=remote_engine(cfg, tok), variant=variant, critic=critic, envs=envs,
+                      tool_server=server, rollout=spec, load_s=load_s)

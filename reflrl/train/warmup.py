@@ -1,0 +1,54 @@
+"""The supervised warm-up phase of a run: when the base model cannot yet write tool calls, SFT on the
+training split's gold calls for ``warmup.steps`` steps (:mod:`reflrl.sft`) before RL."""
+from __future__ import annotations
+
+import time
+from typing import Any, Callable
+
+from reflrl import config as C
+from reflrl.envs.seeding import derive_seed
+from reflrl.progress import Progress
+from reflrl.sft import build_examples, train_sft
+
+
+def run_warmup(cfg: C.Config, *, model: Any, tokenizer: Any, train_tasks: list, messages: Callable[[Any], list],
+               fmt: str, format_rate_before: tuple[float, str], over_budget: Callable[[float], bool],
+               reserve_s: float, progress: Progress, log: Callable[[int, dict], None],
+               say: Callable[[str], None], probe: Callable[[], float] | None = None) -> dict[str, Any]:
+    """Run the warm-up if ``warmup.enabled`` says so (``auto``: when the format rate is below the
+    threshold) and return its record (``ran``, ``sft_*`` results, format rates, ``sft_cut``).
+
+    format_rate_before: (rate, where it comes from); over_budget(upcoming_s): the run's time guard,
+    asked before each step with the step's cost and ``reserve_s`` (the evaluations still to come);
+    probe: a sampled format-rate probe to run after the warm-up (``warmup.probe_n > 0``)."""
+    w = cfg.warmup
+    out: dict[str, Any] = {"ran": False}
+    if w.enabled is False or w.steps == 0:
+        return out
+    out["format_rate_before"], out["format_rate_source"] = format_rate_before
+    say(f"format rate before warm-up: {out['format_rate_before']:.0%} "
+        f"(threshold {w.format_rate_threshold:.0%}; {out['format_rate_source']})")
+    if w.enabled == "auto" and out["format_rate_before"] >= w.format_rate_threshold:
+        return out
+    t0 = time.perf_counter()
+    examples = build_examples(train_tasks, tokenizer, messages, fmt=fmt)
+
+    def should_stop(done: int, sps: float | None) -> bool:
+        est = sps or 0.0
+        if w.time_budget_min is not None and time.perf_counter() - t0 + est > w.time_budget_min * 60:
+            return True
+        return over_budget(est + reserve_s)
+
+    phase = progress.phase("warm-up", w.steps)
+    res = train_sft(model, tokenizer, examples, steps=w.steps, batch_size=w.batch_size, lr=w.lr,
+                    seed=derive_seed(cfg.train.seed, 11, bits=31), grad_clip=cfg.algo.grad_clip or 1.0,
+                    warmup_steps=min(5, w.steps // 10), should_stop=should_stop,
+                    log=lambda s, m: log(s, m), on_step=lambda done, loss: phase.update(1, loss=loss))
+    phase.close("cut by the time budget" if res["cut"] else "")
+    out.update(ran=True, seconds=time.perf_counter() - t0, **{f"sft_{k}": v for k, v in res.items()})
+    if probe is not None:
+        out["format_rate_after"] = probe()
+    loss = ("n/a" if res.get("loss_first") is None  # 0 steps: the time budget left none
+            else f"{res['loss_first']:.2f} -> {res['loss_last']:.2f}")
+    say(f"warm-up: {res['steps']} SFT steps in {res['seconds']:.0f}s, loss {loss}")
+    return out
