@@ -5,7 +5,7 @@ given the critic instruction (system message) and the evaluation template with t
 the ground truth (user message); the answer is parsed STRICTLY in the Score/Analysis format
 (:func:`reflrl.critic.format.parse_critique`).
 
-Works with vLLM, llama.cpp's server, ``python -m reflrl.serving`` (the project's own local
+Works with vLLM, llama.cpp's server, ``python -m reflrl.chat_server`` (the project's own local
 endpoint) or a hosted API, through the official ``openai`` client.
 
 Failure handling:

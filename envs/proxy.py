@@ -5,7 +5,7 @@
     # clients now talk to http://127.0.0.1:8078/... instead of http://127.0.0.1:9000/...
 
 A reverse proxy (an ASGI app served by uvicorn with the tool server's socket-level protocol,
-``reflrl.envs.serve``) that forwards every request to ``upstream`` and, through the same
+``reflrl.envs.loopback``) that forwards every request to ``upstream`` and, through the same
 ``FaultInjector`` as the tool server, makes a client see the faults of the plan exactly as a real
 client of a misbehaving API would: 429 with Retry-After, 5xx, 403 bans, stalls until the client's
 read timeout, TCP resets, bodies cut short, invalid JSON, slow answers, a renamed or dropped field
@@ -77,7 +77,7 @@ class FaultProxy:
     """The proxy's ASGI app (see the module docstring); ``ledger`` holds the injected faults.
 
     transport: an httpx transport for the upstream (default real HTTP); clock: stalls without a
-    net control (an ASGI server other than ``reflrl.envs.serve``)."""
+    net control (an ASGI server other than ``reflrl.envs.loopback``)."""
 
     def __init__(self, upstream: str, faults: Any = None, *, seed: int = 0,
                  ledger: Ledger | None = None, clock=None, max_body_bytes: int = DEFAULT_MAX_BODY,
@@ -300,7 +300,7 @@ def serve_proxy(upstream: str, faults: Any = None, *, seed: int = 0, host: str =
     ``announce`` gets a line with the URL once the socket is bound, and the summary at the end."""
     import uvicorn
 
-    from .serve import _bind, make_config
+    from .loopback import _bind, make_config
 
     proxy = FaultProxy(upstream, faults, seed=seed, max_body_bytes=max_body_bytes,
                        upstream_timeout=upstream_timeout)

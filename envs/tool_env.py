@@ -846,7 +846,7 @@ def _make_client(env: ToolCallEnv):
     if env.server_url:
         return ToolClient.connect(env.server_url, **kwargs)
     if env._app is None:
-        from .server import create_app
+        from .tool_server import create_app
 
         env._app = create_app(clock=clock, ledger=env.ledger, default_seed=env.server_seed)
         env._owns_app = True

@@ -22,7 +22,7 @@ The same middleware sits in the fault proxy (``reflrl.envs.proxy``) in front of 
 JSON body the result that schema_drift alters.
 
 Connection-level effects go through a *net control* found in ``scope["extensions"]["reflrl.net"]``:
-the uvicorn protocol in ``reflrl.envs.serve`` provides one that really resets / closes the socket;
+the uvicorn protocol in ``reflrl.envs.loopback`` provides one that really resets / closes the socket;
 the in-process transport in ``reflrl.envs.client`` provides one that makes httpx raise the same
 exception types without sleeping. Without a net control (another ASGI server) connection faults
 raise ``ConnectionResetError`` in the app and truncation closes the body early.

@@ -35,9 +35,7 @@ from typing import Any, Union
 
 import yaml
 
-
-class ConfigError(ValueError):
-    """A bad config file, override or value; the message names the key path."""
+from .errors import ConfigError  # re-exported: raised by every layer, defined apart
 
 
 def _f(default: Any, help: str) -> Any:  # noqa: A002 - "help" reads best at the declarations
@@ -213,7 +211,7 @@ class ReflectionConfig:
 
     variant: str = _f("grpo", "method by name (Tool-ReRL Table 1/2): 'grpo' (no reflection) | 'ppo' (needs a value head: verl backend only) | 'cot' (thought then call) | 'ref' (repaired trajectories trained as on-policy, no correction) | 'cot_is' (own thought in q*, importance-weighted) | 'external' / 'external_is' (reasoning from the critic endpoint, without / with the weight) | 'tool_rerl' (critic reflection + eq. 2) | 'dpo' (DPO on failure/repair pairs)")
     critic: str = _f("rule", "frozen critic for 'ref', 'tool_rerl', 'dpo': 'rule' (embedded, no model) | 'llm' (critic_base_url) | 'policy' (the policy itself)")
-    critic_base_url: str | None = _f(None, "OpenAI-compatible endpoint of the 'llm' critic and the 'external*' variants, e.g. http://127.0.0.1:8000/v1 (python -m reflrl.serving)")
+    critic_base_url: str | None = _f(None, "OpenAI-compatible endpoint of the 'llm' critic and the 'external*' variants, e.g. http://127.0.0.1:8000/v1 (python -m reflrl.chat_server)")
     critic_model: str = _f("default", "model name the critic endpoint serves")
     critic_timeout_s: float = _f(60.0, "per-request timeout of the critic endpoint (seconds)")
     reveal: str = _f("query", "rule critic: how much of an expected value the analysis gives away: 'none' | 'query' | 'value'")
@@ -514,7 +512,7 @@ def validate(cfg: Config) -> Config:
          f"got rollout.max_turns={r.max_turns}")
     need(not (f.variant.startswith("external") or (reflects and f.critic == "llm")) or bool(f.critic_base_url),
          f"reflection.variant={f.variant!r} with an LLM critic needs reflection.critic_base_url (an "
-         f"OpenAI-compatible endpoint, e.g. `python -m reflrl.serving --model NAME --port 8000` -> "
+         f"OpenAI-compatible endpoint, e.g. `python -m reflrl.chat_server --model NAME --port 8000` -> "
          f"http://127.0.0.1:8000/v1)")
 
     if e:

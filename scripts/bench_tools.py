@@ -25,8 +25,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from reflrl.envs.client import RetryPolicy, ToolClient  # noqa: E402
 from reflrl.envs.clock import VirtualClock  # noqa: E402
-from reflrl.envs.serve import ServerThread  # noqa: E402
-from reflrl.envs.server import create_app  # noqa: E402
+from reflrl.envs.loopback import ServerThread  # noqa: E402
+from reflrl.envs.tool_server import create_app  # noqa: E402
 from reflrl.envs.tools.base import ToolSpec  # noqa: E402
 from reflrl.faults import KIND_NAMES, FaultPlan, decide  # noqa: E402
 

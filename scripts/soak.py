@@ -2,7 +2,7 @@
 
     python scripts/soak.py [--calls 10000] [--rounds 5] [--prob 0.05] [--concurrency 32]
 
-A real server process (``python -m reflrl.envs.serve --port 0``) and a real httpx client. Each
+A real server process (``python -m reflrl.envs.loopback --port 0``) and a real httpx client. Each
 round opens episodes with every fault kind at ``--prob``, makes its share of the calls (a mix of
 valid calls to weather, finance, file and messaging tools, whole-number floats for integer
 arguments, and about 15% policy errors), and deletes the episodes. Single attempts (no retries):
@@ -169,7 +169,7 @@ def main(argv: list[str] | None = None) -> int:
 
     sandbox_root = Path(tempfile.mkdtemp(prefix="reflrl-soak-"))
     server = subprocess.Popen(
-        [sys.executable, "-m", "reflrl.envs.serve", "--port", "0", "--log-level", "warning",
+        [sys.executable, "-m", "reflrl.envs.loopback", "--port", "0", "--log-level", "warning",
          "--sandbox-root", str(sandbox_root)],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     line = server.stdout.readline()

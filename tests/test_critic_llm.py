@@ -1,6 +1,6 @@
 """LLM critic (appendix C) against REAL OpenAI-compatible servers on loopback, real openai client.
 
-1. reflrl.serving with the tiny-random model: its garbage answers are unparseable -> negative,
+1. reflrl.chat_server with the tiny-random model: its garbage answers are unparseable -> negative,
    no reflection, counted, never a crash.
 2. A small Starlette app that answers a well-formed ``Score: negative / Analysis: ...``.
 3. The same app answering 503 twice, then succeeding: tenacity retries.
@@ -17,7 +17,7 @@ from reflrl.critic import CRITIC_INSTRUCTION, CriticStats, CritiqueRequest, EnvF
 from reflrl.recovery.critics import get_critic
 from reflrl.critic.llm import CriticEndpointError, LLMCritic
 from reflrl.envs.types import ToolCall
-from reflrl.serving import ServerThread, create_app, load_chat_model
+from reflrl.chat_server import ServerThread, create_app, load_chat_model
 
 Q = "Could you get me the top market trends in the US?"
 GOLD = [ToolCall("Market", {"trend_type": "MARKET_INDEXES", "country": "us", "language": "en"})]
@@ -158,7 +158,7 @@ def test_env_fault_needs_no_model_call():
     assert c.analysis == "The tool `Market` answered 429 rate limit; retry after 2 s."
 
 
-# ---- reflrl.serving itself (the endpoint the critic test talks to) --------------------------------
+# ---- reflrl.chat_server itself (the endpoint the critic test talks to) --------------------------------
 
 def test_serving_chat_completions_contract(tiny_server):
     import openai
@@ -208,6 +208,6 @@ def test_serving_cli_help():
     import subprocess
     import sys
 
-    out = subprocess.run([sys.executable, "-m", "reflrl.serving", "--help"], capture_output=True, text=True,
+    out = subprocess.run([sys.executable, "-m", "reflrl.chat_server", "--help"], capture_output=True, text=True,
                          timeout=120)
     assert out.returncode == 0 and "--model" in out.stdout and "--port" in out.stdout

@@ -1,5 +1,5 @@
 """Engines by name; the OpenAI engine against a real OpenAI-compatible server on loopback
-(reflrl.serving with the tiny-random model: real uvicorn server, real openai client)."""
+(reflrl.chat_server with the tiny-random model: real uvicorn server, real openai client)."""
 from __future__ import annotations
 
 import pytest
@@ -9,7 +9,7 @@ from reflrl.engines.transformers_engine import RolloutEngine, TransformersEngine
 from reflrl.engines import ENGINES, get_engine
 from reflrl.engines.openai_engine import OpenAIEngine, TokenAlignmentError, samples_from_completion
 from reflrl.logprobs import sequence_logprobs
-from reflrl.serving import ServerThread, create_app, load_chat_model
+from reflrl.chat_server import ServerThread, create_app, load_chat_model
 
 MSGS = [[{"role": "system", "content": "You call tools."}, {"role": "user", "content": "Weather in Paris?"}],
         [{"role": "user", "content": "List the files in logs."}]]
@@ -53,7 +53,7 @@ def test_chat_samples_carry_token_ids_and_the_models_logprobs(engine, served):
     out = engine.generate_chat(MSGS, n=2, max_new_tokens=12, temperature=1.0, seed=3)
     assert isinstance(engine, RolloutEngine)
     assert [s.prompt_index for s in out] == [0, 0, 1, 1]  # prompt-major
-    assert engine.last_stats.extra["retokenized"] == 4  # reflrl.serving returns token strings, not ids
+    assert engine.last_stats.extra["retokenized"] == 4  # reflrl.chat_server returns token strings, not ids
     for s, usage in zip(out[::2], engine.last_usage):
         # the local chat-template rendering equals the server's prompt (same tokenizer and template)
         assert len(s.prompt_ids) == usage["prompt_tokens"]

@@ -384,7 +384,7 @@ async def test_env_bound_to_one_loop_says_so():
 
 def test_shared_app_replays_and_reconciles_after_close():
     """The trainer's set-up: one in-process app shared by envs with their own episode prefixes."""
-    from reflrl.envs.server import create_app
+    from reflrl.envs.tool_server import create_app
 
     app = create_app()
     envs = [_make(faults="rate_limit=0.5", seed=0, app=app, episode_prefix=f"w{k}") for k in range(2)]

@@ -1,4 +1,4 @@
-"""Faults through a real socket: uvicorn on 127.0.0.1 (a thread, and `python -m reflrl.envs.serve`
+"""Faults through a real socket: uvicorn on 127.0.0.1 (a thread, and `python -m reflrl.envs.loopback`
 in a subprocess) and a real httpx client. The client's read timeout is kept small (0.3 s)."""
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ import httpx
 import pytest
 
 from reflrl.envs.client import RetryPolicy, ToolClient
-from reflrl.envs.serve import ServerThread
-from reflrl.envs.server import create_app
+from reflrl.envs.loopback import ServerThread
+from reflrl.envs.tool_server import create_app
 from reflrl.envs.tools.base import ToolSpec
 
 READ_TIMEOUT = 0.3
@@ -94,11 +94,11 @@ def _free_port() -> int:
 
 
 async def test_serve_module_in_a_subprocess(tmp_path):
-    """`python -m reflrl.envs.serve --port P --seed S` (what `reflrl tools serve` runs)."""
+    """`python -m reflrl.envs.loopback --port P --seed S` (what `reflrl tools serve` runs)."""
     port = _free_port()
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     proc = subprocess.Popen(
-        [sys.executable, "-m", "reflrl.envs.serve", "--port", str(port), "--seed", "3",
+        [sys.executable, "-m", "reflrl.envs.loopback", "--port", str(port), "--seed", "3",
          "--sandbox-root", str(tmp_path / "sb"), "--log-level", "warning"],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env)
     url = f"http://127.0.0.1:{port}"

@@ -17,7 +17,7 @@ from starlette.routing import Route
 from reflrl.envs.client import RetryPolicy, classify_exception, classify_response
 from reflrl.envs.http_tools import HttpTool, http_tool_client
 from reflrl.envs.proxy import FaultProxy, ProxyError, request_identity
-from reflrl.envs.serve import ServerThread
+from reflrl.envs.loopback import ServerThread
 from reflrl.envs.types import Task, ToolCall
 from reflrl.faults import FaultEvent, FaultPlan, FaultSpecError, Ledger, decide
 

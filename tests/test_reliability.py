@@ -19,8 +19,8 @@ import pytest
 
 from reflrl.envs.client import RetryPolicy, ToolClient
 from reflrl.envs.limits import ServerLimits
-from reflrl.envs.serve import ServerThread
-from reflrl.envs.server import create_app
+from reflrl.envs.loopback import ServerThread
+from reflrl.envs.tool_server import create_app
 from reflrl.envs.tools.base import ToolSpec
 from reflrl.envs.tools.catalog import build_catalog
 

@@ -12,7 +12,7 @@ import pytest
 from reflrl.envs.client import (CallOutcome, RetryPolicy, ToolClient, ToolClientError,
                                 classify_response, parse_retry_after)
 from reflrl.envs.clock import VirtualClock
-from reflrl.envs.server import create_app
+from reflrl.envs.tool_server import create_app
 from reflrl.envs.tools.base import ToolError, ToolSpec
 from reflrl.faults import KIND_NAMES, FaultPlan
 from reflrl.faults.ledger import Ledger

@@ -474,5 +474,5 @@ def load_bfcl_multi_turn(category: str = "multi_turn_base", limit: int | None = 
     return tasks
 
 
-#: the name the tool server looks up (``reflrl.envs.server.default_tools``)
+#: the name the tool server looks up (``reflrl.envs.tool_server.default_tools``)
 build_bfcl_tools = bfcl_tools

@@ -233,7 +233,7 @@ def cmd_tools_serve(args: argparse.Namespace) -> int:
     if args.host not in ("127.0.0.1", "localhost", "::1"):
         raise UsageError(f"--host {args.host!r}: the tool server binds the loopback interface only "
                          "(127.0.0.1, localhost or ::1)")
-    from reflrl.envs import serve as serve_mod
+    from reflrl.envs import loopback as serve_mod
 
     try:
         serve_mod.serve(args.host, args.port, seed=args.seed, sandbox_root=args.sandbox_root,

@@ -1,4 +1,4 @@
-"""RolloutEngine over any OpenAI-compatible server (``vllm serve``, SGLang, TGI, reflrl.serving, ...).
+"""RolloutEngine over any OpenAI-compatible server (``vllm serve``, SGLang, TGI, reflrl.chat_server, ...).
 
 For rollouts of a frozen policy and for evaluation: the server owns its weights, so
 :meth:`OpenAIEngine.update_weights` raises (use ``--engine vllm`` or ``transformers`` to train).
@@ -33,7 +33,7 @@ What the token ids are, and when they are re-tokenized locally (both paths, per 
 
 Log-probs are the server's: ``Sample.logprobs[i]`` belongs to ``token_ids[i]``; under which
 distribution they are (temperature-scaled or raw) depends on the server (vLLM V1: raw unless
-``--logprobs-mode processed_logprobs``; reflrl.serving: temperature-scaled, like our engines).
+``--logprobs-mode processed_logprobs``; reflrl.chat_server: temperature-scaled, like our engines).
 OpenAI-style APIs do not return the stop token: for ``finish_reason == "stop"`` the token ids end
 BEFORE the stop token (the transformers engine includes it). ``finish_reason`` "length" means
 ``max_new_tokens`` was reached.

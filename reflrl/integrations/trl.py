@@ -320,7 +320,7 @@ class ToolEnvironmentFactory:
 
     async def _make_client(self, clock, retry, timeout):
         from reflrl.envs.client import RetryPolicy, ToolClient
-        from reflrl.envs.server import create_app
+        from reflrl.envs.tool_server import create_app
 
         kw: dict[str, Any] = {"ledger": self.ledger, "clock": clock}
         if retry is not None:

@@ -6,7 +6,7 @@ Tool-ReRL (Reflective Reinforcement Tool Learning):
   module diagnoses it and the augmented query ``q* = [q, t, a, rfl]`` guides the policy to a revised
   trajectory tau*;
 - sec. 3.3, Definition 1 (ii): tau* comes from iterative sampling under q* with early stopping at the
-  first valid candidate or after a maximum number of attempts (:func:`reflrl.reflection.reflect_and_retry`);
+  first valid candidate or after a maximum number of attempts (:func:`reflrl.recovery.reflection.reflect_and_retry`);
 - Assumption 1 + eq. 2: tau* is trained on the ORIGINAL prompt q with the clipped importance weight
   ``pi_theta(tau*|q) / pi_theta(tau*|q*)``, the denominator being the log-probs recorded when tau* was
   sampled (:mod:`reflrl.algos.importance`);

@@ -1,12 +1,14 @@
 """The critics a reflection can come from, by name, and the critic of each variant."""
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from reflrl import config as C
 from reflrl.critic.base import Critic, Critique, CritiqueRequest, SyncCritic
 from reflrl.critic.format import format_critique
 from reflrl.registry import Registry
+
+if TYPE_CHECKING:
+    from reflrl.config import Config
 
 from .reflection import split_response
 from .variants import variant_of
@@ -86,7 +88,7 @@ class SelfThoughtCritic(SyncCritic):
                         latency_s=c.latency_s)
 
 
-def build_critic(cfg: C.Config, engine: Any = None, tokenizer: Any = None) -> Any:
+def build_critic(cfg: Config, engine: Any = None, tokenizer: Any = None) -> Any:
     """The critic of ``cfg``'s variant (module doc): rule / llm / policy, self-thought for ``cot_is``,
     the LLM endpoint with :data:`EXTERNAL_INSTRUCTION` for ``external*``."""
     f, v = cfg.reflection, variant_of(cfg)

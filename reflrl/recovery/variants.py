@@ -2,9 +2,13 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from reflrl import config as C
+from reflrl.errors import ConfigError
 from reflrl.registry import Registry
+
+if TYPE_CHECKING:
+    from reflrl.config import Config
 
 
 @dataclass(frozen=True)
@@ -44,20 +48,20 @@ for _v in (
     VARIANTS.register(_v.name, _v)
 
 
-def variant_of(cfg: C.Config) -> Variant:
+def variant_of(cfg: Config) -> Variant:
     return VARIANTS.get(cfg.reflection.variant)
 
 
-def think_of(cfg: C.Config) -> bool:
+def think_of(cfg: Config) -> bool:
     """Whether prompts ask for a <think> block: ``reflection.think``, else the variant's default."""
     t = cfg.reflection.think
     return variant_of(cfg).think if t is None else bool(t)
 
 
-def check_cpu_support(cfg: C.Config) -> None:
+def check_cpu_support(cfg: Config) -> None:
     """Raise ConfigError when the CPU trainer cannot run ``cfg``'s variant (e.g. ``ppo``)."""
     v = variant_of(cfg)
     if v.cpu_error:
-        raise C.ConfigError(v.cpu_error)
+        raise ConfigError(v.cpu_error)
     if v.dpo and cfg.algo.epochs_per_batch != 1:
-        raise C.ConfigError("reflection.variant='dpo' makes one DPO step per batch; set algo.epochs_per_batch=1")
+        raise ConfigError("reflection.variant='dpo' makes one DPO step per batch; set algo.epochs_per_batch=1")

@@ -104,7 +104,7 @@ def make_envs(cfg: C.Config, tasks: Sequence[Any], count: int) -> tuple[list[Any
     import gymnasium as gym
 
     import reflrl.envs  # noqa: F401  (registers the env ids)
-    from reflrl.envs.server import create_app
+    from reflrl.envs.tool_server import create_app
 
     e = cfg.env
     app = create_app()

@@ -5,7 +5,6 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 
-
 from reflrl.envs.rewards import fine_parts, map_range
 from reflrl.envs.types import ParseResult, ToolCall
 

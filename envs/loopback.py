@@ -1,7 +1,7 @@
 """Serve the tool server over real HTTP on loopback, with faults acted out on the real socket.
 
 ``serve(host, port, ...)`` runs uvicorn (blocking); ``ServerThread`` runs it in a background
-thread (tests, benchmarks); ``python -m reflrl.envs.serve --port P --seed S`` runs it from a shell
+thread (tests, benchmarks); ``python -m reflrl.envs.loopback --port P --seed S`` runs it from a shell
 (``reflrl tools serve`` calls ``serve``).
 
 uvicorn is given ``NetH11Protocol``: an h11 protocol that hands each request a *net control*
@@ -125,7 +125,7 @@ def serve(host: str = DEFAULT_HOST, port: int = DEFAULT_PORT, *, seed: int = 0,
     ``announce`` gets one line with the URL once the socket is bound.
     """
     if app is None:
-        from .server import create_app
+        from .tool_server import create_app
         app = create_app(tools, sandbox_root=sandbox_root, default_seed=seed)
     sock = _bind(host, port)
     real_port = sock.getsockname()[1]
@@ -197,7 +197,7 @@ def _port(text: str) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m reflrl.envs.serve",
+    ap = argparse.ArgumentParser(prog="python -m reflrl.envs.loopback",
                                  description="Serve the reflrl tool server on loopback HTTP.")
     ap.add_argument("--host", default=DEFAULT_HOST, help="bind address (default 127.0.0.1)")
     ap.add_argument("--port", type=_port, default=DEFAULT_PORT, help="port (0 = any free port)")

@@ -1,6 +1,6 @@
 """An OpenAI-compatible chat-completions server for a local model (CPU, loopback only).
 
-    python -m reflrl.serving --model smollm2-135m-instruct --port 8011
+    python -m reflrl.chat_server --model smollm2-135m-instruct --port 8011
     # then any OpenAI client: base_url="http://127.0.0.1:8011/v1", api_key="EMPTY"
 
 Gives a laptop a real local endpoint for the LLM critic (:mod:`reflrl.critic.llm`, Tool-ReRL
@@ -38,7 +38,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.routing import Route
 
-from reflrl.envs.serve import ServerThread as _UvicornThread
+from reflrl.envs.loopback import ServerThread as _UvicornThread
 
 HOST = "127.0.0.1"
 MAX_STOP = 4
@@ -135,9 +135,9 @@ class ChatModel:
     def complete(self, body: dict) -> dict[str, Any]:
         """Answer one ``/v1/chat/completions`` body (validated here); raises RequestError."""
         if body.get("stream"):
-            raise RequestError("stream=true is not supported by reflrl.serving; use stream=false", "stream")
+            raise RequestError("stream=true is not supported by reflrl.chat_server; use stream=false", "stream")
         if body.get("tools") or body.get("functions"):
-            raise RequestError("'tools' is not supported by reflrl.serving; describe the tools in the "
+            raise RequestError("'tools' is not supported by reflrl.chat_server; describe the tools in the "
                                "system message (reflrl.envs.prompts.system_prompt)", "tools")
         model = body.get("model")
         if model not in (None, self.name):
@@ -291,10 +291,10 @@ class ServerThread(_UvicornThread):
 
 
 def main(argv: list[str] | None = None) -> int:
-    """CLI: ``python -m reflrl.serving --model NAME --port P`` (blocks until Ctrl-C)."""
+    """CLI: ``python -m reflrl.chat_server --model NAME --port P`` (blocks until Ctrl-C)."""
     import uvicorn
 
-    ap = argparse.ArgumentParser(prog="python -m reflrl.serving",
+    ap = argparse.ArgumentParser(prog="python -m reflrl.chat_server",
                                  description="OpenAI-compatible chat-completions server for a local model (127.0.0.1)")
     ap.add_argument("--model", default="smollm2-135m-instruct", help="registry name, HF id or checkpoint folder")
     ap.add_argument("--port", type=int, default=8011, help="TCP port on 127.0.0.1 (0 = any free port)")

@@ -1,0 +1,6 @@
+"""Errors a user sees, in a module of their own so that any layer can raise them without importing
+the config machinery (:class:`ConfigError` is re-exported by :mod:`reflrl.config`)."""
+
+
+class ConfigError(ValueError):
+    """A bad config file, override or value; the message names the key path."""
