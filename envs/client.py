@@ -438,7 +438,9 @@ class ToolClient:
     # ---- calls -----------------------------------------------------------------------------
     async def call(self, episode_id: str, *, step: int, call_index: int, name: str,
                    arguments: dict[str, Any] | None = None) -> CallOutcome:
-        """Call tool ``name`` under the retry policy; every attempt is recorded in the ledger."""
+        """Call tool ``name`` under the retry policy; every attempt is recorded in the ledger.
+        The outcome holds the result, or the ToolCallError that ended the call (``fault``);
+        a client bug (ToolClientError) is raised."""
         t0 = self.clock.monotonic()
         c = _Call(episode_id, step, call_index, name, {"arguments": arguments or {}},
                   await self._returns_schema(name))
