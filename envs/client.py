@@ -7,132 +7,108 @@
     await client.close_episode("ep1"); await client.aclose()
 
 Classification (``classify_response`` / ``classify_exception``) uses only what a real client sees:
-status codes, headers, exception types and the body. It never reads the server's decision.
+status codes, headers, exception types and the body. It never reads the server's decision. Each
+non-answer is an exception of reflrl.envs.errors, whose tree is the taxonomy; the observed
+``FaultEvent`` of an attempt takes its ``triage``, ``kind``, ``status`` and ``detail``.
 
-==========================  ===================================================================
-what the client sees        triage / kind
-==========================  ===================================================================
-429 (+ Retry-After)         env_fault / rate_limit
-500 with error type tool_bug  tool_bug (the tool's handler crashed on valid arguments: never
-                            retried, counted apart from faults in the ledger)
-500, 502, 503 (other 5xx)   env_fault / server_error
-504, 408, httpx.TimeoutException  env_fault / timeout
-httpx.ReadError, ConnectError, WriteError, OSError     env_fault / connection
-httpx.RemoteProtocolError   env_fault / truncated  (body shorter than Content-Length)
-200 with a non-JSON body    env_fault / malformed  (also a JSON body without "result")
-403                         env_fault / ip_ban     (retried after an identity change, if enabled)
-404 file_missing, or a 200 result with NUL / U+FFFD in a string  env_fault / invalid_file
-200 result failing the tool's ``returns`` schema      env_fault / schema_drift
-404 unknown_tool, 422 (invalid_arguments or a ToolError kind), other 4xx   policy_error
-400 (bad header or body), 404 unknown_episode  ToolClientError raised (a client bug)
-200 valid                   ok
-==========================  ===================================================================
+==========================================  ===========================  ==========================
+what the client sees                        raised (reflrl.envs.errors)  triage / kind
+==========================================  ===========================  ==========================
+429 (+ Retry-After)                         RateLimited(retry_after)     env_fault / rate_limit
+500 with error type tool_bug                ToolBug                      tool_bug (never retried)
+500, 502, 503 (other 5xx)                   ServerError                  env_fault / server_error
+504, 408, httpx.TimeoutException            ToolTimeout                  env_fault / timeout
+httpx.NetworkError (ReadError,              ConnectionReset              env_fault / connection
+ConnectError, WriteError), OSError
+httpx.RemoteProtocolError (a body shorter   TruncatedBody                env_fault / truncated
+than its Content-Length)
+2xx whose body is not JSON or has no        MalformedBody                env_fault / malformed
+"result"; httpx.DecodingError
+403                                         Banned                       env_fault / ip_ban
+404 file_missing; a result with NUL or      InvalidFile                  env_fault / invalid_file
+U+FFFD in a string
+a result failing the tool's ``returns``     SchemaDrift                  env_fault / schema_drift
+schema
+404 unknown_tool                            UnknownTool (a PolicyError)  policy_error
+422 invalid_arguments                       InvalidArguments (a          policy_error
+                                            PolicyError)
+other 4xx (e.g. 422 with a ToolError kind)  PolicyError                  policy_error
+400 (bad header or body), 404               ToolClientError              raised to the caller (a
+unknown_episode                                                          client bug; not recorded)
+2xx with a valid result                     (the result is returned)     ok
+==========================================  ===========================  ==========================
 
 An answer that is not an env fault (ok, policy error, tool bug) slower than ``slow_threshold_s``
-gets kind "latency" (an injected latency acts on error answers too).
+is recorded with kind "latency" (an injected latency acts on error answers too).
 
 schema_drift: a drifted result is detectable only when the tool declares a ``returns`` schema that
 the drift violates (the client loads schemas from ``GET /v1/tools?detail=1``). Otherwise the drifted
 result is returned as ok data, exactly what a real client would get; the ledger then counts that
 injected drift as *undetected* (not a mismatch), so reconciliation stays exact.
 
-Retries (``RetryPolicy``): env faults of retryable kinds are retried with capped exponential backoff
-and seeded jitter; a ``Retry-After`` header sets the minimum wait; retrying stops after
-``max_attempts`` or when the next wait would exceed the time ``budget_s``. Policy errors are never
-retried. Each attempt is one billed tool call and one observed record in the Ledger.
+Retries (``RetryPolicy``, reflrl.envs.retry): decided by the exception's type (the retryable
+``ToolFault`` classes; kinds marked ``retryable`` in reflrl.faults.kinds), composed from tenacity's
+strategies: capped exponential backoff with seeded jitter, a ``Retry-After`` as the minimum wait,
+stop after ``max_attempts`` or before a wait that would overrun the time ``budget_s`` on the
+client's clock. Policy errors and tool bugs are never retried. Each attempt is one billed tool call
+and one observed record in the Ledger.
 """
 from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from urllib.parse import quote
 from email.utils import parsedate_to_datetime
-from hashlib import blake2b
 from typing import Any
 
 import httpx
 import jsonschema
-from tenacity import AsyncRetrying, retry_if_result
 
 from reflrl.faults import CallRecord, FaultEvent, FaultPlan, Ledger, is_corrupt
 from reflrl.faults.inject import NET_EXTENSION
 
 from .clock import SystemClock
+from .errors import (Banned, ConnectionReset, InvalidArguments, InvalidFile, MalformedBody,
+                     PolicyError, RateLimited, SchemaDrift, ServerError, ToolBug, ToolCallError,
+                     ToolClientError, ToolFault, ToolTimeout, TruncatedBody, UnknownTool)
+from .retry import RetryPolicy
 
-RETRYABLE_KINDS = frozenset({"rate_limit", "server_error", "timeout", "connection", "truncated",
-                             "malformed", "ip_ban", "invalid_file", "schema_drift"})
-
-
-class ToolClientError(RuntimeError):
-    """A client/protocol bug (unknown episode, bad request), not a tool outcome."""
-
-
-@dataclass(frozen=True)
-class RetryPolicy:
-    """How the client retries env faults.
-
-    max_attempts:        attempts per call including the first (>= 1).
-    budget_s:            give up when elapsed time plus the next wait would exceed this.
-    base_s, cap_s:       backoff before attempt n+1 is min(cap_s, base_s * 2**(n-1)).
-    jitter:              fraction of that backoff drawn uniformly (0 = none, 1 = "full jitter"),
-                         from a hash of (seed, episode, step, call, attempt): reproducible.
-    max_retry_after_s:   a Retry-After longer than this is not waited for (give up).
-    rotate_identity_on_ban: on 403 ip_ban change the client identity ("IP change") and retry;
-                         otherwise ip_ban is not retried.
-    retry_kinds:         env-fault kinds that are retried.
-    seed:                jitter seed.
-    """
-
-    max_attempts: int = 4
-    budget_s: float = 60.0
-    base_s: float = 0.5
-    cap_s: float = 8.0
-    jitter: float = 0.5
-    max_retry_after_s: float = 60.0
-    rotate_identity_on_ban: bool = True
-    retry_kinds: frozenset[str] = RETRYABLE_KINDS
-    seed: int = 0
-
-    @classmethod
-    def no_retry(cls) -> "RetryPolicy":
-        return cls(max_attempts=1)
-
-    def backoff(self, episode: str, step: int, call: int, attempt: int) -> float:
-        """Jittered capped exponential wait after failed attempt ``attempt`` (0-based)."""
-        d = min(self.cap_s, self.base_s * (2.0 ** attempt))
-        h = blake2b(f"{self.seed}\x1f{episode}\x1f{step}\x1f{call}\x1f{attempt}".encode(),
-                    digest_size=8).digest()
-        u = int.from_bytes(h, "big") / float(1 << 64)
-        return d * (1.0 - self.jitter) + d * self.jitter * u
-
-
-@dataclass
-class Observation:
-    """The classification of one attempt (client side)."""
-
-    triage: str                      # "ok" | "env_fault" | "policy_error" | "tool_bug"
-    kind: str | None = None          # env-fault kind; "latency" for a slow answer
-    status: int | None = None
-    detail: str = ""
-    result: Any = None
-    error: str | None = None
-    retry_after: float | None = None
+__all__ = ["CallOutcome", "InProcessTransport", "RetryPolicy", "ToolClient", "ToolClientError",
+           "classify_exception", "classify_response", "parse_retry_after"]
 
 
 @dataclass
 class CallOutcome:
-    """The result of one logical call after retries (design.md "Python API of the client")."""
+    """The result of one logical call after retries.
 
-    ok: bool
-    result: Any
+    fault: the ToolCallError that ended the call (None when it gave a valid result); ``triage``,
+    ``fault_kind`` and ``error`` are read from it."""
+
+    result: Any                      # the tool's result (None unless ok)
     attempts: int                    # billed tool calls
     events: list[FaultEvent]         # observed env faults (and slow answers) on its attempts
-    triage: str                      # "ok" | "env_fault" | "policy_error" | "tool_bug"
-    error: str | None
-    fault_kind: str | None           # env_fault: the kind of the fault that ended the call
+    fault: ToolCallError | None
     elapsed_s: float
-    status: int | None = None
+    status: int | None = None        # HTTP status of the last attempt (None: transport error)
+
+    @property
+    def ok(self) -> bool:
+        return self.fault is None
+
+    @property
+    def triage(self) -> str:
+        """"ok" | "env_fault" | "policy_error" | "tool_bug"."""
+        return "ok" if self.fault is None else self.fault.triage
+
+    @property
+    def fault_kind(self) -> str | None:
+        """The kind of the env fault that ended the call (None otherwise)."""
+        return self.fault.kind if isinstance(self.fault, ToolFault) else None
+
+    @property
+    def error(self) -> str | None:
+        return None if self.fault is None else str(self.fault)
 
     @property
     def recovered(self) -> bool:
@@ -158,48 +134,53 @@ def parse_retry_after(value: str | None) -> float | None:
         return None
 
 
+_POLICY_ERRORS: dict[str, type[PolicyError]] = {"unknown_tool": UnknownTool,
+                                                "invalid_arguments": InvalidArguments}
+
+
 def classify_response(status: int, headers: httpx.Headers | dict, body: bytes,
-                      returns: Any = None) -> Observation:
-    """Classify an HTTP answer from status, headers and body only (table in the module doc).
+                      returns: Any = None) -> Any:
+    """The result of an HTTP answer, judged from status, headers and body only: returns the
+    result of a valid answer, raises the ToolCallError it is (table in the module doc), or
+    ToolClientError for a client bug.
 
     returns: the tool's ``returns`` JSON schema (or a jsonschema validator of it), if known."""
     if status == 429:
         ra = parse_retry_after(headers.get("retry-after"))
-        return Observation("env_fault", "rate_limit", status, f"retry_after={ra}", retry_after=ra,
-                           error="429 Too Many Requests")
+        raise RateLimited("429 Too Many Requests", status=status, detail=f"retry_after={ra}",
+                          retry_after=ra)
     if status == 504 or status == 408:
-        return Observation("env_fault", "timeout", status, str(status),
-                           error=f"HTTP {status}: {_error_message(body)}")
+        raise ToolTimeout(f"HTTP {status}: {_error_message(body)}", status=status,
+                          detail=str(status))
     if status == 500 and _error_type(body) == "tool_bug":
-        return Observation("tool_bug", None, status, "tool_bug",
-                           error=f"tool bug: {_error_message(body)}")
+        raise ToolBug(f"tool bug: {_error_message(body)}", status=status, detail="tool_bug")
     if status >= 500:
-        return Observation("env_fault", "server_error", status, str(status),
-                           error=f"HTTP {status}: {_error_message(body)}")
+        raise ServerError(f"HTTP {status}: {_error_message(body)}", status=status,
+                          detail=str(status))
     if status == 403:
-        return Observation("env_fault", "ip_ban", status, _error_type(body) or "403",
-                           error=f"403 Forbidden: {_error_message(body)}")
+        raise Banned(f"403 Forbidden: {_error_message(body)}", status=status,
+                     detail=_error_type(body) or "403")
     if status >= 400:
         etype = _error_type(body)
         if status == 404 and etype == "file_missing":
-            return Observation("env_fault", "invalid_file", status, "file_missing",
-                               error=f"404: {_error_message(body)}")
+            raise InvalidFile(f"404: {_error_message(body)}", status=status, detail="file_missing")
         if status == 404 and etype == "unknown_episode" or status == 400:
             raise ToolClientError(f"HTTP {status}: {_error_message(body)}")
-        return Observation("policy_error", None, status, etype or str(status),
-                           error=f"{etype or status}: {_error_message(body)}")
+        raise _POLICY_ERRORS.get(etype, PolicyError)(
+            f"{etype or status}: {_error_message(body)}", status=status,
+            detail=etype or str(status))
     try:
         payload = json.loads(body)
     except (ValueError, UnicodeDecodeError):
-        return Observation("env_fault", "malformed", status, "invalid JSON body",
-                           error="response body is not valid JSON")
+        raise MalformedBody("response body is not valid JSON", status=status,
+                            detail="invalid JSON body") from None
     if not isinstance(payload, dict) or "result" not in payload:
-        return Observation("env_fault", "malformed", status, "JSON without 'result'",
-                           error="response JSON has no 'result'")
+        raise MalformedBody("response JSON has no 'result'", status=status,
+                            detail="JSON without 'result'")
     result = payload["result"]
     if is_corrupt(result):
-        return Observation("env_fault", "invalid_file", status, "corrupt content", result=result,
-                           error="file content is corrupt (NUL / U+FFFD bytes)")
+        raise InvalidFile("file content is corrupt (NUL / U+FFFD bytes)", status=status,
+                          detail="corrupt content")
     if returns:
         validator = returns if hasattr(returns, "iter_errors") else \
             jsonschema.validators.validator_for(returns)(returns)
@@ -208,23 +189,28 @@ def classify_response(status: int, headers: httpx.Headers | dict, body: bytes,
         except jsonschema.exceptions.SchemaError:
             err = None
         if err is not None:
-            return Observation("env_fault", "schema_drift", status, err.message, result=result,
-                               error=f"result does not match the tool's schema: {err.message}")
-    return Observation("ok", None, status, "", result=result)
+            raise SchemaDrift(f"result does not match the tool's schema: {err.message}",
+                              status=status, detail=err.message)
+    return result
 
 
-def classify_exception(exc: BaseException) -> Observation:
-    """Classify a transport exception (httpx or OSError)."""
+def classify_exception(exc: BaseException) -> ToolFault:
+    """The ToolFault a transport exception (httpx or OSError) is, with ``exc`` as its cause
+    (raise it); anything else is re-raised."""
     name = type(exc).__name__
     if isinstance(exc, httpx.TimeoutException):
-        return Observation("env_fault", "timeout", None, name, error=f"{name}: {exc}")
-    if isinstance(exc, httpx.RemoteProtocolError):
-        return Observation("env_fault", "truncated", None, name, error=f"{name}: {exc}")
-    if isinstance(exc, (httpx.NetworkError, OSError)):
-        return Observation("env_fault", "connection", None, name, error=f"{name}: {exc}")
-    if isinstance(exc, httpx.DecodingError):
-        return Observation("env_fault", "malformed", None, name, error=f"{name}: {exc}")
-    raise exc
+        cls = ToolTimeout
+    elif isinstance(exc, httpx.RemoteProtocolError):
+        cls = TruncatedBody
+    elif isinstance(exc, (httpx.NetworkError, OSError)):
+        cls = ConnectionReset
+    elif isinstance(exc, httpx.DecodingError):
+        cls = MalformedBody
+    else:
+        raise exc
+    fault = cls(f"{name}: {exc}", detail=name)
+    fault.__cause__ = exc
+    return fault
 
 
 def _error_obj(body: bytes) -> dict:
@@ -452,85 +438,93 @@ class ToolClient:
     # ---- calls -----------------------------------------------------------------------------
     async def call(self, episode_id: str, *, step: int, call_index: int, name: str,
                    arguments: dict[str, Any] | None = None) -> CallOutcome:
-        """Call tool ``name`` with retries; every attempt is recorded in the ledger."""
-        pol = self.retry
-        clock = self.clock
-        t0 = clock.monotonic()
-        returns = await self._returns_schema(name)
-        events: list[FaultEvent] = []
-        kinds: list[str] = []
-        n_attempts = 0
-        body = {"arguments": arguments or {}}
+        """Call tool ``name`` under the retry policy; every attempt is recorded in the ledger.
+        The outcome holds the result, or the ToolCallError that ended the call (``fault``);
+        a client bug (ToolClientError) is raised."""
+        t0 = self.clock.monotonic()
+        c = _Call(episode_id, step, call_index, name, {"arguments": arguments or {}},
+                  await self._returns_schema(name))
+        try:
+            result, fault = await self._attempt(c), None
+        except ToolCallError as first:
+            result, fault = await self._retried(c, first, t0)
+        if fault is not None:  # a record from here on: keep no frames (and responses) alive
+            fault.__traceback__ = fault.__context__ = None
+        fault_kinds = tuple(e.kind for e in c.events if e.triage == "env_fault")
+        self.ledger.record_call(CallRecord(episode_id, step, call_index, name, c.attempts,
+                                           "ok" if fault is None else fault.triage, fault_kinds))
+        return CallOutcome(result=result, attempts=c.attempts, events=c.events, fault=fault,
+                           elapsed_s=self.clock.monotonic() - t0, status=c.status)
 
-        async def attempt() -> Observation:
-            nonlocal n_attempts
-            a = n_attempts
-            n_attempts += 1
-            headers = {"x-reflrl-episode": episode_id, "x-reflrl-step": str(step),
-                       "x-reflrl-call": str(call_index), "x-reflrl-attempt": str(a),
-                       "x-reflrl-client": self.current_identity(episode_id)}
-            ts = clock.monotonic()
+    async def _retried(self, c: "_Call", first: ToolCallError, t0: float
+                       ) -> tuple[Any, ToolCallError | None]:
+        """(result, None) or (None, the fault that ended it) of a call whose first attempt raised
+        ``first``, under the retry policy. tenacity decides as if it had run that attempt itself:
+        it is handed over as tenacity's attempt 1 (most calls never get here, and tenacity costs
+        about a fifth of an in-process call)."""
+        handed_over = [first]
+
+        async def attempt() -> Any:
+            if handed_over:
+                raise handed_over.pop()
+            return await self._attempt(c)
+
+        retrying = self.retry.retrying(self.clock, start=t0, key=(c.episode, c.step, c.index))
+        try:
+            return await retrying(attempt), None
+        except ToolCallError as fault:
+            return None, fault
+
+    async def _attempt(self, c: "_Call") -> Any:
+        """One billed attempt: its result, or the ToolCallError it raised; recorded either way."""
+        attempt = c.attempts
+        c.attempts += 1
+        headers = {"x-reflrl-episode": c.episode, "x-reflrl-step": str(c.step),
+                   "x-reflrl-call": str(c.index), "x-reflrl-attempt": str(attempt),
+                   "x-reflrl-client": self.current_identity(c.episode)}
+        ts = self.clock.monotonic()
+        result, fault, c.status = None, None, None
+        try:
+            r = await self.http.post(f"/v1/call/{c.name}", json=c.body, headers=headers,
+                                     timeout=self.timeout)
+        except (httpx.TransportError, httpx.DecodingError, OSError) as e:
+            fault = classify_exception(e)
+        else:
+            c.status = r.status_code
             try:
-                r = await self.http.post(f"/v1/call/{name}", json=body, headers=headers,
-                                         timeout=self.timeout)
-                obs = classify_response(r.status_code, r.headers, r.content, returns)
-            except ToolClientError:
-                raise
-            except (httpx.TransportError, OSError) as e:
-                obs = classify_exception(e)
-            took = clock.monotonic() - ts
-            if (obs.triage != "env_fault" and self.slow_threshold_s is not None
-                    and took >= self.slow_threshold_s):
-                obs.kind, obs.detail = "latency", f"{took:.3f}s"
-            ev = FaultEvent(episode_id, step, call_index, a, "observed", obs.triage, obs.kind,
-                            name, obs.status, obs.detail)
-            self.ledger.record_observed(ev)
-            if obs.triage == "env_fault" or obs.kind == "latency":
-                events.append(ev)
-            if obs.triage == "env_fault":
-                kinds.append(obs.kind or "")
-                if obs.kind == "ip_ban" and pol.rotate_identity_on_ban:
-                    self._identity_n[episode_id] = self._identity_n.get(episode_id, 0) + 1
-            return obs
+                result = classify_response(r.status_code, r.headers, r.content, c.returns)
+            except ToolCallError as e:
+                fault = e
+        took = self.clock.monotonic() - ts
+        slow = (not isinstance(fault, ToolFault) and self.slow_threshold_s is not None
+                and took >= self.slow_threshold_s)
+        triage, kind, detail = ("ok", None, "") if fault is None else \
+            (fault.triage, fault.kind, fault.detail)
+        if slow:
+            kind, detail = "latency", f"{took:.3f}s"
+        ev = FaultEvent(c.episode, c.step, c.index, attempt, "observed", triage, kind, c.name,
+                        c.status, detail)
+        self.ledger.record_observed(ev)
+        if slow or isinstance(fault, ToolFault):
+            c.events.append(ev)
+        if isinstance(fault, Banned) and self.retry.rotate_identity_on_ban:
+            self._identity_n[c.episode] = self._identity_n.get(c.episode, 0) + 1
+        if fault is not None:
+            raise fault
+        return result
 
-        def should_retry(obs: Observation) -> bool:
-            if obs.triage != "env_fault" or obs.kind not in pol.retry_kinds:
-                return False
-            return obs.kind != "ip_ban" or pol.rotate_identity_on_ban
 
-        def wait(rs) -> float:
-            obs: Observation = rs.outcome.result()
-            w = pol.backoff(episode_id, step, call_index, rs.attempt_number - 1)
-            if obs.retry_after is not None:
-                w = max(w, obs.retry_after)
-            return w
+@dataclass
+class _Call:
+    """One logical call: its coordinates, request body, the tool's ``returns`` validator, and what
+    its attempts saw so far (count, last HTTP status, observed faults and slow answers)."""
 
-        def stop(rs) -> bool:
-            if rs.attempt_number >= pol.max_attempts:
-                return True
-            obs: Observation = rs.outcome.result()
-            if obs.retry_after is not None and obs.retry_after > pol.max_retry_after_s:
-                return True
-            return clock.monotonic() - t0 + rs.upcoming_sleep > pol.budget_s
-
-        # The first attempt runs outside tenacity (the common no-fault case stays cheap); when it
-        # must be retried, tenacity replays it as its attempt 1 and drives the rest, so its
-        # attempt numbers, waits and stop rules line up with ours exactly.
-        obs = await attempt()
-        if should_retry(obs) and pol.max_attempts > 1:
-            replay = [obs]
-
-            async def next_attempt() -> Observation:
-                return replay.pop() if replay else await attempt()
-
-            retrying = AsyncRetrying(stop=stop, wait=wait, retry=retry_if_result(should_retry),
-                                     sleep=clock.sleep, reraise=True,
-                                     retry_error_callback=lambda rs: rs.outcome.result())
-            obs = await retrying(next_attempt)
-        elapsed = clock.monotonic() - t0
-        self.ledger.record_call(CallRecord(episode_id, step, call_index, name, n_attempts,
-                                           obs.triage, tuple(kinds)))
-        return CallOutcome(ok=obs.triage == "ok", result=obs.result if obs.triage == "ok" else None,
-                           attempts=n_attempts, events=events, triage=obs.triage, error=obs.error,
-                           fault_kind=obs.kind if obs.triage == "env_fault" else None,
-                           elapsed_s=elapsed, status=obs.status)
+    episode: str
+    step: int
+    index: int
+    name: str
+    body: dict[str, Any]
+    returns: Any
+    attempts: int = 0
+    status: int | None = None
+    events: list[FaultEvent] = field(default_factory=list)

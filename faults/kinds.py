@@ -26,7 +26,8 @@ class FaultKind:
     param_unit:    "duration" (``300ms``, ``2s``, ``1.5m``) when param is set.
     param_default: default parameter value in seconds (None when no param).
     client_sees:   what a real HTTP client observes.
-    retryable:     whether the client's retry policy retries it by default.
+    retryable:     whether the tool client retries it (the one place this is decided: the client's
+                   retry policy reads it, reflrl.envs.retry).
     stage:         PRE_DISPATCH or POST_DISPATCH (whether the tool ran).
     applies_to:    "any" or "files" (only file tools: domain "files" or a bfcl file system).
     observed_as:   client-side classifications that count as a faithful observation of this kind

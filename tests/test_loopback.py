@@ -12,6 +12,7 @@ import httpx
 import pytest
 
 from reflrl.envs.client import RetryPolicy, ToolClient
+from reflrl.envs.errors import ToolFault
 from reflrl.envs.loopback import ServerThread
 from reflrl.envs.tool_server import create_app
 from reflrl.envs.tools.base import ToolSpec
@@ -81,6 +82,11 @@ async def test_client_retries_and_reconciles_over_loopback(server):
         await client.close_episode("lb-mixed")            # fetches GET /v1/ledger first
     kinds = {e.kind for o in outs for e in o.events}
     assert {"connection", "timeout"} <= kinds, kinds
+    given_up = [o for o in outs if not o.ok]
+    assert given_up and all(isinstance(o.fault, ToolFault) for o in given_up)
+    # the fault that ended a call is the one its last attempt observed
+    assert all(o.fault.kind == o.events[-1].kind and o.attempts == o.events[-1].attempt + 1
+               for o in given_up)
     rep = client.ledger.reconcile("lb-mixed")
     assert rep.exact, rep.format()
     t = client.ledger.totals("lb-mixed")

@@ -15,6 +15,7 @@ from starlette.responses import JSONResponse
 from starlette.routing import Route
 
 from reflrl.envs.client import RetryPolicy, classify_exception, classify_response
+from reflrl.envs.errors import ConnectionReset, ToolCallError, ToolTimeout, TruncatedBody
 from reflrl.envs.http_tools import HttpTool, http_tool_client
 from reflrl.envs.proxy import FaultProxy, ProxyError, request_identity
 from reflrl.envs.loopback import ServerThread
@@ -55,8 +56,9 @@ def _proxy(upstream_url, faults, seed=0, **kw):
 
 
 def _observe(client: httpx.Client, method: str, url: str, **kw):
-    """(classification, response or None) of one request, as reflrl's client classifies it (a
-    JSON body is the result itself here, not the tool server's {"result": ...})."""
+    """(the ToolCallError reflrl's client makes of one request, or None for a valid answer;
+    the response or None). A JSON body is the result itself here, not the tool server's
+    {"result": ...}."""
     try:
         r = client.request(method, url, **kw)
     except httpx.TransportError as e:
@@ -66,7 +68,11 @@ def _observe(client: httpx.Client, method: str, url: str, **kw):
         body = json.dumps({"result": json.loads(body)}).encode()
     except ValueError:
         pass
-    return classify_response(r.status_code, r.headers, body), r
+    try:
+        classify_response(r.status_code, r.headers, body)
+    except ToolCallError as fault:
+        return fault, r
+    return None, r
 
 
 def test_every_fault_kind_as_a_plain_httpx_client_sees_it(upstream):
@@ -79,18 +85,20 @@ def test_every_fault_kind_as_a_plain_httpx_client_sees_it(upstream):
         n_hits = len(hits)
         with srv, httpx.Client(base_url=srv.url, timeout=1.0) as c:
             t0 = time.monotonic()
-            obs, r = _observe(c, "GET", "/weather", params={"city": "Paris"})
+            fault, r = _observe(c, "GET", "/weather", params={"city": "Paris"})
             took = time.monotonic() - t0
             if kind == "rate_limit":
                 assert r.status_code == 429 and r.headers["retry-after"] == "2"
             elif kind == "server_error":
                 assert r.status_code in (500, 502, 503) and r.json()["error"]["type"]
             elif kind == "timeout":
-                assert r is None and obs.detail == "ReadTimeout" and took < 4.0
+                assert r is None and type(fault) is ToolTimeout and took < 4.0
+                assert fault.detail == "ReadTimeout"
             elif kind == "connection":
-                assert r is None and obs.kind == "connection"
+                assert r is None and type(fault) is ConnectionReset
             elif kind == "truncated":
-                assert r is None and obs.detail == "RemoteProtocolError"
+                assert r is None and type(fault) is TruncatedBody
+                assert fault.detail == "RemoteProtocolError"
             elif kind == "malformed":
                 assert r.status_code == 200 and r.headers["content-type"] == "application/json"
                 with pytest.raises(ValueError):
@@ -110,7 +118,9 @@ def test_every_fault_kind_as_a_plain_httpx_client_sees_it(upstream):
                 assert len(set(got) ^ set(WEATHER)) in (1, 2)  # one field dropped or renamed
                 assert all(got[k] == v for k, v in WEATHER.items() if k in got)
             if kind != "latency" and kind != "schema_drift":
-                assert obs.kind == kind, (spec, obs)
+                assert fault.kind == kind, (spec, fault)
+            else:
+                assert fault is None, (spec, fault)   # a valid answer (no returns schema here)
             injected = proxy.ledger.injected()
             assert [e.kind for e in injected][:1] == [kind]
             assert injected[0].tool == "GET /weather"
@@ -132,12 +142,13 @@ def test_same_seed_replays_the_same_faults_and_injected_equals_observed(upstream
                 params = {"city": f"city{i}"}
                 ident = request_identity("GET", b"/weather", f"city=city{i}".encode(), b"")
                 for attempt in range(4):
-                    obs, _ = _observe(c, "GET", "/weather", params=params)
-                    kind = obs.kind if obs.triage == "env_fault" else None
+                    fault, _ = _observe(c, "GET", "/weather", params=params)
+                    kind = fault.kind if fault is not None else None
                     seen.append((i, attempt, kind))
                     observed.record_observed(FaultEvent(ident, 0, 0, attempt, "observed",
-                                                        obs.triage, kind, "GET /weather"))
-                    if obs.triage == "ok":
+                                                        fault.triage if fault else "ok", kind,
+                                                        "GET /weather"))
+                    if fault is None:
                         break
         observed.merge_injected(proxy.ledger.injected())
         report = observed.reconcile()

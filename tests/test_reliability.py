@@ -18,6 +18,7 @@ import httpx
 import pytest
 
 from reflrl.envs.client import RetryPolicy, ToolClient
+from reflrl.envs.errors import PolicyError, ToolBug
 from reflrl.envs.limits import ServerLimits
 from reflrl.envs.loopback import ServerThread
 from reflrl.envs.tool_server import create_app
@@ -291,7 +292,8 @@ async def test_a_tool_crash_is_a_tool_bug_not_an_injected_fault(srv):
                 for s in range(10)]
         await c.close_episode("bug")
     bugs = [o for o in outs if o.triage == "tool_bug"]
-    assert bugs and all(o.status == 500 and o.fault_kind is None for o in bugs)
+    assert bugs and all(type(o.fault) is ToolBug and o.status == 500 and o.fault_kind is None
+                        for o in bugs)
     assert all("ZeroDivisionError" in o.error for o in bugs)
     assert all(o.attempts == 1 for o in bugs if not o.events)   # never retried for itself
     rep = c.ledger.reconcile("bug")
@@ -321,5 +323,6 @@ async def test_a_latency_fault_on_an_error_answer_reconciles(tmp_path):
         bug = await c.call("slow", step=1, call_index=0, name="crash", arguments={})
         rep = c.ledger.reconcile("slow")
     assert (bad.triage, bug.triage) == ("policy_error", "tool_bug")
+    assert isinstance(bad.fault, PolicyError) and type(bug.fault) is ToolBug
     assert rep.exact, rep.format()
     assert rep.per_kind["latency"].matched == 2

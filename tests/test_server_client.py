@@ -9,12 +9,16 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 import pytest
 
-from reflrl.envs.client import (CallOutcome, RetryPolicy, ToolClient, ToolClientError,
+from reflrl.envs.client import (CallOutcome, RetryPolicy, ToolClient, classify_exception,
                                 classify_response, parse_retry_after)
 from reflrl.envs.clock import VirtualClock
+from reflrl.envs.errors import (FAULTS, Banned, ConnectionReset, InvalidArguments, InvalidFile,
+                                MalformedBody, PolicyError, RateLimited, SchemaDrift, ServerError,
+                                ToolBug, ToolCallError, ToolClientError, ToolFault, ToolTimeout,
+                                TruncatedBody, UnknownTool, retryable_faults)
 from reflrl.envs.tool_server import create_app
 from reflrl.envs.tools.base import ToolError, ToolSpec
-from reflrl.faults import KIND_NAMES, FaultPlan
+from reflrl.faults import KIND_NAMES, KINDS, FaultPlan
 from reflrl.faults.ledger import Ledger
 
 FILE_RETURNS = {
@@ -118,6 +122,7 @@ async def test_tools_and_episode_lifecycle(client, app, tmp_path):
     assert sandbox.parent == tmp_path / "sandboxes"
     out = await _call(client, "ep", 1, "get_weather", {"city": "Oslo"})   # not offered here
     assert out.triage == "policy_error" and out.status == 404 and "unknown_tool" in out.error
+    assert type(out.fault) is UnknownTool and out.fault.detail == "unknown_tool"
     await client.close_episode("ep")
     assert not sandbox.exists() and "ep" not in app.server.episodes
     with pytest.raises(ToolClientError, match="unknown_episode|no open episode"):
@@ -128,27 +133,35 @@ async def test_policy_errors_are_classified_and_never_retried(client):
     await client.open_episode("ep", seed=1)
     out = await _call(client, "ep", 0, "get_weather", {})
     assert (out.triage, out.attempts, out.status) == ("policy_error", 1, 422)
+    assert type(out.fault) is InvalidArguments and out.fault_kind is None
     assert "city" in out.error and "missing required argument" in out.error
     out = await _call(client, "ep", 1, "get_weather", {"city": "Oslo", "units": "kelvin"})
-    assert out.triage == "policy_error" and "units" in out.error and "kelvin" in out.error
+    assert type(out.fault) is InvalidArguments and "units" in out.error and "kelvin" in out.error
     out = await _call(client, "ep", 2, "get_weather", {"city": "Oslo", "zip": 1})
-    assert out.triage == "policy_error" and "zip" in out.error
-    out = await _call(client, "ep", 3, "get_weather", {"city": "Atlantis"})
-    assert out.triage == "policy_error" and out.error.startswith("not_found")
+    assert type(out.fault) is InvalidArguments and "zip" in out.error
+    out = await _call(client, "ep", 3, "get_weather", {"city": "Atlantis"})   # the tool's ToolError
+    assert type(out.fault) is PolicyError and out.error.startswith("not_found")
+    assert out.fault.detail == "not_found"
     out = await _call(client, "ep", 4, "no_such_tool", {})
-    assert out.triage == "policy_error" and out.status == 404
+    assert type(out.fault) is UnknownTool and out.status == 404
     out = await _call(client, "ep", 5, "read_file", {"path": "../../etc/passwd"})
-    assert out.triage == "policy_error" and "forbidden_path" in out.error
+    assert type(out.fault) is PolicyError and "forbidden_path" in out.error
     out = await _call(client, "ep", 6, "get_weather", {"city": "Oslo"})
     assert out.ok and out.result == {"city": "Oslo", "temp_c": 11, "units": "metric"}
     assert client.ledger.reconcile("ep").exact
     assert client.ledger.totals("ep").policy_errors == 6
+    # what the ledger recorded for each attempt is what the exception carried
+    assert [(e.triage, e.status, e.detail) for e in client.ledger.observed("ep")][:6] == [
+        ("policy_error", 422, "invalid_arguments")] * 3 + [
+        ("policy_error", 422, "not_found"), ("policy_error", 404, "unknown_tool"),
+        ("policy_error", 422, "forbidden_path")]
 
 
 async def test_handler_bug_is_a_tool_bug_not_a_fault_and_not_retried(client):
     await client.open_episode("ep", seed=1)
     out = await client.call("ep", step=0, call_index=0, name="buggy", arguments={})
     assert (out.triage, out.fault_kind, out.status, out.attempts) == ("tool_bug", None, 500, 1)
+    assert type(out.fault) is ToolBug and not out.ok and out.result is None
     assert "RuntimeError: handler bug" in out.error
     rep = client.ledger.reconcile("ep")
     assert rep.exact and rep.tool_bugs == 1
@@ -198,6 +211,11 @@ async def test_each_kind_is_observed_as_itself(client, kind):
         assert out.elapsed_s == pytest.approx(0.5)
     else:
         assert (out.triage, out.fault_kind, out.attempts) == ("env_fault", kind, 1)
+        assert type(out.fault) is FAULTS[kind] and out.fault.kind == kind
+        assert out.fault.__traceback__ is None        # a record, keeping no frames alive
+        (ev,) = client.ledger.observed("ep")          # the ledger recorded what it carried
+        assert (ev.triage, ev.kind, ev.status, ev.detail) == (
+            "env_fault", kind, out.fault.status, out.fault.detail)
     rep = client.ledger.reconcile("ep")
     assert rep.exact and rep.per_kind[kind].matched == 1, rep.format()
 
@@ -256,18 +274,105 @@ async def test_retry_after_is_honoured_on_the_virtual_clock(client, clock):
     assert out.attempts == 1 and clock.sleeps == []
 
 
-async def test_backoff_is_capped_exponential_with_seeded_jitter(client, clock):
-    pol = RetryPolicy(max_attempts=6, base_s=0.5, cap_s=2.0, jitter=0.0)
-    client.retry = pol
+async def test_backoff_is_capped_exponential(client, clock):
+    client.retry = RetryPolicy(max_attempts=6, base_s=0.5, cap_s=2.0, jitter=0.0)
     await client.open_episode("ep", faults="server_error=1")
     out = await _call(client, "ep", 0)
-    assert out.attempts == 6 and out.fault_kind == "server_error"
+    assert out.attempts == 6 and type(out.fault) is ServerError and out.fault.status >= 500
     assert clock.sleeps == [0.5, 1.0, 2.0, 2.0, 2.0]
-    jit = RetryPolicy(jitter=1.0, seed=3)
-    waits = [jit.backoff("ep", 0, 0, a) for a in range(4)]
-    assert waits == [jit.backoff("ep", 0, 0, a) for a in range(4)]
-    assert waits != [RetryPolicy(jitter=1.0, seed=4).backoff("ep", 0, 0, a) for a in range(4)]
+
+
+# ---- the composed tenacity policy, driven by scripted attempts (no server) ------------------
+async def _drive(policy: RetryPolicy, faults: list, *, clock=None, attempt_s: float = 0.0,
+                 key=("ep", 0, 0)):
+    """Run ``policy.retrying`` over attempts that raise ``faults`` in turn (then return "ok"),
+    each taking ``attempt_s`` on the clock: (result or the exception raised, attempts, sleeps)."""
+    clock = clock or VirtualClock()
+    todo, n = list(faults), 0
+
+    async def attempt():
+        nonlocal n
+        n += 1
+        clock.advance(attempt_s)
+        if todo:
+            raise todo.pop(0)
+        return "ok"
+
+    try:
+        res = await policy.retrying(clock, start=clock.monotonic(), key=key)(attempt)
+    except Exception as e:  # noqa: BLE001 - the test looks at what came out
+        res = e
+    return res, n, clock.sleeps
+
+
+def _one_of_each() -> list[ToolCallError]:
+    return [cls(f"a {cls.__name__}") for cls in (*FAULTS.values(), PolicyError, UnknownTool,
+                                                  InvalidArguments, ToolBug)]
+
+
+@pytest.mark.parametrize("rotate", [True, False])
+async def test_retry_is_decided_by_exception_type(rotate):
+    pol = RetryPolicy(max_attempts=3, base_s=0.0, rotate_identity_on_ban=rotate)
+    for fault in _one_of_each():
+        res, n, _ = await _drive(pol, [fault])
+        retried = (isinstance(fault, ToolFault) and KINDS[fault.kind].retryable
+                   and (rotate or not isinstance(fault, Banned)))
+        assert (res, n) == (("ok", 2) if retried else (fault, 1)), type(fault).__name__
+    # the retryable kinds are the fault kinds' own (defined once, in reflrl.faults.kinds)
+    assert {c.kind for c in retryable_faults()} == {k for k, v in KINDS.items() if v.retryable}
+    # not a tool outcome: a client bug goes straight to the caller
+    bug = ToolClientError("HTTP 400: bad header")
+    assert await _drive(pol, [bug]) == (bug, 1, [])
+
+
+async def test_giving_up_re_raises_the_last_fault():
+    last = ServerError("HTTP 503: third", status=503, detail="503")
+    res, n, sleeps = await _drive(RetryPolicy(max_attempts=3, base_s=0.5, jitter=0.0),
+                                  [ServerError("first"), ToolTimeout("second"), last])
+    assert (res, n, sleeps) == (last, 3, [0.5, 1.0])
+
+
+async def test_retry_after_is_a_minimum_and_too_long_gives_up():
+    pol = RetryPolicy(max_attempts=4, base_s=0.5, jitter=0.0, max_retry_after_s=5.0)
+    res, n, sleeps = await _drive(pol, [RateLimited("429", retry_after=2.0),
+                                        RateLimited("429", retry_after=0.1), ServerError("x")])
+    assert (res, n, sleeps) == ("ok", 4, [2.0, 1.0, 2.0])  # max(Retry-After, backoff)
+    assert (await _drive(pol, [RateLimited("429", retry_after=5.0)]))[1:] == (2, [5.0])
+    too_long = RateLimited("429", retry_after=5.01)
+    assert await _drive(pol, [too_long]) == (too_long, 1, [])   # not waited for: given up
+    # ... even when the time budget is unlimited
+    assert await _drive(RetryPolicy(budget_s=math.inf, max_retry_after_s=5.0),
+                        [too_long]) == (too_long, 1, [])
+
+
+async def test_time_budget_is_on_the_injected_clock():
+    """Elapsed time includes the attempts themselves (1 s each here, on a VirtualClock: no real
+    wait); retrying stops before a wait that would end past the budget."""
+    pol = RetryPolicy(max_attempts=10, base_s=0.5, jitter=0.0, budget_s=3.0)
+    faults = [ToolTimeout("t")] * 5
+    res, n, sleeps = await _drive(pol, faults, attempt_s=1.0)
+    # 1 s attempt, 0.5 s wait (1.5 <= 3), 1 s attempt, then 2.5 + 1.0 > 3: stop
+    assert (type(res), n, sleeps) == (ToolTimeout, 2, [0.5])
+    clock = VirtualClock(start=1000.0)            # only elapsed time on the clock counts
+    assert (await _drive(pol, faults, attempt_s=1.0, clock=clock))[1:] == (2, [0.5])
+    # a wait that ends exactly at the budget is still made (1 s attempt + 1 s wait = 2 s)
+    assert (await _drive(RetryPolicy(max_attempts=10, base_s=1.0, jitter=0.0, budget_s=2.0),
+                         faults, attempt_s=1.0))[1:] == (2, [1.0])
+
+
+async def test_jitter_is_seeded_by_policy_seed_and_call_coordinates():
+    faults = [ServerError("x")] * 4
+    pol = RetryPolicy(max_attempts=5, jitter=1.0, seed=3, cap_s=8.0, base_s=0.5)
+    _, _, waits = await _drive(pol, faults)
+    assert len(waits) == 4 and len(set(waits)) == 4
+    assert (await _drive(pol, faults))[2] == waits                     # a replay waits the same
     assert all(0 <= w <= min(8.0, 0.5 * 2 ** a) for a, w in enumerate(waits))
+    other_seed = RetryPolicy(max_attempts=5, jitter=1.0, seed=4, cap_s=8.0, base_s=0.5)
+    assert (await _drive(other_seed, faults))[2] != waits
+    assert (await _drive(pol, faults, key=("ep", 1, 0)))[2] != waits    # another step
+    half = RetryPolicy(max_attempts=5, jitter=0.5, seed=3, cap_s=8.0, base_s=0.5)
+    assert all(0.5 * d <= w <= d for d, w in zip([0.5, 1.0, 2.0, 4.0],
+                                                 (await _drive(half, faults))[2]))
 
 
 async def test_recovery_is_counted(client):
@@ -369,17 +474,81 @@ async def test_mixed_plan_with_retries_reconciles(tmp_path):
     assert sum(o.ok for o in outs) + t.given_up == 600
 
 
-# ---- classification helpers -------------------------------------------------------------
-def test_classification_helpers():
+# ---- classification: the table in the client's docstring ----------------------------------
+def _err(etype: str) -> bytes:
+    return b'{"error": {"type": "%s", "message": "m"}}' % etype.encode()
+
+
+RETURNS = {"type": "object", "required": ["a"]}
+RESPONSES = [  # (status, headers, body, the exception raised, its status and detail)
+    (429, {"retry-after": "2"}, b"", RateLimited, 429, "retry_after=2.0"),
+    (500, {}, _err("tool_bug"), ToolBug, 500, "tool_bug"),
+    (500, {}, _err("internal_error"), ServerError, 500, "500"),
+    (502, {}, b"<html>", ServerError, 502, "502"),
+    (503, {}, b"", ServerError, 503, "503"),
+    (504, {}, b"", ToolTimeout, 504, "504"),
+    (408, {}, b"", ToolTimeout, 408, "408"),
+    (200, {}, b"{not json", MalformedBody, 200, "invalid JSON body"),
+    (200, {}, b'{"other": 1}', MalformedBody, 200, "JSON without 'result'"),
+    (403, {}, _err("ip_banned"), Banned, 403, "ip_banned"),
+    (404, {}, _err("file_missing"), InvalidFile, 404, "file_missing"),
+    (200, {}, b'{"result": "a\\u0000b"}', InvalidFile, 200, "corrupt content"),
+    (200, {}, b'{"result": {"b": 1}}', SchemaDrift, 200, "'a' is a required property"),
+    (404, {}, _err("unknown_tool"), UnknownTool, 404, "unknown_tool"),
+    (422, {}, _err("invalid_arguments"), InvalidArguments, 422, "invalid_arguments"),
+    (422, {}, _err("not_found"), PolicyError, 422, "not_found"),
+    (409, {}, b"", PolicyError, 409, "409"),
+]
+
+
+@pytest.mark.parametrize("status,headers,body,cls,st_,detail", RESPONSES)
+def test_each_response_raises_its_exception(status, headers, body, cls, st_, detail):
+    with pytest.raises(ToolCallError) as ei:
+        classify_response(status, headers, body, RETURNS)
+    e = ei.value
+    assert (type(e), e.status, e.detail) == (cls, st_, detail)
+    assert e.triage == {ToolFault: "env_fault", PolicyError: "policy_error",
+                        ToolBug: "tool_bug"}[next(b for b in cls.__mro__
+                                                  if b in (ToolFault, PolicyError, ToolBug))]
+    assert e.retry_after == (2.0 if cls is RateLimited else None)
+
+
+def test_transport_exceptions_and_client_bugs():
+    req = httpx.Request("POST", "http://x/v1/call/t")
+    for exc, cls in [(httpx.ReadTimeout("t", request=req), ToolTimeout),
+                     (httpx.ConnectTimeout("t", request=req), ToolTimeout),
+                     (httpx.ReadError("reset", request=req), ConnectionReset),
+                     (httpx.ConnectError("refused", request=req), ConnectionReset),
+                     (ConnectionResetError(104, "reset"), ConnectionReset),
+                     (httpx.RemoteProtocolError("short", request=req), TruncatedBody),
+                     (httpx.DecodingError("gzip", request=req), MalformedBody)]:
+        fault = classify_exception(exc)
+        assert type(fault) is cls and fault.__cause__ is exc and fault.status is None
+        assert fault.detail == type(exc).__name__
+    with pytest.raises(KeyError):                   # not a transport error: re-raised as is
+        classify_exception(KeyError("x"))
+    for status, body in [(400, _err("bad_request")), (404, _err("unknown_episode"))]:
+        with pytest.raises(ToolClientError, match=str(status)):
+            classify_response(status, {}, body)
+    assert classify_response(200, {}, b'{"result": {"a": 1}}', RETURNS) == {"a": 1}
+    assert classify_response(200, {}, b'{"result": {"b": 1}}') == {"b": 1}   # no schema known
+
+
+def test_the_taxonomy_covers_every_fault_kind_once():
+    assert set(FAULTS) == set(KIND_NAMES) - {"latency"}   # a slow answer is an answer
+    assert all(issubclass(c, ToolFault) and c.triage == "env_fault" for c in FAULTS.values())
+    assert issubclass(TruncatedBody, ToolCallError) and not issubclass(ToolClientError,
+                                                                         ToolCallError)
+    assert (PolicyError.kind, ToolBug.kind) == (None, None)
+    for kind in ("rate_limit", "rate_limt"):    # one class per kind, and only real kinds
+        with pytest.raises(TypeError, match=kind):
+            type("Again", (ToolFault,), {}, kind=kind)
+
+
+def test_parse_retry_after():
     assert parse_retry_after("3") == 3.0 and parse_retry_after("x") is None
     assert parse_retry_after("Wed, 21 Oct 2015 07:28:00 GMT") == 0.0
-    assert classify_response(502, {}, b"<html>").kind == "server_error"
-    assert classify_response(504, {}, b"").kind == "timeout"
-    assert classify_response(200, {}, b'{"result": "a\\u0000b"}').kind == "invalid_file"
-    assert classify_response(200, {}, b'{"other": 1}').kind == "malformed"
-    assert classify_response(404, {}, b'{"error": {"type": "file_missing"}}').kind == \
-        "invalid_file"
-    assert classify_response(422, {}, b'{"error": {"type": "x"}}').triage == "policy_error"
+    assert parse_retry_after("-1") is None and parse_retry_after("nan") is None
     assert FaultPlan.parse(str(FaultPlan.parse("latency=1:2s"))).entry("latency").param == 2.0
 
 
@@ -391,12 +560,15 @@ def test_classification_helpers():
 def test_fuzz_classification_never_crashes(status, body, retry_after):
     headers = {} if retry_after is None else {"retry-after": retry_after}
     try:
-        obs = classify_response(status, headers, body)
+        classify_response(status, headers, body)
     except ToolClientError:
         assert status in (400, 404)
-        return
-    assert obs.triage in ("ok", "env_fault", "policy_error", "tool_bug")
-    assert (obs.kind in KIND_NAMES) == (obs.triage == "env_fault")
+    except ToolCallError as e:
+        assert e.triage in ("env_fault", "policy_error", "tool_bug")
+        assert (e.kind in KIND_NAMES) == isinstance(e, ToolFault) == (e.triage == "env_fault")
+        assert e.status == status
+    else:
+        assert status < 400
 
 
 async def test_reopening_an_episode_id_on_one_server_replays_its_faults(tmp_path):
