@@ -60,6 +60,8 @@ import torch
 from torch import nn
 
 from .paths import cache_root
+from .trainable import (LORA_TARGETS, apply_lora, apply_trainable, count_parameters,  # noqa: F401  (re-exported)
+                        parse_trainable, trainable_parameters)
 
 EMBEDDED_NAME = "smollm2-135m-instruct"
 TINY_NAME = "tiny-random"
@@ -71,7 +73,6 @@ IM_START = "<|im_start|>"
 IM_END = "<|im_end|>"
 ENDOFTEXT = "<|endoftext|>"
 
-LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -307,159 +308,6 @@ def _build_tiny(tokenizer: Any, seed: int) -> nn.Module:
         model = LlamaForCausalLM(cfg)
     model.to(torch.float32)
     return model
-
-
-# ----------------------------------------------------------------------------------------------
-# trainable subsets and mixed precision
-
-
-def parse_trainable(trainable: str) -> tuple[str, int]:
-    """Parse ``"all"`` | ``"none"`` | ``"lora"`` | ``"top_layers:K"`` into (kind, K).
-
-    Raises ValueError naming the bad value.
-    """
-    t = trainable.strip()
-    if t in ("all", "lora", "none"):
-        return t, 0
-    if t.startswith("top_layers:"):
-        try:
-            k = int(t.split(":", 1)[1])
-        except ValueError:
-            k = -1
-        if k < 1:
-            raise ValueError(f"trainable={trainable!r}: K in 'top_layers:K' must be an integer >= 1")
-        return "top_layers", k
-    raise ValueError(
-        f"trainable={trainable!r}: expected 'all', 'none', 'lora' or 'top_layers:K'"
-    )
-
-
-def _cast_to(obj: Any, dtype: torch.dtype) -> Any:
-    if torch.is_tensor(obj) and obj.is_floating_point() and obj.dtype != dtype:
-        return obj.to(dtype)
-    if isinstance(obj, tuple):
-        return tuple(_cast_to(o, dtype) for o in obj)
-    return obj
-
-
-def _boundary_pre_hook(dtype: torch.dtype):
-    """Forward pre-hook casting floating inputs (hidden states, rotary cos/sin, float masks)."""
-
-    def hook(module: nn.Module, args: tuple, kwargs: dict):
-        args = tuple(_cast_to(a, dtype) for a in args)
-        kwargs = {k: (_cast_to(v, dtype) if k != "past_key_values" else v) for k, v in kwargs.items()}
-        return args, kwargs
-
-    return hook
-
-
-def _decoder_layers(model: nn.Module) -> nn.ModuleList:
-    layers = getattr(model.get_decoder(), "layers", None)
-    if layers is None:
-        raise ValueError(f"{type(model).__name__}: cannot find decoder layers (model.model.layers)")
-    return layers
-
-
-def apply_trainable(
-    model: nn.Module,
-    trainable: str,
-    dtype: torch.dtype | None = None,
-    trainable_dtype: torch.dtype | None = torch.float32,
-) -> nn.Module:
-    """Set ``requires_grad`` and precisions for ``all`` / ``none`` / ``top_layers:K``; returns model.
-
-    Frozen parameters are cast to ``dtype`` (None = leave), trainable ones to ``trainable_dtype``
-    (None = same as ``dtype``). Trainable layers are cast from the values the model holds when
-    called (load in float32 first so float32 master weights are not bfloat16-rounded). For
-    ``top_layers:K`` with differing precisions, forward pre-hooks cast at the two boundaries (into
-    the first trainable layer; into the output head). ``lora`` is :func:`apply_lora`'s job.
-    """
-    kind, k = parse_trainable(trainable)
-    t_dtype = trainable_dtype if trainable_dtype is not None else dtype
-    if kind == "none":
-        if dtype is not None:
-            model.to(dtype)
-        for p in model.parameters():
-            p.requires_grad_(False)
-        return model
-    if kind == "all":
-        if t_dtype is not None:
-            model.to(t_dtype)
-        for p in model.parameters():
-            p.requires_grad_(True)
-        return model
-    if kind != "top_layers":
-        raise ValueError(f"apply_trainable handles 'all', 'none', 'top_layers:K', not {trainable!r}")
-    layers = _decoder_layers(model)
-    if k > len(layers):
-        raise ValueError(f"trainable={trainable!r}: the model has only {len(layers)} layers")
-    top = [*list(layers)[len(layers) - k :], model.get_decoder().norm]
-    # keep the trainable part's current (full-precision) values across the frozen-part cast
-    kept = None
-    if t_dtype is not None:
-        kept = [{n: v.detach().to(t_dtype, copy=True) for n, v in m.state_dict().items()} for m in top]
-    if dtype is not None:
-        model.to(dtype)
-    for p in model.parameters():
-        p.requires_grad_(False)
-    for i, m in enumerate(top):
-        if kept is not None:
-            m.to(t_dtype)
-            m.load_state_dict(kept[i])
-        for p in m.parameters():
-            p.requires_grad_(True)
-    first_dtype = next(top[0].parameters()).dtype
-    below_dtype = model.get_input_embeddings().weight.dtype
-    if first_dtype != below_dtype:
-        top[0].register_forward_pre_hook(_boundary_pre_hook(first_dtype), with_kwargs=True)
-    head = model.get_output_embeddings()
-    if head.weight.dtype != first_dtype:
-        head.register_forward_pre_hook(_boundary_pre_hook(head.weight.dtype), with_kwargs=True)
-    return model
-
-
-def apply_lora(
-    model: nn.Module,
-    r: int = 16,
-    alpha: int | None = None,
-    dropout: float = 0.0,
-    targets: tuple[str, ...] = LORA_TARGETS,
-) -> nn.Module:
-    """Wrap ``model`` with peft LoRA adapters on ``targets`` (rank r, alpha default 2r).
-
-    Hu et al. 2021, LoRA; only the adapter weights train. Returns the PeftModel.
-    """
-    from peft import LoraConfig, get_peft_model
-
-    if r < 1:
-        raise ValueError(f"lora_r={r}: must be >= 1")
-    cfg = LoraConfig(
-        r=r,
-        lora_alpha=alpha if alpha is not None else 2 * r,
-        lora_dropout=dropout,
-        target_modules=list(targets),
-        bias="none",
-        task_type="CAUSAL_LM",
-    )
-    return get_peft_model(model, cfg)
-
-
-def trainable_parameters(model: nn.Module) -> list[nn.Parameter]:
-    """The parameters with ``requires_grad`` (what the optimizer should get)."""
-    return [p for p in model.parameters() if p.requires_grad]
-
-
-def count_parameters(model: nn.Module) -> dict[str, int]:
-    """{"total": N, "trainable": M} parameter counts (tied weights counted once)."""
-    seen: set[int] = set()
-    total = trainable = 0
-    for p in model.parameters():
-        if id(p) in seen:
-            continue
-        seen.add(id(p))
-        total += p.numel()
-        trainable += p.numel() if p.requires_grad else 0
-    return {"total": total, "trainable": trainable}
 
 
 # ----------------------------------------------------------------------------------------------
