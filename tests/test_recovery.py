@@ -246,6 +246,50 @@ def test_tool_rerl_step_repairs_batches_trains_and_accounts(tmp_path):
         tr.close()
 
 
+def test_tool_rerl_step_trains_the_repairs_on_q_with_eq2s_weight(tmp_path, monkeypatch):
+    """The headline step: failures repaired under q* join their groups (``group=add``, the default
+    recipe's), the update really runs, the repaired rows are trained on the ORIGINAL prompt q, and each
+    carries eq. 2's weight pi(tau*|q) / pi_rfl(tau*|q*) computed from the behaviour log-probs recorded
+    under q* -- checked against an independent computation on the batch the update received."""
+    import reflrl.train.loop as L
+
+    cfg = tiny_cfg(tmp_path, "tool_rerl", **{"reflection.group": "add", "algo.lr": 1e-3})
+    tr = make_trainer(cfg, tmp_path / "run")
+    seen: dict = {}
+    real = L.policy_update
+
+    def spy(model, opt, batch, a, **kw):
+        with torch.no_grad():
+            seen["lp"] = batch_logprobs(model, batch, kw["temperature"])
+        seen["batch"], seen["kw"] = batch, kw
+        seen["out"] = real(model, opt, batch, a, **kw)
+        return seen["out"]
+
+    monkeypatch.setattr(L, "policy_update", spy)
+    try:
+        before = {n: p.detach().clone() for n, p in tr.model.named_parameters() if p.requires_grad}
+        m = tr.train_step()
+        after = {n: p.detach() for n, p in tr.model.named_parameters() if p.requires_grad}
+    finally:
+        tr.close()
+    batch, out = seen["batch"], seen["out"]
+    rep = batch.repaired
+    assert m["update_skipped"] == 0.0 and seen["kw"]["importance"] == {"level": "sequence", "log_cap": 5.0}
+    assert int(rep.sum()) == m["repaired_trained"] == 4 and m["signal_trajectories"] == len(batch)
+    # trained on q: the prompt of every repaired row is its task's original prompt, no retry prompt in it
+    for i in rep.nonzero().flatten().tolist():
+        prompt = tr.tokenizer.decode(batch.prompts[int(batch.owner[i])])
+        assert RETRY_HEADER not in prompt and "<|im_start|>assistant" in prompt
+    # eq. 2: one weight per repaired trajectory, exp(sum_t log pi(y_t|q) - log pi_rfl(y_t|q*)); the loss uses
+    # it clamped to [e^-5, e^5] (the metrics report it before the clamp, and how many rows the clamp hit)
+    mask = batch.response_mask.bool() & batch.resp_attn.bool()
+    log_w = torch.where(mask, seen["lp"] - batch.engine_logprobs, torch.zeros_like(seen["lp"])).sum(-1)[rep]
+    assert out["rerl/count"] == 4
+    assert out["rerl/log_weight_mean"] == pytest.approx(float(log_w.mean()), rel=1e-4)
+    assert out["rerl/capped_frac"] == pytest.approx(float((log_w.abs() > 5.0).float().mean()))
+    assert any(not torch.equal(before[n], after[n]) for n in before)  # a real update happened
+
+
 def test_repaired_rollouts_in_groups_carry_the_record(tmp_path):
     cfg = tiny_cfg(tmp_path, "tool_rerl", **{"rollout.n": 4})
     tr = make_trainer(cfg, tmp_path / "run")
