@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import asyncio
-from typing import Callable
+from typing import Any, Callable
 
 from .reflection import Generation
 
@@ -12,20 +12,21 @@ class RoundBatcher:
 
     ``n`` coroutines share it; each calls :meth:`generate` (awaits a sample) zero or more times and
     :meth:`done` once when it finishes. When every live coroutine is waiting for a sample, all pending
-    requests go to ``sample(list of message lists) -> list of Generation`` in ONE call (one attempt
-    round). Errors of ``sample`` are raised in every waiting coroutine.
+    requests (whatever the caller asks with: q*'s messages and its token cap, in the trainer) go to
+    ``sample(list of requests) -> list of Generation`` in ONE call (one attempt round). Errors of
+    ``sample`` are raised in every waiting coroutine.
     """
 
-    def __init__(self, n: int, sample: Callable[[list[list[dict]]], list[Generation]]):
+    def __init__(self, n: int, sample: Callable[[list[Any]], list[Generation]]):
         self.live = int(n)
         self.sample = sample
-        self.pending: list[tuple[list[dict], asyncio.Future]] = []
+        self.pending: list[tuple[Any, asyncio.Future]] = []
         self.calls = 0
         self.sizes: list[int] = []
 
-    async def generate(self, messages: list[dict]) -> Generation:
+    async def generate(self, request: Any) -> Generation:
         fut = asyncio.get_running_loop().create_future()
-        self.pending.append((messages, fut))
+        self.pending.append((request, fut))
         self._maybe_flush()
         return await fut
 

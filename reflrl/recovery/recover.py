@@ -66,10 +66,12 @@ async def arecover(trajs: list[R.Trajectory], *, cfg: C.Config, engine: Any, tok
     gen_s = [0.0]
     rounds = [0]
 
-    def sample(batch: list[list[dict]]) -> list[Generation]:
+    def sample(batch: list[tuple[list[dict], int]]) -> list[Generation]:
+        """One attempt round: every waiting repair's q* (with its task's token cap) in ONE generate call."""
         tg = time.perf_counter()
-        prompts = [R.render_prompt(tokenizer, m) for m in batch]
-        out = R.generate_batch(engine, prompts, rollout_cfg, n=1, seed=seed + 7919 * (rounds[0] + 1))
+        prompts = [R.render_prompt(tokenizer, m) for m, _cap in batch]
+        out = R.generate_batch(engine, prompts, rollout_cfg, n=1, seed=seed + 7919 * (rounds[0] + 1),
+                               max_new_tokens=[cap for _m, cap in batch])
         rounds[0] += 1
         gen_s[0] += time.perf_counter() - tg
         return [Generation(tokenizer.decode(ids, skip_special_tokens=True), ids, lps) for ids, lps, _fin in out]
@@ -91,7 +93,12 @@ async def arecover(trajs: list[R.Trajectory], *, cfg: C.Config, engine: Any, tok
         try:
             fb0 = feedback_from_step(t.last.info if t.last else {}, t.reward)
             gold = list(t.task.gold[0]) if t.task.gold else None
-            return await reflect_and_retry(batcher.generate, critic, step_env, t.task, _first_generation(t),
+            cap = R.answer_token_cap(t.task, tokenizer, rollout_cfg)  # the rollouts' cap for this task
+
+            async def generate(messages: list[dict]) -> Generation:
+                return await batcher.generate((messages, cap))
+
+            return await reflect_and_retry(generate, critic, step_env, t.task, _first_generation(t),
                                            f.max_attempts, first_feedback=fb0, messages=messages_of(t.task),
                                            gold=gold, mode=f.mode, stats=stats)
         except Exception as e:  # noqa: BLE001 - a broken critic/repair must not stop training
