@@ -2,7 +2,7 @@
 
 The embedded default critic of Tool-ReRL runs (Tool-ReRL, sec. 3.2 and
 appendix C). Like the paper's frozen critic it sees the ground truth and answers in the
-Score/Analysis format with ONE sentence saying precisely what is wrong, in this order of checks:
+Score/Analysis format, saying precisely what is wrong, in this order of checks:
 
 1. env fault (the request carries one): the fault kind, status, Retry-After
    (:func:`reflrl.critic.format.describe_env_fault`);
@@ -10,7 +10,8 @@ Score/Analysis format with ONE sentence saying precisely what is wrong, in this 
 3. plain-text answer where a call is needed / a call where none is needed;
 4. wrong tool (both named), missing call, extra call;
 5. missing argument (named), wrong value or wrong type (argument and the value given), extra
-   argument (named). When several things are wrong, the sentence names the first and counts the rest.
+   argument (named). When several things are wrong, one sentence names each of the first
+   ``max_issues`` (3) and the rest are counted: a parallel call's repair needs all of them.
 
 How much of the gold value the analysis reveals (``reveal``) -- a design decision:
 appendix C's example feedback names the missing parameter ("Missing optional parameter
@@ -115,15 +116,20 @@ class RuleCritic(SyncCritic):
         reveal: "query" (default) | "none" | "value": how much of an expected value the analysis
             gives away (module doc).
         parser: format used when a request has no ParseResult ("auto": hermes, pythonic, react).
+        max_issues: how many problems the analysis names, one sentence each (the rest are counted):
+            a repair needs every problem of a parallel call, not only the first.
     """
 
     name = "rule"
 
-    def __init__(self, reveal: str = "query", parser: str = "auto") -> None:
+    def __init__(self, reveal: str = "query", parser: str = "auto", max_issues: int = 3) -> None:
         if reveal not in REVEAL_MODES:
             raise ValueError(f"reveal={reveal!r}: expected one of {', '.join(REVEAL_MODES)}")
+        if max_issues < 1:
+            raise ValueError(f"max_issues={max_issues}: must be >= 1")
         self.reveal = reveal
         self.parser = parser
+        self.max_issues = int(max_issues)
 
     def critique(self, request: CritiqueRequest) -> Critique:
         """Score one attempt (module doc). Raises ValueError when the request has no gold calls
@@ -192,10 +198,12 @@ class RuleCritic(SyncCritic):
             issues.extend(self._arg_issues(c, g, query))
         if not issues:  # e.g. duplicate calls that pair up differently
             return "The tool calls do not match the expected calls."
-        first = issues[0]
-        more = len(issues) - 1
-        tail = f", and {more} other issue{'s' if more > 1 else ''} remain{'' if more > 1 else 's'}" if more else ""
-        return f"{first}{tail}."
+        shown = issues[: self.max_issues]
+        more = len(issues) - len(shown)
+        text = " ".join(f"{i}." for i in shown)
+        if more:
+            text = text[:-1] + f", and {more} other issue{'s' if more > 1 else ''} remain{'' if more > 1 else 's'}."
+        return text
 
     def _hint(self, value: Any, query: str) -> str:
         if self.reveal == "value":

@@ -93,9 +93,13 @@ def test_rule_extra_argument_and_count_of_other_issues():
     assert judge(pred).analysis == ("The call to `Market` passes the argument 'limit', which the "
                                     "expected call does not use.")
     pred2 = ok(ToolCall("Market", {"trend_type": "X", "country": "us", "limit": 5}))
-    a = judge(pred2, reveal="none").analysis
-    assert a.startswith("The call to `Market` is missing the argument 'language'")
-    assert a.endswith(", and 2 other issues remain.")
+    a = judge(pred2, reveal="none").analysis  # every problem named, one sentence each
+    assert a == ("The call to `Market` is missing the argument 'language'. The call to `Market` has the wrong "
+                 "value \"X\" for 'trend_type'. The call to `Market` passes the argument 'limit', which the "
+                 "expected call does not use.")
+    one = RuleCritic(reveal="none", max_issues=1).critique(CritiqueRequest(query=Q, parse=pred2, gold=GOLD)).analysis
+    assert one.startswith("The call to `Market` is missing the argument 'language'")
+    assert one.endswith(", and 2 other issues remain.")
 
 
 def test_rule_wrong_type_is_named():
