@@ -186,6 +186,7 @@ class WarmupConfig:
     batch_size: int = _f(8, "SFT examples per step")
     time_budget_min: float | None = _f(None, "guard: cut the warm-up after this many minutes (reported as a cut: the result is then not the recipe's); null = no limit")
     eval_after: bool = _f(True, "evaluate the held-out split right after the warm-up, so the summary tells the warm-up's gain from RL's (one more evaluation)")
+    reflection_share: float = _f(0.0, "reflection practice: this share of the warm-up's examples (on top of the plain ones) are q* -> the gold call, q* holding a mistaken first attempt and the critic's analysis of it, so a small policy learns to act on a critique (reflrl.recovery.practice); 0 = off")
 
 
 @dataclass
@@ -486,6 +487,8 @@ def validate(cfg: Config) -> Config:
         need(getattr(tr, name) >= 0, f"train.{name}: must be >= 0, got {getattr(tr, name)}")
     need(tr.log_every >= 1, f"train.log_every: must be >= 1, got {tr.log_every}")
     need(tr.keep_checkpoints >= 1, f"train.keep_checkpoints: must be >= 1, got {tr.keep_checkpoints}")
+    need(0.0 <= cfg.warmup.reflection_share <= 1.0,
+         f"warmup.reflection_share: must be in [0, 1], got {cfg.warmup.reflection_share}")
     need(tr.time_budget_min is None or tr.time_budget_min > 0,
          f"train.time_budget_min: must be > 0 or null, got {tr.time_budget_min}")
     need(tr.threads is None or tr.threads >= 1, f"train.threads: must be >= 1 or null, got {tr.threads}")

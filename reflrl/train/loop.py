@@ -209,11 +209,20 @@ class Trainer:
                          messages=self.messages, fmt=answer_format(self.cfg), format_rate_before=before,
                          over_budget=self._over_budget, reserve_s=n_evals * self._eval_estimate_s(),
                          progress=self.progress_out, log=lambda s, m: self.log.log(s, m, phase="warmup"),
-                         say=self.say, probe=self.probe_format_rate if w.probe_n > 0 else None)
+                         say=self.say, probe=self.probe_format_rate if w.probe_n > 0 else None,
+                         critic=self.critic or self._practice_critic())
         self.state["timers"]["warmup_s"] += out.get("seconds", 0.0)
         if out.get("sft_cut"):
             self._record_cut("warm-up", out["sft_steps"], w.steps)
         return out
+
+    def _practice_critic(self) -> Any:
+        """The critic of reflection practice when the variant itself does not reflect: the rule critic."""
+        if self.cfg.warmup.reflection_share <= 0:
+            return None
+        from reflrl.recovery import get_critic
+
+        return get_critic("rule", reveal=self.cfg.reflection.reveal)
 
     # -------------------------------------------------------------------------------- one RL step
     def collect(self, want: int, round_: int, timings: dict[str, float]) -> tuple[list[int], list[R.Trajectory]]:
