@@ -420,3 +420,38 @@ def test_group_add_keeps_the_failures_negative_signal(tmp_path):
         assert len(RC.own_rollouts(trajs)) == 4 and sum(t.repaired for t in trajs) == 2
     finally:
         tr.close()
+
+
+# ----------------------------------------------------------------------------- reflection practice
+def test_reflection_practice_pairs_are_real_q_stars_of_mistaken_attempts():
+    """warmup.reflection_share: each practice example is q* built exactly as for a real failure (the
+    retry prompt with a mistaken attempt and the critic's negative analysis) -> the task's gold call;
+    the task's own prompt q carries no ground truth."""
+    from reflrl.envs import datasets as ds
+    from reflrl.envs.parsing import parse
+    from reflrl.envs.rewards import calls_match
+    from reflrl.recovery.practice import MISTAKES, mistake, practice_messages
+    from reflrl.train.setup import messages_fn
+
+    cfg = C.load_config(ROOT / "configs" / "default.yaml")
+    tasks = ds.synthetic_splits(n_train=40, n_val=0, n_test=0, seed=0, kinds=("single", "parallel"))["train"]
+    msgs = messages_fn(cfg)
+    pairs = practice_messages(tasks, messages_fn=msgs, critic=RuleCritic(), fmt="hermes", count=12, seed=3)
+    assert len(pairs) == 12
+    for task, qstar in pairs:
+        q = msgs(task)
+        assert qstar[0] == q[0]  # the same system prompt with the tools
+        retry = qstar[-1]["content"]
+        assert retry.startswith(RETRY_HEADER) and f'Original request: "{task.query}"' in retry
+        attempt = retry.split("Attempt 1: ", 1)[1].split("\nFeedback: ", 1)[0]
+        assert not calls_match(list(parse(attempt).calls), list(task.gold[0]))  # really a mistake
+        assert gold_text(task) not in q[-1]["content"]  # q never holds the answer
+    same = practice_messages(tasks, messages_fn=msgs, critic=RuleCritic(), fmt="hermes", count=12, seed=3)
+    assert [m for _, m in same] == [m for _, m in pairs]  # seeded
+    import random
+
+    gold = [ToolCall("a", {"x": 1, "y": "b"}), ToolCall("c", {"z": 2})]
+    tools = [{"name": n, "parameters": {}} for n in ("a", "c", "d")]
+    for kind in MISTAKES:
+        bad = mistake(gold, tools, random.Random(0), pool=[5, "q"], kind=kind)
+        assert bad is not None and not calls_match(bad, gold), kind
