@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -96,6 +97,8 @@ class BadJSON(ValueError):
 def parse_json_body(raw: bytes, max_depth: int | None = None) -> Any:
     """json.loads with the server's rules: no NaN/Infinity, never a RecursionError, and (when
     ``max_depth`` is given) see ``json_problem``. Raises BadJSON with a short reason."""
+    if _bracket_depth(raw) > PARSE_DEPTH:  # the same verdict whatever sys.getrecursionlimit() is
+        raise BadJSON(f"body nests deeper than {PARSE_DEPTH} levels")
     try:
         value = json.loads(raw, parse_constant=_no_constant)
     except RecursionError:
@@ -107,6 +110,23 @@ def parse_json_body(raw: bytes, max_depth: int | None = None) -> Any:
         if problem is not None:
             raise BadJSON(f"body {problem}")
     return value
+
+
+PARSE_DEPTH = 256
+_STRING = re.compile(rb'"(?:[^"\\]|\\.)*"')
+_BRACKET = re.compile(rb"[\[\]{}]")
+
+
+def _bracket_depth(raw: bytes | str) -> int:
+    """Deepest nesting of ``[``/``{`` outside strings (a bound checked before parsing, so a deep
+    body is rejected the same way whether or not some library raised the recursion limit)."""
+    if isinstance(raw, str):
+        raw = raw.encode("utf-8", "surrogatepass")
+    depth = deepest = 0
+    for m in _BRACKET.finditer(_STRING.sub(b"", raw)):
+        depth += 1 if m.group() in (b"[", b"{") else -1
+        deepest = max(deepest, depth)
+    return deepest
 
 
 def _no_constant(name: str) -> Any:

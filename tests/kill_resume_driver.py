@@ -33,9 +33,6 @@ def main(argv: list[str] | None = None) -> int:
 
     from reflrl import config as C
     from reflrl import train as T
-from reflrl.cli import main as cli_main
-from reflrl.train.batch import batch_logprobs, make_batch
-from reflrl.train.update import policy_update
 
     class ForcedRewardTrainer(T.Trainer):
         def rollout(self, task_idx, round_, timings):

@@ -326,3 +326,20 @@ async def test_a_latency_fault_on_an_error_answer_reconciles(tmp_path):
     assert isinstance(bad.fault, PolicyError) and type(bug.fault) is ToolBug
     assert rep.exact, rep.format()
     assert rep.per_kind["latency"].matched == 2
+
+
+def test_a_deep_body_is_rejected_whatever_the_recursion_limit():
+    """Some libraries raise sys.getrecursionlimit(); a 5000-deep body must still be a 400 (the
+    verdict came from json's RecursionError before, so it depended on what was imported)."""
+    import sys
+
+    from reflrl.envs.limits import BadJSON, parse_json_body
+    old = sys.getrecursionlimit()
+    sys.setrecursionlimit(50_000)
+    try:
+        with pytest.raises(BadJSON, match="nests deeper"):
+            parse_json_body(b'{"arguments": ' + DEEP + b"}")
+    finally:
+        sys.setrecursionlimit(old)
+    # brackets inside strings are text, not nesting
+    assert parse_json_body(b'{"a": "' + b"[" * 1000 + b'\\""}') == {"a": "[" * 1000 + '"'}
