@@ -19,7 +19,7 @@ from typing import Any, Callable, Generator
 from . import bfcl as bfcl_mod
 from . import rotbench, sealtools, taskbench
 from .backends import Backend, Decoding, apply_template
-from .data import DataError
+from .data import DataError, check_lengths
 from .manifest import build_manifest, data_hashes, prompt_record
 
 BENCHMARKS = ("rotbench", "taskbench", "bfcl", "sealtools")
@@ -124,13 +124,15 @@ def sealtools_units(opts: EvalOptions) -> tuple[list[Unit], list[dict[str, str]]
 
 
 def _bfcl_score(entries: list[bfcl_mod.BfclEntry], outs: list[Any]) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    check_lengths("bfcl", entries, outs)
     per = []
     for e, out in zip(entries, outs):
         v = bfcl_mod.score_multi_turn(e, out) if e.multi_turn else bfcl_mod.score_single(e, out)
-        per.append({"id": e.id, **{k: v.get(k) for k in ("valid", "error_type", "error", "unsafe")}})
+        per.append({"id": e.id, **{k: v.get(k) for k in ("valid", "error_type", "error", "unevaluated")}})
     n = len(per)
     return {"accuracy": 100.0 * sum(p["valid"] for p in per) / n if n else 0.0, "n": n,
-            "unsafe_outputs": sum(bool(p.get("unsafe")) for p in per)}, per
+            "unevaluated_outputs": sum(bool(p.get("unevaluated")) for p in per),
+            "unevaluated_ids": [p["id"] for p in per if p.get("unevaluated")]}, per
 
 
 def bfcl_units(opts: EvalOptions) -> tuple[list[Unit], list[dict[str, str]]]:
