@@ -15,8 +15,7 @@ import pytest
 from reflrl.eval import rotbench as R
 from reflrl.eval.data import DataError
 
-DATA = Path(__file__).resolve().parents[1].parent / "shared" / "benchmarks"
-pytestmark = pytest.mark.skipif(not (DATA / "rotbench").is_dir(), reason="shared benchmark excerpts not beside the repo")
+DATA = Path(__file__).resolve().parent / "fixtures" / "benchmarks"
 
 
 # ------------------------------------------------------------------ upstream oracle (verbatim logic)

@@ -98,12 +98,14 @@ def taskbench_units(opts: EvalOptions) -> tuple[list[Unit], list[dict[str, str]]
                             f"no data.json (gold task graphs) in {taskbench.domain_dir(opts.data_dir, dom)}"})
             continue
         items = taskbench.load_domain(opts.data_dir, dom, opts.limit)
-        msgs = [taskbench.prompt_messages(i, td, dom) for i in items]
+        template = taskbench.prompt_template(td, dom)
+        msgs = [taskbench.prompt_messages(i, td, dom, template) for i in items]
         units.append(Unit("taskbench", dom, [i.id for i in items],
                           (lambda msgs=msgs: [single(m) for m in msgs]),
                           (lambda outs, items=items, td=td, dom=dom: taskbench.score(items, outs, td, dom)),
-                          [_sys(m) for m in msgs],
-                          [gold, taskbench.domain_dir(opts.data_dir, dom) / "tool_desc.json"]))
+                          [],  # no system message: the template below is the whole prompt
+                          [gold, taskbench.domain_dir(opts.data_dir, dom) / "tool_desc.json"],
+                          prompt_template=template))
     return units, skipped
 
 
