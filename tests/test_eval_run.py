@@ -357,3 +357,35 @@ def test_reflrl_cli_eval_compare(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "rotbench.clean.content_filling" in out and "beyond seed noise" in out
     assert "WARNING" in out and "decoding.temperature" in out
+
+
+def test_eval_on_a_run_folder_then_compare(tmp_path, capsys):
+    """`reflrl eval ... --model RUN_DIR` evaluates the run's final checkpoint (saved by RunLog as
+    training saves it); `reflrl eval compare` then sets it against the base model."""
+    import torch
+
+    from reflrl.cli import main
+    from reflrl.models import load_model
+    from reflrl.runlog import RunLog
+
+    run = tmp_path / "run"
+    log = RunLog(run, {"model": {"name": "tiny-random"}}, tensorboard=False)
+    model, tok = load_model("tiny-random", dtype="float32", trainable="all")
+    for step in (2, 4):
+        with torch.no_grad():
+            next(model.parameters()).add_(0.01)  # "training": each checkpoint has other weights
+        log.save_checkpoint(step, model=model, tokenizer=tok, optimizer=None, state={"step": step}, keep_last=2)
+    log.close()
+    common = ["bfcl", "--categories", "simple", "--limit", "2", "--seeds", "2", "--max-new-tokens", "3",
+              "--dtype", "float32", "--batch-size", "2"]
+    assert main(["eval", *common, "--model", "tiny-random", "--out", str(tmp_path / "base")]) == 0
+    assert main(["eval", *common, "--model", str(run), "--out", str(tmp_path / "trained")]) == 0
+    man = json.loads((tmp_path / "trained" / "manifest.json").read_text())
+    assert man["model"]["source"] == f"run:{run}" and man["model"]["model"].endswith("step_000004/model")
+    assert man["model"]["dtype"] == "float32"
+    base = json.loads((tmp_path / "base" / "manifest.json").read_text())
+    assert base["model"]["weights_sha256"] != man["model"]["weights_sha256"]
+    capsys.readouterr()
+    assert main(["eval", "compare", str(tmp_path / "base"), str(tmp_path / "trained")]) == 0
+    out = capsys.readouterr().out
+    assert "bfcl.simple_python.accuracy" in out and "B = " in out and "WARNING" not in out

@@ -167,7 +167,9 @@ class LocalBackend:
     def describe(self) -> dict[str, Any]:
         if self._desc is None:
             tmpl = getattr(self.tokenizer, "chat_template", None) or ""
-            self._desc = {"kind": "local", "model": self.name, "source": self.source, "dtype": self.dtype,
+            loaded = str(next(self.model.parameters()).dtype).removeprefix("torch.")
+            self._desc = {"kind": "local", "model": self.name, "source": self.source, "dtype": loaded,
+                          "dtype_requested": self.dtype,
                           "weights_sha256": weights_sha256(self.model),
                           "chat_template_sha256": hashlib.sha256(str(tmpl).encode()).hexdigest(),
                           "batch_size": self.batch_size, "torch_threads": _torch_threads()}
@@ -222,6 +224,12 @@ class EndpointBackend:
         return info
 
 
+def is_run_folder(path: str | Path) -> bool:
+    """A ``reflrl train`` run folder (it has ``checkpoints/``), as opposed to a model folder."""
+    p = Path(path).expanduser()
+    return p.is_dir() and (p / "checkpoints").is_dir() and not (p / "config.json").is_file()
+
+
 def run_checkpoint(run_dir: str | Path) -> Path:
     """The model folder of a run: the latest ``checkpoints/step_*/model`` (or ``run_dir`` itself when it
     is a Hugging Face model folder). FileNotFoundError names what was looked for."""
@@ -247,6 +255,8 @@ def make_backend(model: str | None = None, endpoint: str | None = None, run: str
         if not model:
             raise ValueError("--endpoint needs --model NAME (the model name the server serves)")
         return EndpointBackend(endpoint, model, api_key=api_key, concurrency=concurrency)
+    if not run and model and is_run_folder(model):
+        run = model
     if run:
         path = run_checkpoint(run)
         return LocalBackend(str(path), dtype=dtype, batch_size=batch_size, source=f"run:{run}", threads=threads)

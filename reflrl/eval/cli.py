@@ -10,6 +10,8 @@ from typing import Any
 
 EXIT_USAGE = 2
 BENCH_CHOICES = ("rotbench", "taskbench", "bfcl", "sealtools")
+#: --dtype default; validated by reflrl.models.load_model, so the training side's dtype rule applies here too
+DEFAULT_DTYPE = "bfloat16"
 
 
 def add_eval_commands(subparsers: Any) -> None:
@@ -25,10 +27,12 @@ def add_eval_commands(subparsers: Any) -> None:
                     help="benchmarks to run (rotbench taskbench bfcl sealtools), or: compare RUN_A RUN_B")
     src = ev.add_argument_group("model (one of)")
     src.add_argument("--model", default=None,
-                     help="registry name (smollm2-135m-instruct, tiny-random), HF id or folder; with "
-                          "--endpoint: the served model name")
+                     help="registry name (smollm2-135m-instruct, tiny-random), HF id, model folder, or a "
+                          "'reflrl train' run folder (its final checkpoint); with --endpoint: the served "
+                          "model name")
     src.add_argument("--endpoint", default=None, help="OpenAI-compatible base URL, e.g. http://127.0.0.1:8000/v1")
-    src.add_argument("--run", default=None, help="a reflrl run folder: evaluate its latest checkpoint")
+    src.add_argument("--run", default=None, help="a reflrl run folder: evaluate its final (latest) checkpoint "
+                                                 "(the same as --model RUN_DIR)")
     src.add_argument("--api-key", default=None, help="endpoint API key (default: $OPENAI_API_KEY or 'EMPTY')")
     ev.add_argument("--data-dir", default=os.environ.get("REFLRL_BENCH_DATA"),
                     help="folder with rotbench/, taskbench/, seal-tools/ (default $REFLRL_BENCH_DATA); "
@@ -51,7 +55,10 @@ def add_eval_commands(subparsers: Any) -> None:
                     help="keep <think> blocks of earlier assistant messages in multi-turn history")
     ev.add_argument("--max-steps", type=int, default=20, help="BFCL multi-turn steps per turn before force-quit")
     ev.add_argument("--out", default=None, help="output folder (default runs/eval/<time>-<model>)")
-    ev.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"), help="local model precision")
+    ev.add_argument("--dtype", default=DEFAULT_DTYPE,
+                    help="local model precision, any dtype reflrl.models.load_model accepts (bfloat16, "
+                         "float32); bfloat16 is emulated, and about 40x slower, on CPUs without native "
+                         "bfloat16 (AVX2-only): use float32 there")
     ev.add_argument("--batch-size", type=int, default=8, help="prompts decoded together (local model)")
     ev.add_argument("--concurrency", type=int, default=4, help="parallel requests (endpoint)")
     ev.add_argument("--threads", type=int, default=None,

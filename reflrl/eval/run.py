@@ -213,7 +213,8 @@ def _aggregate(per_seed: list[dict[str, Any]]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for k, v in first.items():
         if isinstance(v, bool) or k == "n" or k.startswith("n_"):
-            out[k] = v
+            vals = [s.get(k) for s in per_seed]
+            out[k] = v if all(x == v for x in vals) else vals  # counts that vary by seed: one per seed
         elif isinstance(v, (int, float)) or v is None and all(
                 isinstance(s.get(k), (int, float, type(None))) for s in per_seed):
             out[k] = mean_std([s.get(k) for s in per_seed])
