@@ -295,6 +295,10 @@ def _result(gold, **changes):
     return r
 
 
+def _as_list(arguments):
+    return arguments if isinstance(arguments, list) else [arguments]
+
+
 def _predictions(items, domain):
     """Per kind, one model text per item (gold, variations, and the cases that trip upstream up)."""
     resource = T.DEPENDENCY[domain] == "resource"
@@ -320,7 +324,7 @@ def _predictions(items, domain):
     if resource:
         # the case of the issue: the first argument of a node cannot be converted
         kind("int_first_argument", lambda g: json.dumps(_result(g, task_nodes=[
-            {**n, "arguments": [5] + n["arguments"]} for n in g["task_nodes"]])))
+            {**n, "arguments": [5] + _as_list(n["arguments"])} for n in g["task_nodes"]])))
         kind("reference_out_of_range", lambda g: json.dumps(_result(g, task_nodes=[
             {**n, "arguments": ["<node-9>"]} for n in g["task_nodes"]])))
         kind("empty_object_then_text", lambda g: json.dumps(_result(g, task_nodes=[
@@ -343,7 +347,7 @@ def _predictions(items, domain):
 def test_metrics_equal_upstream_pipeline(domain):
     td = T.load_tool_desc(DATA, domain)
     items = T.load_domain(DATA, domain)
-    assert len(items) == 8
+    assert len(items) == (10 if domain == "multimedia" else 8)
     kinds = _predictions(items, domain)
     for name, texts in kinds.items():
         assert_equal_to_upstream(items, texts, td, domain)
@@ -363,14 +367,15 @@ def test_unconvertible_first_argument_keeps_the_sample_as_upstream_does():
     td = T.load_tool_desc(DATA, "huggingface")
     it = _item({"id": "a", "task_steps": ["s"], "task_nodes": [{"task": "Translation", "arguments": ["Hello"]}],
                 "task_links": []}, "huggingface")
-    for bad in (5, "<node-9>"):
+    for bad, strict_name_f1 in ((5, 100.0), ("<node-9>", 0.0)):
         text = json.dumps({"task_steps": ["s"], "task_nodes": [{"task": "Translation", "arguments": [bad]}]})
         m = assert_equal_to_upstream([it], [text], td, "huggingface")
         assert m["n_scored_upstream"] == 1 and m["dropped_ids"] == [] and m["upstream_reused_arguments"] == 1
         # upstream reuses the gold's {"text": "Hello"}: a perfect score
         assert m["upstream"] == {"node_f1": 100.0, "link_f1": 0.0, "arg_name_f1": 100.0, "arg_value_f1": 100.0}
-        # strict: node right, the argument wrong (names: TP0 FP1 FN1, values likewise)
-        assert m["strict"] == {"node_f1": 100.0, "link_f1": 0.0, "arg_name_f1": 0.0, "arg_value_f1": 0.0}
+        # strict: the node is right; 5 reads as the text "5" (right name, wrong value), <node-9> is
+        # an invalid argument (wrong name and value)
+        assert m["strict"] == {"node_f1": 100.0, "link_f1": 0.0, "arg_name_f1": strict_name_f1, "arg_value_f1": 0.0}
     # the reused value crosses samples: a gold graph without arguments converts nothing, so the
     # prediction reuses the previous sample's last argument
     no_args = _item({"id": "b", "task_steps": ["s"], "task_nodes": [{"task": "Translation", "arguments": []}],
@@ -470,8 +475,8 @@ def test_malformed_gold_names_file_and_record(tmp_path):
                                  json.dumps({"id": "2", "tool_nodes": "[{bad json"}) + "\n")
     with pytest.raises(DataError, match=r"data\.json: record 1 \(id '2'\).*not valid JSON"):
         T.load_domain(tmp_path, "huggingface")
-    (d / "data.json").write_text(json.dumps({"id": "3", "task_nodes": [{"task": "T", "arguments": "x"}]}) + "\n")
-    with pytest.raises(DataError, match=r"data\.json: record 0 \(id '3'\): node 0: arguments is not a list"):
+    (d / "data.json").write_text(json.dumps({"id": "3", "task_nodes": [{"name": "T", "arguments": []}]}) + "\n")
+    with pytest.raises(DataError, match=r"data\.json: record 0 \(id '3'\): nodes must be a list of objects with a 'task'"):
         T.load_domain(tmp_path, "huggingface")
     (d / "data.json").write_text('{"id": "1", "task_nodes": []}\n{"id": \n')
     with pytest.raises(DataError, match=r"data\.json: line 2: invalid JSON"):
@@ -479,3 +484,22 @@ def test_malformed_gold_names_file_and_record(tmp_path):
     (d / "data.json").unlink()
     with pytest.raises(DataError, match="no data.json"):
         T.load_domain(tmp_path, "huggingface")
+
+
+def test_quirky_gold_records_score_as_upstream_and_read_sensibly_in_strict():
+    """Two real multimedia gold graphs: an integer argument, and ``arguments`` as one string (upstream
+    iterates its characters). The gold graph as prediction is perfect under both metrics."""
+    td = T.load_tool_desc(DATA, "multimedia")
+    items = [it for it in T.load_domain(DATA, "multimedia") if it.id in ("17177733",) or any(
+        not isinstance(a, (str, dict)) for n in it.gold["task_nodes"] for a in n["arguments"])]
+    assert len(items) == 2
+    text_arg = next(it for it in items if it.id == "17177733")
+    assert isinstance(text_arg.gold["task_nodes"][0]["arguments"], str)
+    m = assert_equal_to_upstream(items, [json.dumps(_result(it.gold)) for it in items], td, "multimedia")
+    perfect = {"node_f1": 100.0, "link_f1": 0.0, "arg_name_f1": 100.0, "arg_value_f1": 100.0}  # no links at all
+    assert m["upstream"] == m["strict"] == perfect
+    # the text read as one argument (strict) vs character by character (upstream)
+    one = json.dumps(_result(text_arg.gold, task_nodes=[{"task": "Text Simplifier",
+                                                          "arguments": [text_arg.gold["task_nodes"][0]["arguments"]]}]))
+    m = assert_equal_to_upstream([text_arg], [one], td, "multimedia")
+    assert m["strict"]["arg_value_f1"] == 100.0 and m["upstream"]["arg_value_f1"] < 10.0

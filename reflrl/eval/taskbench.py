@@ -29,8 +29,10 @@ Two metrics are reported side by side:
   (sklearn's zero_division); with no sample left every metric is None ("No supports, skip").
 
 ``strict`` scores every sample: a sample without a usable prediction counts as an empty prediction
-(all its gold items missed), and an argument that cannot be converted is a wrong argument (a false
-positive) instead of a copy of an earlier one; ``task_steps`` are not required.
+(all its gold items missed); each argument is read on its own (a number as its text, a string
+``arguments`` as one argument -- upstream iterates its characters), and one that cannot be read is
+a wrong argument that matches nothing, instead of a copy of an earlier one; ``task_steps`` are not
+required.
 
 Deviations, where upstream would crash the whole evaluation (outside its per-sample ``try``): a
 link that is not an object with hashable ``source``/``target`` drops the sample (upstream metric)
@@ -125,10 +127,6 @@ def load_domain(root: Path, domain: str, limit: int | None = None) -> list[TaskI
     out = []
     for i, rec in enumerate(recs[: limit if limit is not None else None]):
         g = normalize_gold(rec, path, i)
-        try:
-            strict_graph(g, DEPENDENCY[domain], {})
-        except ValueError as e:
-            raise DataError(f"{path}: record {i} (id {g['id']!r}): {e}") from None
         out.append(TaskItem(g["id"], domain, g["request"], g))
     return out
 
@@ -194,53 +192,8 @@ def upstream_sample(label: dict[str, Any], result: Any, dependency: str, out_typ
         label_node_name = [name.replace("_", " ") for name in label_node_name]
         label_link: Any = []
         predcition_link: Any = []
-        for inx, node in enumerate(label_nodes):
-            new_arguments = []
-            for argument in node["arguments"]:
-                try:
-                    if isinstance(argument, dict):
-                        argument = list(argument.values())[0]
-                    if isinstance(argument, list):
-                        argument = " ".join(argument)
-                    if "<node-" in argument:
-                        index_start = argument.index("<node-") + 6
-                        index_end = argument.index(">")
-                        if int(argument[index_start: index_end]) == inx:
-                            continue
-                        argument_tool_name = label_node_name[int(argument[index_start: index_end])]
-                        label_link.append({"source": argument_tool_name, "target": node["task"]})
-                        carry.new_argument = {"name": out_type.get(argument_tool_name, "other"),
-                                              "value": argument_tool_name}
-                    else:
-                        carry.new_argument = {"name": _content_type(argument), "value": argument}
-                except Exception:  # noqa: BLE001  upstream: `except Exception as e: pass`
-                    _stale(carry)
-                new_arguments.append(_current(carry))
-            node["arguments"] = new_arguments
-
-        for inx, node in enumerate(predcition_nodes):
-            new_arguments = []
-            for argument in node.get("arguments", []):
-                try:
-                    if isinstance(argument, dict):
-                        argument = list(argument.values())[0]
-                    if isinstance(argument, list):
-                        argument = " ".join(argument)
-                    if isinstance(argument, str) and "<node-" in argument:
-                        index_start = argument.index("<node-") + 6
-                        index_end = argument.index(">")
-                        if int(argument[index_start: index_end]) == inx:
-                            continue
-                        prediction_tool_name = predcition_node_name[int(argument[index_start: index_end])]
-                        predcition_link.append({"source": prediction_tool_name, "target": node["task"]})
-                        carry.new_argument = {"name": out_type.get(prediction_tool_name, "other"),
-                                              "value": prediction_tool_name}
-                    else:
-                        carry.new_argument = {"name": _content_type(argument), "value": argument}
-                except Exception:  # noqa: BLE001  upstream: `except Exception as e: pass`
-                    _stale(carry)
-                new_arguments.append(_current(carry))
-            node["arguments"] = new_arguments
+        _rewrite_arguments(label_nodes, label_node_name, label_link, out_type, carry, label=True)
+        _rewrite_arguments(predcition_nodes, predcition_node_name, predcition_link, out_type, carry, label=False)
     else:
         predcition_link = result["task_links"]
         label_link = label["task_links"]
@@ -267,6 +220,34 @@ def upstream_sample(label: dict[str, Any], result: Any, dependency: str, out_typ
             "arg_values": (l_anv, p_anv), "links": links}
 
 
+def _rewrite_arguments(nodes: Any, names: list[str], links: list[dict[str, Any]], out_type: dict[str, str],
+                       carry: Carry, *, label: bool) -> None:
+    """Upstream's resource-mode argument rewrite of the gold (``label``) or predicted nodes, in place.
+    The two upstream loops differ only where ``label`` is tested."""
+    for inx, node in enumerate(nodes):
+        new_arguments = []
+        for argument in (node["arguments"] if label else node.get("arguments", [])):
+            try:
+                if isinstance(argument, dict):
+                    argument = list(argument.values())[0]
+                if isinstance(argument, list):
+                    argument = " ".join(argument)
+                if (label or isinstance(argument, str)) and "<node-" in argument:
+                    index_start = argument.index("<node-") + 6
+                    index_end = argument.index(">")
+                    if int(argument[index_start: index_end]) == inx:
+                        continue
+                    tool_name = names[int(argument[index_start: index_end])]
+                    links.append({"source": tool_name, "target": node["task"]})
+                    carry.new_argument = {"name": out_type.get(tool_name, "other"), "value": tool_name}
+                else:
+                    carry.new_argument = {"name": _content_type(argument), "value": argument}
+            except Exception:  # noqa: BLE001  upstream: `except Exception as e: pass`
+                _stale(carry)
+            new_arguments.append(_current(carry))
+        node["arguments"] = new_arguments
+
+
 def _stale(carry: Carry) -> None:
     if carry.new_argument is not _UNSET:
         carry.reused += 1
@@ -279,9 +260,6 @@ def _current(carry: Carry) -> Any:
 
 
 # ------------------------------------------------------------------------------------- strict
-_INVALID = "<invalid>"
-
-
 def _node_index(argument: str) -> int | None:
     try:
         return int(argument[argument.index("<node-") + 6: argument.index(">")])
@@ -289,42 +267,50 @@ def _node_index(argument: str) -> int | None:
         return None
 
 
-def strict_graph(graph: Any, dependency: str, out_type: dict[str, str]) -> dict[str, list]:
+def _strict_argument(argument: Any) -> str | None:
+    """One resource-mode argument as text, or None when it cannot be read."""
+    if isinstance(argument, dict):
+        argument = next(iter(argument.values()), None)
+    if isinstance(argument, list) and argument and all(isinstance(x, str) for x in argument):
+        argument = " ".join(argument)
+    if isinstance(argument, (int, float)) and not isinstance(argument, bool):
+        argument = str(argument)
+    return argument if isinstance(argument, str) else None
+
+
+def strict_graph(graph: Any, dependency: str, out_type: dict[str, str], side: str = "predicted") -> dict[str, list]:
     """The ``strict`` reading of one graph: ``{"nodes", "arg_names", "arg_values", "links"}`` item
-    lists. Raises ValueError when the graph has no usable node list; an argument or link that cannot
-    be read becomes an ``<invalid>`` item (it matches nothing, so it is a false positive)."""
+    lists. Raises ValueError when the graph has no usable node list. Each argument is read on its own
+    (a number as its text, a string ``arguments`` as one argument); one that cannot be read (an
+    out-of-range ``<node-j>``, an empty object, null, ...) and a link that is not a pair of names
+    become ``<invalid ...>`` items that match nothing (``side`` keeps gold and predicted ones apart)."""
     if not isinstance(graph, dict) or not isinstance(graph.get("task_nodes"), list):
         raise ValueError("no task_nodes list")
     nodes = graph["task_nodes"]
     if not all(isinstance(n, dict) and isinstance(n.get("task"), str) for n in nodes):
         raise ValueError("a node is not an object with a string 'task'")
+    invalid = f"<invalid {side} item>"
     resource = dependency == "resource"
     names = [n["task"].replace("_", " ") if resource else n["task"] for n in nodes]
     args: list[tuple[str, Any, Any]] = []  # (task, name, value)
     links: list[tuple[Any, Any]] = []
     for inx, node in enumerate(nodes):
         node_args = node.get("arguments", [])
-        if not isinstance(node_args, list):
-            raise ValueError(f"node {inx}: arguments is not a list")
-        for argument in node_args:
+        for argument in node_args if isinstance(node_args, list) else [node_args]:
             if not resource:
                 ok = isinstance(argument, dict) and "name" in argument and "value" in argument
                 args.append((names[inx], argument["name"], argument["value"]) if ok
-                            else (names[inx], _INVALID, json.dumps(argument)))
+                            else (names[inx], invalid, json.dumps(argument)))
                 continue
-            a = argument
-            if isinstance(a, dict):
-                a = next(iter(a.values()), None)
-            if isinstance(a, list) and all(isinstance(x, str) for x in a):
-                a = " ".join(a)
-            if not isinstance(a, str):
-                args.append((names[inx], _INVALID, json.dumps(argument)))
+            a = _strict_argument(argument)
+            if a is None:
+                args.append((names[inx], invalid, json.dumps(argument)))
             elif "<node-" in a:
                 j = _node_index(a)
                 if j == inx:
                     continue
                 if j is None or not 0 <= j < len(names):
-                    args.append((names[inx], _INVALID, a))
+                    args.append((names[inx], invalid, a))
                     continue
                 links.append((names[j], node["task"]))
                 args.append((names[inx], out_type.get(names[j], "other"), names[j]))
@@ -334,7 +320,7 @@ def strict_graph(graph: Any, dependency: str, out_type: dict[str, str]) -> dict[
         raw = graph.get("task_links", [])
         for link in raw if isinstance(raw, list) else [raw]:
             ok = isinstance(link, dict) and isinstance(link.get("source"), str) and isinstance(link.get("target"), str)
-            links.append((link["source"], link["target"]) if ok else (_INVALID, json.dumps(link)))
+            links.append((link["source"], link["target"]) if ok else (invalid, json.dumps(link)))
     return {"nodes": names, "arg_names": [f"{t}-{n}" for t, n, _ in args],
             "arg_values": [f"{t}-{n}-{v}" for t, n, v in args], "links": links}
 
@@ -343,7 +329,7 @@ def strict_sample(gold: dict[str, Any], result: Any, dependency: str, out_type: 
                   ) -> tuple[dict[str, tuple[list, list]], str | None]:
     """(gold, predicted) item lists of the ``strict`` reading, and why the prediction was unusable
     (None when it was used)."""
-    g = strict_graph(gold, dependency, out_type)
+    g = strict_graph(gold, dependency, out_type, side="gold")
     why = None
     try:
         p = strict_graph(result, dependency, out_type)
