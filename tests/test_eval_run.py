@@ -167,19 +167,20 @@ def test_cli_rejects_bad_input(tmp_path, capsys):
 
 @pytest.mark.slow
 def test_cli_real_model_limit_1(tmp_path, capsys):
-    """The acceptance command, shrunk: the embedded SmolLM2 on one entry of a RoTBench level and a BFCL
-    category, 2 seeds (the full command takes far longer on this CPU)."""
+    """The acceptance command, shrunk: the embedded SmolLM2 (float32) on one entry of a RoTBench level,
+    of each TaskBench domain and of a BFCL category, 2 seeds (the full command takes far longer here)."""
     from reflrl.eval.cli import main
 
     out = tmp_path / "ev"
     rc = main(["eval", "rotbench", "taskbench", "bfcl", "--model", "smollm2-135m-instruct", "--limit", "1",
                "--seeds", "2", "--data-dir", str(DATA), "--levels", "clean", "--categories", "simple",
-               "--max-new-tokens", "24", "--out", str(out)])
+               "--max-new-tokens", "24", "--dtype", "float32", "--out", str(out)])
     assert rc == 0
     res = json.loads((out / "results.json").read_text())
     assert res["manifest"]["model"]["model"] == "smollm2-135m-instruct"
     assert len(res["results"]["rotbench"]["clean"]["content_filling"]["values"]) == 2
     assert set(res["results"]["bfcl"]) == {"simple_python"}
+    assert set(res["results"]["taskbench"]) == {"huggingface", "multimedia", "dailylifeapis"}
     assert len(res["results"]["bfcl"]["simple_python"]["accuracy"]["values"]) == 2
     assert "| BFCL | Overall | Acc. |" in capsys.readouterr().out
 

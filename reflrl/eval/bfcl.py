@@ -7,7 +7,9 @@ What runs is bfcl-eval's code (``bfcl_eval==2026.3.23``, installed ``--no-deps``
   (``DEFAULT_SYSTEM_PROMPT_FORMAT``: python return format, no tag, JSON function docs, plaintext,
   classic style), exactly as bfcl's prompting OSS handler builds it;
 * decoder: ``default_decode_ast_prompting`` / ``default_decode_execute_prompting`` (bfcl's
-  ``base_oss_handler.decode_ast/decode_execute``);
+  ``base_oss_handler.decode_ast/decode_execute``), for python outputs through
+  :mod:`reflrl.eval.bfcl_decode` (bfcl's ``resolve_ast_call`` on a tree whose literal expressions are
+  folded first, see below);
 * checkers: ``ast_checker`` (single-turn), the relevance rule, and ``multi_turn_checker`` (state +
   response checker of multi-turn categories); the per-entry glue of :func:`score_single` and
   :func:`score_multi_turn` mirrors ``eval_checker/eval_runner.py::_evaluate_single_ast_entry``,
