@@ -1,4 +1,5 @@
-"""RoTBench scoring equals the upstream evaluator on hand-built predictions over the shared excerpt.
+"""RoTBench scoring equals the upstream evaluator on hand-built predictions over the fixture excerpt
+(tests/fixtures/benchmarks).
 
 The oracle below is upstream's ``Code/Evaluation/evaluate.py`` (Junjie-Ye/RoTBench, Apache-2.0),
 functions ``get_config``, ``get_answer_list``, ``get_test_value`` (version 0), ``ts_eval``,
