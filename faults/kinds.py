@@ -1,7 +1,7 @@
 """The fault kinds: what each one is, its parameter, and what a real HTTP client sees.
 
 The catalogue follows the failure modes that waste tool-use RL rollouts in practice (Tool-ReRL,
-``003_febfc96bcceb98f2.txt`` sec. 1 and 3.2, Fig. 1: rate limits, timeouts, network resets, bad
+Tool-ReRL sec. 1 and 3.2, Fig. 1: rate limits, timeouts, network resets, bad
 files, banned IPs), extended with the other faults a client of a real HTTP API meets (5xx, truncated or
 malformed bodies, slow answers, schema drift).
 

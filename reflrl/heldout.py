@@ -4,7 +4,7 @@ tool-call accuracy with greedy decoding, and the format rate. (The benchmark har
 
 * accuracy: the share of tasks whose greedy answer parses (``pred.ok``) and calls exactly the gold
   calls of the first turn (multiset of name + normalised arguments, ``envs.rewards.calls_match``;
-  the binary reward's ``correct``, papers/000 appendix E eq. 8). No tool is executed, so env faults
+  the binary reward's ``correct``, the efficiency paper (arXiv:2606.00135) appendix E eq. 8). No tool is executed, so env faults
   cannot touch the metric.
 * format rate: the share of SAMPLED answers (temperature 1, like RL rollouts) that parse as at least
   one tool call in the expected format — what decides whether GRPO gets any signal (the warm-up

@@ -150,14 +150,115 @@ def test_multi_turn_matches_bfcl_evaluator(runner):
     assert kinds == 18
 
 
-def test_unsafe_outputs_are_refused_and_counted():
-    e = B.load_entries("simple_python", limit=1)[0]
-    for out in ["[calculate_triangle_area(base=__import__('os').getpid() + 1, height=5)]",
-                "[calculate_triangle_area(base=(lambda: 1)(), height=5)]"]:
+# Outputs that bfcl's decoder evaluates (BinOp) or would seem to (lambda): literal expressions are
+# folded to bfcl's values, positional arguments ignored as bfcl ignores them. bfcl's real decoder is
+# safe to run on these fixed strings, so it is the reference here.
+LITERAL_EXPRESSION_CASES = {
+    "concatenation": "[calculate_triangle_area(base='1' + '0', height=5)]",
+    "power": "[calculate_triangle_area(base=10**1, height=5**1)]",
+    "positional_lambda": "[calculate_triangle_area(lambda q: q, base=10, height=5)]",
+    "keyword_lambda": "[calculate_triangle_area(base=lambda: 10, height=5)]",
+    "arithmetic": "[calculate_triangle_area(base=5 * 2, height=-3 + 8)]",
+    "float_arithmetic": "[calculate_triangle_area(base=20 / 2, height=5)]",
+    "list_concatenation": "[calculate_triangle_area(base=10, height=5, unit=['c'] + ['m'])]",
+    "zero_division": "[calculate_triangle_area(base=10 // 0, height=5)]",
+    "type_error": "[calculate_triangle_area(base='10' + 1, height=5)]",
+    "overflow": "[calculate_triangle_area(base=2.0 ** 5000, height=5)]",
+    "nested_call_keyword": "[calculate_triangle_area(base=int(x=5 + 5), height=5)]",
+    "nested_call_positional": "[calculate_triangle_area(base=int(5 + 5), height=5)]",
+    "repetition": "[calculate_triangle_area(base=10, height=5, unit='c' * 2)]",
+}
+
+
+@pytest.mark.parametrize("category", ["simple_python", "irrelevance"])
+def test_literal_expressions_score_as_bfcl_scores_them(runner, category):
+    e = B.load_entries(category, limit=1)[0]
+    verdicts = {}
+    for kind, out in LITERAL_EXPRESSION_CASES.items():
+        ours = B.score_single(e, out)
+        ref = _bfcl_verdict(runner, e, out)
+        assert ours["valid"] == ref["valid"], (kind, ours, ref)
+        assert not ours.get("unevaluated"), kind
+        if not ref["valid"] and category == "simple_python":
+            assert ours["error_type"] == ref["error_type"], kind
+        verdicts[kind] = ours["valid"]
+    if category == "simple_python":  # the gold is base=10, height=5: folded values are right
+        assert verdicts["concatenation"] is False  # '10' is a string, not an integer: wrong type
+        assert verdicts["power"] and verdicts["positional_lambda"] and verdicts["arithmetic"]
+        assert not verdicts["zero_division"] and not verdicts["keyword_lambda"]
+    else:  # irrelevance: a decoded call is wrong; an output bfcl cannot decode is "no call"
+        assert verdicts["concatenation"] is False and verdicts["power"] is False
+        assert verdicts["positional_lambda"] is False
+        assert verdicts["zero_division"] is True and verdicts["keyword_lambda"] is True
+
+
+def test_decoder_equals_bfcl_decoder_on_random_literal_expressions():
+    """Random expressions over small literals: folded values (or raised errors) equal bfcl's eval."""
+    from hypothesis import given, settings, strategies as st
+
+    ns = B.bfcl()
+    atoms = st.sampled_from(["0", "1", "2", "5", "-3", "2.5", "0.0", "True", "None", "'ab'", "''", "b'x'",
+                             "[1]", "[]", "(1, 'a')", "{'k': 1}", "{1, 2}", "3j"])
+    ops = st.sampled_from(["+", "-", "*", "/", "//", "%", "**", "<<", ">>", "|", "&", "^", "@"])
+
+    def combine(children):
+        return st.one_of(
+            st.tuples(children, ops, children).map(lambda t: f"({t[0]} {t[1]} {t[2]})"),
+            st.tuples(st.sampled_from(["-", "+", "~", "not "]), children).map(lambda t: f"({t[0]}{t[1]})"),
+            st.lists(children, max_size=3).map(lambda xs: "[" + ", ".join(xs) + "]"))
+
+    exprs = st.recursive(atoms, combine, max_leaves=6)
+
+    def outcome(fn):
+        try:
+            return repr(fn())
+        except Exception as e:  # noqa: BLE001
+            return type(e).__name__
+
+    @settings(max_examples=300, deadline=None)
+    @given(st.tuples(exprs, ops, exprs))
+    def check(t):
+        out = f"[f(x={t[0]} {t[1]} {t[2]})]"
+        ours = outcome(lambda: B.decode_ast(out, "simple_python"))
+        if ours == "Unevaluated":  # over the size bounds: bfcl's value is not computed here
+            return
+        assert ours == outcome(lambda: ns.decode_ast(out, ns.ReturnFormat.PYTHON, False)), out
+
+    check()
+
+
+def test_outputs_bfcl_would_run_are_wrong_as_calls_and_never_run(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    expr = "open('pwned.txt', 'w').write('x') + 1"
+    out = f"[calculate_triangle_area(base={expr}, height=5)]"
+    for category in ("simple_python", "irrelevance", "live_relevance"):
+        e = B.load_entries(category, limit=1)[0]
         v = B.score_single(e, out)
-        assert not v["valid"] and v.get("unsafe")
-    ok = B.score_single(e, "[calculate_triangle_area(base=5 * 2, height=5)]")  # literal arithmetic is fine
-    assert ok["valid"]
+        assert not v["valid"] and v["error_type"] == B.UNEVALUATED, category  # never "no call"
+        assert v["unevaluated"] == ["open('pwned.txt', 'w').write('x') + 1"]
+    assert not (tmp_path / "pwned.txt").exists()
+    # bounds: results too large to build are not computed (bfcl would try), and are listed
+    e = B.load_entries("simple_python", limit=1)[0]
+    for big in ("9 ** 9 ** 9", "'a' * 10 ** 9", "[0] * 10 ** 8", "1 << 10 ** 9", "'%999999999d' % 1"):
+        v = B.score_single(e, f"[calculate_triangle_area(base={big}, height=5)]")
+        assert v["error_type"] == B.UNEVALUATED and v["unevaluated"] == [big], big
+    # when bfcl's decoding fails whatever the expression gives, the verdict is bfcl's (here: no call)
+    irr = B.load_entries("irrelevance", limit=1)[0]
+    v = B.score_single(irr, f"[calculate_triangle_area(base={expr}), 5]")
+    assert v["valid"] and not v.get("unevaluated") and not (tmp_path / "pwned.txt").exists()
+
+
+def test_bfcl_scoring_counts_and_lists_unevaluated_outputs():
+    from reflrl.eval.run import _bfcl_score
+
+    entries = B.load_entries("irrelevance", limit=3)
+    outs = ["I cannot help.", "[f(x=os.getpid() + 1)]", "[f(x=1 + 1)]"]
+    m, per = _bfcl_score(entries, outs)
+    assert m["n"] == 3 and m["accuracy"] == pytest.approx(100 / 3)
+    assert m["unevaluated_outputs"] == 1 and m["unevaluated_ids"] == [entries[1].id]
+    assert per[1]["unevaluated"] == ["os.getpid() + 1"]
+    with pytest.raises(ValueError, match=r"bfcl: 3 items but 2 model outputs"):
+        _bfcl_score(entries, outs[:2])
 
 
 def test_multi_turn_executor_only_sees_whitelisted_calls(tmp_path, monkeypatch):
@@ -168,6 +269,14 @@ def test_multi_turn_executor_only_sees_whitelisted_calls(tmp_path, monkeypatch):
     assert calls == [B.BLOCKED_CALL, "cd(folder='document')"]
     v = B.score_multi_turn(e, [["[open(file='pwned.txt', mode='w')]"] for _ in e.ground_truth])
     assert not v["valid"] and not (tmp_path / "pwned.txt").exists()
+    # a call holding an expression bfcl would evaluate is blocked, and the entry is wrong
+    step = "[cd(folder='doc' + open('pwned.txt', 'w').name), ls()]"
+    assert B.decode_execute(step, e.check_prompt["involved_classes"]) == [B.BLOCKED_CALL, "ls()"]
+    assert B.decode_execute("[cd(folder='doc' + 'ument')]", e.check_prompt["involved_classes"]) == [
+        "cd(folder='document')"]
+    v = B.score_multi_turn(e, [[step] for _ in e.ground_truth])
+    assert not v["valid"] and v["error_type"] == B.UNEVALUATED and len(v["unevaluated"]) == len(e.ground_truth)
+    assert not (tmp_path / "pwned.txt").exists()
 
 
 def test_categories_and_summary_groups():

@@ -1,4 +1,5 @@
-"""RoTBench scoring equals the upstream evaluator on hand-built predictions over the shared excerpt.
+"""RoTBench scoring equals the upstream evaluator on hand-built predictions over the fixture excerpt
+(tests/fixtures/benchmarks).
 
 The oracle below is upstream's ``Code/Evaluation/evaluate.py`` (Junjie-Ye/RoTBench, Apache-2.0),
 functions ``get_config``, ``get_answer_list``, ``get_test_value`` (version 0), ``ts_eval``,
@@ -15,8 +16,7 @@ import pytest
 from reflrl.eval import rotbench as R
 from reflrl.eval.data import DataError
 
-DATA = Path(__file__).resolve().parents[1].parent / "shared" / "benchmarks"
-pytestmark = pytest.mark.skipif(not (DATA / "rotbench").is_dir(), reason="shared benchmark excerpts not beside the repo")
+DATA = Path(__file__).resolve().parent / "fixtures" / "benchmarks"
 
 
 # ------------------------------------------------------------------ upstream oracle (verbatim logic)

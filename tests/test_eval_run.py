@@ -16,8 +16,7 @@ from reflrl.eval.backends import Decoding, apply_template
 from reflrl.eval.compare import compare, format_comparison, welch
 from reflrl.eval.run import EvalOptions, drive, run_eval
 
-DATA = Path(__file__).resolve().parents[1].parent / "shared" / "benchmarks"
-needs_data = pytest.mark.skipif(not (DATA / "rotbench").is_dir(), reason="shared benchmark excerpts not beside the repo")
+DATA = Path(__file__).resolve().parent / "fixtures" / "benchmarks"
 
 
 class GoldBackend:
@@ -72,7 +71,6 @@ def test_context_template_packs_history():
     assert apply_template(msgs, "native") == msgs
 
 
-@needs_data
 def test_eval_end_to_end_tiny_model(tmp_path):
     from reflrl.eval.backends import LocalBackend
 
@@ -94,11 +92,17 @@ def test_eval_end_to_end_tiny_model(tmp_path):
     r = res["results"]
     assert r["rotbench"]["clean"]["content_filling"]["values"] == [0.0, 0.0]
     assert r["bfcl"]["irrelevance"]["accuracy"]["mean"] is not None
-    assert {s["unit"] for s in res["skipped"]} >= {"taskbench/huggingface"}  # no gold data.json in the excerpt
+    assert res["skipped"] == []
+    for dom in ("huggingface", "multimedia", "dailylifeapis"):  # both gold schemas' domains, scored
+        tb = r["taskbench"][dom]
+        assert len(tb["strict"]["node_f1"]["values"]) == 2 and tb["n"] == 1
+    assert man["system_prompts"]["taskbench/huggingface"]["template_sha256"]
+    assert "data-dir/taskbench/data_dailylifeapis/data.json" in man["data"]
     preds = [json.loads(l) for l in (out / "predictions.jsonl").read_text().splitlines()]
-    assert len(preds) == 2 * 4 and {p["seed"] for p in preds} == {0, 1}
+    assert len(preds) == 2 * 7 and {p["seed"] for p in preds} == {0, 1}
     md = (out / "report.md").read_text()
     assert "| RoTBench | CLE | Cont. |" in md and "| BFCL | simple_python | Acc. |" in md
+    assert "| TaskBench | DL | n_f1 |" in md
     # the same model compared with itself: no metric beyond noise, no manifest warning
     c = compare(res, res)
     assert not c["manifest_differences"] and all(m["exceeds_noise"] in (None, False) for m in c["metrics"].values())
@@ -124,7 +128,6 @@ def test_compare_flags_real_differences_and_manifest_changes():
     assert welch([1.0], [2.0])["exceeds_noise"] is None
 
 
-@needs_data
 def test_download_rotbench_from_local_server(tmp_path):
     from reflrl.eval.cli import main
     from reflrl.eval import rotbench as R
@@ -142,7 +145,7 @@ def test_download_rotbench_from_local_server(tmp_path):
         base = f"http://127.0.0.1:{srv.server_address[1]}/"
         dest = tmp_path / "data"
         assert main(["data", "download", "rotbench", "--dest", str(dest), "--base-url", base]) == 0
-        assert len(R.load_level(dest, "union")) == 35
+        assert len(R.load_level(dest, "union")) == len(R.load_level(DATA, "union")) == 4
         (served / "heavy.json").write_text("[{\"id\": 1}]")  # a malformed upstream file is refused
         assert main(["data", "download", "rotbench", "--dest", str(tmp_path / "d2"), "--base-url", base]) == 2
         assert not (tmp_path / "d2" / "rotbench" / "first_turn" / "heavy.json").exists()
@@ -163,21 +166,21 @@ def test_cli_rejects_bad_input(tmp_path, capsys):
 
 
 @pytest.mark.slow
-@needs_data
 def test_cli_real_model_limit_1(tmp_path, capsys):
-    """The acceptance command, shrunk: the embedded SmolLM2 on one entry of a RoTBench level and a BFCL
-    category, 2 seeds (the full command takes far longer on this CPU)."""
+    """The acceptance command, shrunk: the embedded SmolLM2 (float32) on one entry of a RoTBench level,
+    of each TaskBench domain and of a BFCL category, 2 seeds (the full command takes far longer here)."""
     from reflrl.eval.cli import main
 
     out = tmp_path / "ev"
     rc = main(["eval", "rotbench", "taskbench", "bfcl", "--model", "smollm2-135m-instruct", "--limit", "1",
                "--seeds", "2", "--data-dir", str(DATA), "--levels", "clean", "--categories", "simple",
-               "--max-new-tokens", "24", "--out", str(out)])
+               "--max-new-tokens", "24", "--dtype", "float32", "--out", str(out)])
     assert rc == 0
     res = json.loads((out / "results.json").read_text())
     assert res["manifest"]["model"]["model"] == "smollm2-135m-instruct"
     assert len(res["results"]["rotbench"]["clean"]["content_filling"]["values"]) == 2
     assert set(res["results"]["bfcl"]) == {"simple_python"}
+    assert set(res["results"]["taskbench"]) == {"huggingface", "multimedia", "dailylifeapis"}
     assert len(res["results"]["bfcl"]["simple_python"]["accuracy"]["values"]) == 2
     assert "| BFCL | Overall | Acc. |" in capsys.readouterr().out
 
@@ -236,7 +239,6 @@ def test_run_checkpoint_resolution(tmp_path):
     assert run_checkpoint(run / "checkpoints" / "step_000005" / "model").name == "model"
 
 
-@needs_data
 def test_scorers_never_raise_on_hostile_outputs():
     """Outputs that break parsers are scored wrong and counted, never raise."""
     from hypothesis import given, settings, strategies as st
@@ -271,7 +273,6 @@ def test_scorers_never_raise_on_hostile_outputs():
     fuzz()
 
 
-@needs_data
 def test_runner_with_gold_answers_scores_perfectly(tmp_path):
     """A backend double that answers every prompt with its gold answer gets full marks through the
     whole pipeline (prompting, driver, scoring, aggregation) on RoTBench, TaskBench, Seal-Tools, BFCL."""
@@ -280,9 +281,8 @@ def test_runner_with_gold_answers_scores_perfectly(tmp_path):
     data = tmp_path / "data"
     shutil.copytree(DATA / "rotbench", data / "rotbench")
     shutil.copytree(DATA / "seal-tools", data / "seal-tools")
+    shutil.copytree(DATA / "taskbench", data / "taskbench")
     tb = data / "taskbench" / "data_huggingface"
-    tb.mkdir(parents=True)
-    shutil.copy(DATA / "taskbench" / "data_huggingface" / "tool_desc.json", tb / "tool_desc.json")
     gold_graphs = [
         {"id": "g1", "user_request": "describe example.jpg aloud", "type": "chain", "task_steps": ["a", "b"],
          "task_nodes": [{"task": "Image-to-Text", "arguments": ["example.jpg"]},
@@ -297,9 +297,10 @@ def test_runner_with_gold_answers_scores_perfectly(tmp_path):
     for lv in R.LEVELS:
         for it in R.load_level(data, lv, limit):
             answers[it.messages[-1]["content"] + it.messages[0]["content"]] = it.answers[0]
+    td = T.load_tool_desc(data, "huggingface")
     for it in T.load_domain(data, "huggingface"):
         g = it.gold
-        answers[it.request] = json.dumps({"task_steps": g["task_steps"], "task_nodes": g["task_nodes"],
+        answers[T.prompt_messages(it, td, "huggingface")[0]["content"]] = json.dumps({"task_steps": g["task_steps"], "task_nodes": g["task_nodes"],
                                           "task_links": g["task_links"]})
     tools = S.load_tools(data)
     for it in S.load_split(data / "seal-tools" / "dev_subset.jsonl", tools, limit):
@@ -358,3 +359,35 @@ def test_reflrl_cli_eval_compare(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "rotbench.clean.content_filling" in out and "beyond seed noise" in out
     assert "WARNING" in out and "decoding.temperature" in out
+
+
+def test_eval_on_a_run_folder_then_compare(tmp_path, capsys):
+    """`reflrl eval ... --model RUN_DIR` evaluates the run's final checkpoint (saved by RunLog as
+    training saves it); `reflrl eval compare` then sets it against the base model."""
+    import torch
+
+    from reflrl.cli import main
+    from reflrl.models import load_model
+    from reflrl.runlog import RunLog
+
+    run = tmp_path / "run"
+    log = RunLog(run, {"model": {"name": "tiny-random"}}, tensorboard=False)
+    model, tok = load_model("tiny-random", dtype="float32", trainable="all")
+    for step in (2, 4):
+        with torch.no_grad():
+            next(model.parameters()).add_(0.01)  # "training": each checkpoint has other weights
+        log.save_checkpoint(step, model=model, tokenizer=tok, optimizer=None, state={"step": step}, keep_last=2)
+    log.close()
+    common = ["bfcl", "--categories", "simple", "--limit", "2", "--seeds", "2", "--max-new-tokens", "3",
+              "--dtype", "float32", "--batch-size", "2"]
+    assert main(["eval", *common, "--model", "tiny-random", "--out", str(tmp_path / "base")]) == 0
+    assert main(["eval", *common, "--model", str(run), "--out", str(tmp_path / "trained")]) == 0
+    man = json.loads((tmp_path / "trained" / "manifest.json").read_text())
+    assert man["model"]["source"] == f"run:{run}" and man["model"]["model"].endswith("step_000004/model")
+    assert man["model"]["dtype"] == "float32"
+    base = json.loads((tmp_path / "base" / "manifest.json").read_text())
+    assert base["model"]["weights_sha256"] != man["model"]["weights_sha256"]
+    capsys.readouterr()
+    assert main(["eval", "compare", str(tmp_path / "base"), str(tmp_path / "trained")]) == 0
+    out = capsys.readouterr().out
+    assert "bfcl.simple_python.accuracy" in out and "B = " in out and "WARNING" not in out

@@ -10,7 +10,7 @@ import pytest
 from reflrl.eval import sealtools as S
 from reflrl.eval.data import DataError
 
-DATA = Path(__file__).resolve().parents[1].parent / "shared" / "benchmarks"
+DATA = Path(__file__).resolve().parent / "fixtures" / "benchmarks"
 
 
 def test_hand_computed_scores():
@@ -40,7 +40,6 @@ def test_parser_follows_upstream():
     assert m["counts"]["predicted_api"] == 1 and m["api_f1"] == 100.0  # non-object items ignored
 
 
-@pytest.mark.skipif(not (DATA / "seal-tools").is_dir(), reason="shared benchmark excerpts not beside the repo")
 def test_gold_as_output_scores_perfectly_and_malformed_record(tmp_path):
     tools = S.load_tools(DATA)
     items = S.load_split(DATA / "seal-tools" / "dev_subset.jsonl", tools, limit=30)
@@ -50,3 +49,15 @@ def test_gold_as_output_scores_perfectly_and_malformed_record(tmp_path):
     bad.write_text('{"id": "ok", "query": "q", "calling": []}\n{"id": "b", "query": "q", "calling": [{"api": 3}]}\n')
     with pytest.raises(DataError, match=r"dev\.jsonl: record 1 \(id 'b'\)"):
         S.load_split(bad, tools)
+
+
+def test_scorers_reject_a_length_mismatch():
+    from reflrl.eval import rotbench as R
+
+    items = [S.SealItem("1", "q", [{"api": "A", "parameters": {}}], []),
+             S.SealItem("2", "q", [{"api": "B", "parameters": {}}], [])]
+    with pytest.raises(ValueError, match=r"sealtools: 2 items but 1 model outputs"):
+        S.score(items, ["[]"])
+    rot = R.load_level(DATA, "clean", limit=2)
+    with pytest.raises(ValueError, match=r"rotbench: 2 items but 3 model outputs"):
+        R.score(rot, ["a", "b", "c"])

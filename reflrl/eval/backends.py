@@ -3,7 +3,7 @@ OpenAI-compatible endpoint (e.g. a vLLM or llama.cpp server) and a run folder's 
 
 Every backend answers batches of chat conversations (``chat(conversations, decoding, seed)``) and
 describes itself for the manifest (``describe()``: model id, weights hash, chat template hash).
-Multi-turn history is serialized by :func:`apply_template` in one of the two ways papers/000 sec. 3.2
+Multi-turn history is serialized by :func:`apply_template` in one of the two ways the efficiency paper (arXiv:2606.00135) sec. 3.2
 compares: ``native`` (role messages through the model's chat template) or ``context`` (the whole
 history packed into one user message).
 """
@@ -47,7 +47,7 @@ class Backend(Protocol):
 
 def apply_template(messages: list[dict[str, Any]], template: str) -> list[dict[str, Any]]:
     """``native``: messages as given (tool results keep their ``tool`` role). ``context``: the system
-    message, then ONE user message holding the whole dialogue so far as text (papers/000 sec. 3.2)."""
+    message, then ONE user message holding the whole dialogue so far as text (the efficiency paper (arXiv:2606.00135) sec. 3.2)."""
     if template == "native":
         return messages
     if template != "context":
@@ -167,7 +167,9 @@ class LocalBackend:
     def describe(self) -> dict[str, Any]:
         if self._desc is None:
             tmpl = getattr(self.tokenizer, "chat_template", None) or ""
-            self._desc = {"kind": "local", "model": self.name, "source": self.source, "dtype": self.dtype,
+            loaded = str(next(self.model.parameters()).dtype).removeprefix("torch.")
+            self._desc = {"kind": "local", "model": self.name, "source": self.source, "dtype": loaded,
+                          "dtype_requested": self.dtype,
                           "weights_sha256": weights_sha256(self.model),
                           "chat_template_sha256": hashlib.sha256(str(tmpl).encode()).hexdigest(),
                           "batch_size": self.batch_size, "torch_threads": _torch_threads()}
@@ -222,6 +224,12 @@ class EndpointBackend:
         return info
 
 
+def is_run_folder(path: str | Path) -> bool:
+    """A ``reflrl train`` run folder (it has ``checkpoints/``), as opposed to a model folder."""
+    p = Path(path).expanduser()
+    return p.is_dir() and (p / "checkpoints").is_dir() and not (p / "config.json").is_file()
+
+
 def run_checkpoint(run_dir: str | Path) -> Path:
     """The model folder of a run: the latest ``checkpoints/step_*/model`` (or ``run_dir`` itself when it
     is a Hugging Face model folder). FileNotFoundError names what was looked for."""
@@ -247,6 +255,8 @@ def make_backend(model: str | None = None, endpoint: str | None = None, run: str
         if not model:
             raise ValueError("--endpoint needs --model NAME (the model name the server serves)")
         return EndpointBackend(endpoint, model, api_key=api_key, concurrency=concurrency)
+    if not run and model and is_run_folder(model):
+        run = model
     if run:
         path = run_checkpoint(run)
         return LocalBackend(str(path), dtype=dtype, batch_size=batch_size, source=f"run:{run}", threads=threads)

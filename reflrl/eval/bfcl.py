@@ -7,7 +7,9 @@ What runs is bfcl-eval's code (``bfcl_eval==2026.3.23``, installed ``--no-deps``
   (``DEFAULT_SYSTEM_PROMPT_FORMAT``: python return format, no tag, JSON function docs, plaintext,
   classic style), exactly as bfcl's prompting OSS handler builds it;
 * decoder: ``default_decode_ast_prompting`` / ``default_decode_execute_prompting`` (bfcl's
-  ``base_oss_handler.decode_ast/decode_execute``);
+  ``base_oss_handler.decode_ast/decode_execute``), for python outputs through
+  :mod:`reflrl.eval.bfcl_decode` (bfcl's ``resolve_ast_call`` on a tree whose literal expressions are
+  folded first, see below);
 * checkers: ``ast_checker`` (single-turn), the relevance rule, and ``multi_turn_checker`` (state +
   response checker of multi-turn categories); the per-entry glue of :func:`score_single` and
   :func:`score_multi_turn` mirrors ``eval_checker/eval_runner.py::_evaluate_single_ast_entry``,
@@ -32,13 +34,15 @@ real module cannot be imported (:func:`bfcl`):
   error when a Java/JavaScript entry is decoded (install ``tree-sitter tree-sitter-java
   tree-sitter-javascript`` to score ``simple_java`` / ``simple_javascript``).
 
-Safety (project rule: model output is data). bfcl's decoder ``eval``s ``BinOp`` and ``Lambda`` nodes
-of the model output and its multi-turn executor ``eval``s call strings. Before bfcl sees an output
-we parse it ourselves: lambdas and arithmetic over anything but numeric literals are refused
-(scored as a decode failure and counted as ``unsafe``), and every call string handed to the
-multi-turn executor must be a plain call of a method of the entry's involved classes with literal
-arguments (others are replaced by a call that fails with a NameError, as unknown names do in bfcl).
-Outputs that would not execute code score exactly as in bfcl.
+Model output is data (project rule). bfcl's decoder ``eval``s the ``BinOp`` values of an output and
+its multi-turn executor ``eval``s call strings. We decode with :mod:`reflrl.eval.bfcl_decode`, which
+gives bfcl's result without running anything: it folds the literal expressions bfcl would evaluate
+and hands the calls to bfcl's own ``resolve_ast_call``. An output whose decoding would need
+anything else run is scored wrong in every category (counted as ``unevaluated`` and listed in the
+report); it is never taken for "no call", which the irrelevance categories would credit. Every
+call string handed to the multi-turn executor must be a plain call of a method of the entry's
+involved classes with literal arguments (others are replaced by a call that fails with a
+NameError, as unknown names do in bfcl).
 """
 from __future__ import annotations
 
@@ -56,6 +60,8 @@ from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 from typing import Any, Generator
+
+from .bfcl_decode import Unevaluated, decode_python, decode_python_calls
 
 NON_LIVE_AST = ("simple_python", "simple_java", "simple_javascript", "multiple", "parallel",
                 "parallel_multiple")
@@ -76,7 +82,7 @@ ALIASES: dict[str, tuple[str, ...]] = {
     "all": ALL_CATEGORIES,
 }
 #: run when --categories is not given: the python Non-Live and Live AST categories, i.e. the BFCL
-#: columns of the Tool-ReRL table (papers/003 Table 2). Multi-turn categories are opt-in
+#: columns of the Tool-ReRL table (Tool-ReRL Table 2). Multi-turn categories are opt-in
 #: (``--categories multi_turn_base`` or ``multi_turn``): their prompts carry thousands of tokens of
 #: function docs and every step re-reads the history, which takes hours for a CPU model.
 DEFAULT_CATEGORIES = ("simple_python", "multiple", "parallel", "parallel_multiple", "live_simple",
@@ -87,7 +93,8 @@ _CHECKER_KEY = CHECKER_MODEL.replace("_", "/")
 #: bfcl's MAXIMUM_STEP_LIMIT (constants/default_prompts.py): steps per turn before a forced quit.
 MAX_STEPS = 20
 BLOCKED_CALL = "reflrl_blocked_call()"
-MAX_OUTPUT_CHARS = 64 * 1024
+#: error_type of an output scored wrong because its decoding would run part of it
+UNEVALUATED = "reflrl:unevaluated_expression"
 
 
 class BfclUnavailable(RuntimeError):
@@ -178,8 +185,12 @@ def bfcl() -> types.SimpleNamespace:
         multi_turn_checker=multi_turn_checker, multi_turn_utils=multi_turn_utils,
         execute=multi_turn_utils.execute_multi_turn_func_call,
         is_empty_execute_response=multi_turn_utils.is_empty_execute_response,
+        # bfcl's own decoders eval BinOps: reflrl runs decode_ast only for Java/JavaScript (whose
+        # decoders evaluate nothing); the tests use both as the reference for bfcl_decode
         decode_ast=handler_utils.default_decode_ast_prompting,
         decode_execute=handler_utils.default_decode_execute_prompting,
+        resolve_ast_call=handler_utils.resolve_ast_call,
+        to_execution_list=handler_utils.decoded_output_to_execution_list,
         system_prompt=handler_utils.system_prompt_pre_processing_chat_model,
         default_prompts=default_prompts, class_paths=CLASS_FILE_PATH_MAPPING,
         package_root=Path(utils.PROMPT_PATH),
@@ -276,59 +287,20 @@ def single_turn_messages(entry: BfclEntry) -> list[dict[str, Any]]:
     return B.system_prompt(msgs, copy.deepcopy(entry.prompt["function"]), entry.id)
 
 
-# ------------------------------------------------------------------------------------- safety
-_SAFE_OPS = (ast.Add, ast.Sub, ast.Mult, ast.Div, ast.FloorDiv, ast.Mod)
-
-
-def _literal_arith(node: ast.AST) -> bool:
-    if isinstance(node, ast.Constant):
-        return isinstance(node.value, (int, float)) and abs(node.value) <= 1e15
-    if isinstance(node, ast.UnaryOp) and isinstance(node.op, (ast.USub, ast.UAdd)):
-        return _literal_arith(node.operand)
-    if isinstance(node, ast.BinOp) and isinstance(node.op, _SAFE_OPS):
-        return _literal_arith(node.left) and _literal_arith(node.right)
-    return False
-
-
-def unsafe_reason(text: str) -> str | None:
-    """Why bfcl's decoder would execute code from ``text`` (None when it would not).
-
-    Parses ``text`` the way ``default_decode_ast_prompting`` + ``ast_parse`` do, without evaluating.
-    """
-    if not isinstance(text, str):
-        return None
-    if len(text) > MAX_OUTPUT_CHARS:
-        return f"output longer than {MAX_OUTPUT_CHARS} characters"
-    s = text.strip("`\n ")
-    if not s.startswith("["):
-        s = "[" + s
-    if not s.endswith("]"):
-        s = s + "]"
-    try:
-        tree = ast.parse(s.strip().strip("'"), mode="eval")
-    except (SyntaxError, ValueError, RecursionError, MemoryError):
-        return None  # bfcl's decoder fails on it too
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Lambda):
-            return "lambda in output"
-        if isinstance(node, ast.BinOp) and not _literal_arith(node):
-            return "arithmetic over non-literals in output"
-    return None
-
-
-class UnsafeOutput(ValueError):
-    """The output would make bfcl's decoder evaluate code; scored as a decode failure."""
-
-
+# ----------------------------------------------------------------------------------- decoding
 def decode_ast(text: str, category: str) -> list[dict[str, Any]]:
-    """bfcl's ``default_decode_ast_prompting`` behind the safety gate (raises like bfcl on failure)."""
+    """bfcl's ``default_decode_ast_prompting`` for ``category``'s language, evaluating nothing.
+
+    Raises what bfcl raises on an output it cannot decode, and
+    :class:`~reflrl.eval.bfcl_decode.Unevaluated` when bfcl's result would depend on running part of
+    the output (python only: the Java/JavaScript decoders evaluate nothing and run as they are).
+    """
     B = bfcl()
-    why = unsafe_reason(text)
-    if why:
-        raise UnsafeOutput(why)
-    fmt = {"java": B.ReturnFormat.JAVA, "javascript": B.ReturnFormat.JAVASCRIPT}.get(
-        language_of(category), B.ReturnFormat.PYTHON)
-    return B.decode_ast(text, fmt, False)
+    lang = language_of(category)
+    if lang != "python":
+        fmt = B.ReturnFormat.JAVA if lang == "java" else B.ReturnFormat.JAVASCRIPT
+        return B.decode_ast(text, fmt, False)
+    return decode_python(text, B.resolve_ast_call)
 
 
 @lru_cache(maxsize=None)
@@ -362,15 +334,25 @@ def _safe_call_string(call: str, allowed: frozenset[str]) -> bool:
 
 
 def decode_execute(text: str, classes: list[str]) -> list[str]:
-    """bfcl's ``default_decode_execute_prompting`` behind the safety gate: call strings that are not
-    plain calls of the involved classes' methods with literal arguments become ``BLOCKED_CALL``."""
+    """bfcl's ``default_decode_execute_prompting``, evaluating nothing: the call strings its executor
+    would run. A call that is not a plain call of the involved classes' methods with literal
+    arguments, or that holds an expression bfcl would evaluate, becomes ``BLOCKED_CALL``."""
+    return decode_execute_unevaluated(text, classes)[0]
+
+
+def decode_execute_unevaluated(text: str, classes: list[str]) -> tuple[list[str], list[str]]:
+    """:func:`decode_execute` and the expressions bfcl would have evaluated (blocked calls)."""
     B = bfcl()
-    why = unsafe_reason(text)
-    if why:
-        raise UnsafeOutput(why)
-    calls = B.decode_execute(text, False)
     allowed = frozenset().union(*(_class_methods(c) for c in classes)) if classes else frozenset()
-    return [c if _safe_call_string(c, allowed) else BLOCKED_CALL for c in calls]
+    out: list[str] = []
+    unevaluated: list[str] = []
+    for call, unknown in decode_python_calls(text, B.resolve_ast_call):
+        if unknown:
+            unevaluated.extend(unknown)
+            out.append(BLOCKED_CALL)
+            continue
+        out.extend(c if _safe_call_string(c, allowed) else BLOCKED_CALL for c in B.to_execution_list([call]))
+    return out, unevaluated
 
 
 def _forget_instances(model_name: str) -> None:
@@ -383,7 +365,8 @@ def _forget_instances(model_name: str) -> None:
 
 # ------------------------------------------------------------------------------------ scoring
 def score_single(entry: BfclEntry, text: Any) -> dict[str, Any]:
-    """bfcl's verdict for a single-turn output: ``{"valid", "error_type", "error", "decoded"}``.
+    """bfcl's verdict for a single-turn output: ``{"valid", "error_type", "error", "decoded"}``, plus
+    ``"unevaluated"`` (the expressions) when the output holds code bfcl would run (scored wrong).
 
     Mirrors ``_evaluate_single_relevance_entry`` (relevance categories) and
     ``_evaluate_single_ast_entry`` (AST categories) of bfcl's ``eval_runner.py``.
@@ -391,31 +374,28 @@ def score_single(entry: BfclEntry, text: Any) -> dict[str, Any]:
     B = bfcl()
     cat = entry.category
     out: dict[str, Any] = {"valid": False, "error_type": None, "error": None, "decoded": None}
+    try:
+        decoded = decode_ast(text, "simple_python" if cat in RELEVANCE else cat)
+    except Unevaluated as e:  # a call we cannot decode without running it: wrong, never "no call"
+        out.update(error_type=UNEVALUATED, error=str(e)[:300], unevaluated=e.expressions)
+        return out
+    except Exception as e:  # noqa: BLE001  bfcl: decode failure (relevance: no function call)
+        decoded, decode_error = None, str(e)[:300]
+    else:
+        decode_error = None
+        out["decoded"] = _jsonable(decoded)
     if cat in RELEVANCE:
-        contain = False
-        try:
-            decoded = decode_ast(text, cat)
-            out["decoded"] = _jsonable(decoded)
-            contain = not B.utils.is_empty_output(decoded)
-        except UnsafeOutput as e:
-            out["unsafe"] = str(e)
-        except Exception as e:  # noqa: BLE001  bfcl: decode failure = no function call
-            out["error"] = str(e)[:300]
+        contain = decode_error is None and not B.utils.is_empty_output(decoded)
         ok = (not contain) if "irrelevance" in cat else contain
         out["valid"] = ok
         if not ok:
             out["error_type"] = ("irrelevance_error:decoder_success" if "irrelevance" in cat
                                  else "relevance_error:decoder_failed")
+            out["error"] = decode_error
         return out
-    try:
-        decoded = decode_ast(text, cat)
-    except UnsafeOutput as e:
-        out.update(error_type="ast_decoder:decoder_failed", error=f"unsafe output: {e}", unsafe=str(e))
+    if decode_error is not None:  # bfcl: "Invalid syntax. Failed to decode AST."
+        out.update(error_type="ast_decoder:decoder_failed", error=decode_error)
         return out
-    except Exception as e:  # noqa: BLE001  bfcl: "Invalid syntax. Failed to decode AST."
-        out.update(error_type="ast_decoder:decoder_failed", error=str(e)[:300])
-        return out
-    out["decoded"] = _jsonable(decoded)
     if not B.utils.is_function_calling_format_output(decoded):
         out.update(error_type="ast_decoder:decoder_wrong_output_format", error="not a list of calls")
         return out
@@ -435,7 +415,8 @@ def score_multi_turn(entry: BfclEntry, model_result: Any, model_name: str | None
     """bfcl's verdict for a multi-turn entry; ``model_result[turn][step]`` = raw model text.
 
     Mirrors ``_evaluate_single_multi_turn_entry``; the checker runs on fresh backend instances
-    (a unique ``model_name`` per call, forgotten afterwards).
+    (a unique ``model_name`` per call, forgotten afterwards). A step holding an expression bfcl
+    would evaluate makes the entry wrong (``unevaluated`` lists the expressions).
     """
     B = bfcl()
     gt = entry.ground_truth
@@ -447,21 +428,22 @@ def score_multi_turn(entry: BfclEntry, model_result: Any, model_name: str | None
                 "error": f"{len(model_result)} result turns for {len(gt)} ground-truth turns"}
     classes = entry.check_prompt["involved_classes"]
     decoded_all: list[list[list[str]]] = []
-    unsafe = 0
+    unevaluated: list[str] = []
     for turn in model_result:
         decoded_turn = []
         for item in turn:
             try:
-                decoded = decode_execute(item, classes)
+                decoded, unknown = decode_execute_unevaluated(item, classes)
+                unevaluated.extend(unknown)
                 if B.is_empty_execute_response(decoded):
                     continue
                 decoded_turn.append(decoded)
-            except UnsafeOutput:
-                unsafe += 1
-                continue
             except Exception:  # noqa: BLE001  bfcl ignores steps that fail to decode
                 continue
         decoded_all.append(decoded_turn)
+    if unevaluated:
+        return {"valid": False, "error_type": UNEVALUATED, "decoded": decoded_all, "unevaluated": unevaluated,
+                "error": f"{len(unevaluated)} expression(s) bfcl would evaluate as code, not run here"}
     prompt_entry = copy.deepcopy(entry.check_prompt)
     prompt_entry.pop("function", None)
     name = model_name or f"reflrl_check_{uuid.uuid4().hex[:12]}"
@@ -471,12 +453,9 @@ def score_multi_turn(entry: BfclEntry, model_result: Any, model_name: str | None
         res = {"valid": False, "error_type": "checker_exception", "error_message": f"{type(e).__name__}: {e}"}
     finally:
         _forget_instances(name)
-    out = {"valid": bool(res.get("valid")), "error_type": None if res.get("valid") else res.get("error_type"),
-           "error": None if res.get("valid") else str(res.get("error_message", ""))[:300],
-           "decoded": decoded_all}
-    if unsafe:
-        out["unsafe"] = unsafe
-    return out
+    return {"valid": bool(res.get("valid")), "error_type": None if res.get("valid") else res.get("error_type"),
+            "error": None if res.get("valid") else str(res.get("error_message", ""))[:300],
+            "decoded": decoded_all}
 
 
 def multi_turn_episode(entry: BfclEntry, *, max_steps: int = MAX_STEPS, keep_thinking: bool = True
@@ -489,7 +468,7 @@ def multi_turn_episode(entry: BfclEntry, *, max_steps: int = MAX_STEPS, keep_thi
     turn (miss_func), each decoded call is executed on bfcl's backend instances and its result added
     as a ``tool`` message, a turn ends when the output does not decode or is empty, and more than
     ``max_steps`` steps in a turn force-quit the entry. ``keep_thinking=False`` strips
-    ``<think>...</think>`` from earlier assistant messages (papers/000 sec. 3.3).
+    ``<think>...</think>`` from earlier assistant messages (the efficiency paper (arXiv:2606.00135) sec. 3.3).
     """
     B = bfcl()
     test = copy.deepcopy(entry.prompt)

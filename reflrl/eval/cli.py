@@ -25,10 +25,12 @@ def add_eval_commands(subparsers: Any) -> None:
                     help="benchmarks to run (rotbench taskbench bfcl sealtools), or: compare RUN_A RUN_B")
     src = ev.add_argument_group("model (one of)")
     src.add_argument("--model", default=None,
-                     help="registry name (smollm2-135m-instruct, tiny-random), HF id or folder; with "
-                          "--endpoint: the served model name")
+                     help="registry name (smollm2-135m-instruct, tiny-random), HF id, model folder, or a "
+                          "'reflrl train' run folder (its final checkpoint); with --endpoint: the served "
+                          "model name")
     src.add_argument("--endpoint", default=None, help="OpenAI-compatible base URL, e.g. http://127.0.0.1:8000/v1")
-    src.add_argument("--run", default=None, help="a reflrl run folder: evaluate its latest checkpoint")
+    src.add_argument("--run", default=None, help="a reflrl run folder: evaluate its final (latest) checkpoint "
+                                                 "(the same as --model RUN_DIR)")
     src.add_argument("--api-key", default=None, help="endpoint API key (default: $OPENAI_API_KEY or 'EMPTY')")
     ev.add_argument("--data-dir", default=os.environ.get("REFLRL_BENCH_DATA"),
                     help="folder with rotbench/, taskbench/, seal-tools/ (default $REFLRL_BENCH_DATA); "

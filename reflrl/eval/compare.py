@@ -5,7 +5,7 @@ difference "exceeds seed noise" when |t| is above the Student-t critical value f
 Welch-Satterthwaite degrees of freedom. With fewer than two seeds on a side (or zero variance on both)
 noise cannot be estimated and the verdict says so. The manifests are compared too: any difference
 other than the model (seeds, decoding, prompts, template, thinking history, data, packages) is
-reported as a warning, since it can move scores as much as the model (papers/000 sec. 3).
+reported as a warning, since it can move scores as much as the model (the efficiency paper (arXiv:2606.00135) sec. 3).
 """
 from __future__ import annotations
 

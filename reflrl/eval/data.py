@@ -65,6 +65,13 @@ def file_sha256(path: Path) -> str:
     return h.hexdigest()
 
 
+def check_lengths(benchmark: str, items: list[Any], outputs: list[Any]) -> None:
+    """Scorers pair items with outputs one to one: a length mismatch is an error naming both counts."""
+    if len(items) != len(outputs):
+        raise ValueError(f"{benchmark}: {len(items)} items but {len(outputs)} model outputs to score; "
+                         "every item needs exactly one output")
+
+
 def first_existing(candidates: list[Path]) -> Path | None:
     for c in candidates:
         if c.exists():

@@ -1,4 +1,4 @@
-"""The run manifest (papers/000 sec. 3): everything that can move a tool-calling score, recorded.
+"""The run manifest (the efficiency paper (arXiv:2606.00135) sec. 3): everything that can move a tool-calling score, recorded.
 
 model and weights hash, every seed, decoding parameters, each system prompt in full with its hash,
 the multi-turn template (``native`` role messages vs ``context`` packed history), whether thinking

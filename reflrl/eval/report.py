@@ -1,4 +1,4 @@
-"""Markdown report in the layout of the Tool-ReRL paper's Table 1 (papers/003): one row per
+"""Markdown report in the layout of the Tool-ReRL paper's Table 1 (Tool-ReRL): one row per
 benchmark x subset x metric, values ``mean ± std`` over seeds (percent), plus the run's key settings."""
 from __future__ import annotations
 
@@ -48,6 +48,12 @@ def rows(result: dict[str, Any]) -> list[tuple[str, str, str, str]]:
     return out
 
 
+def _ids_over_seeds(ids: Any) -> list[str]:
+    """Sorted distinct ids from one seed's list or a list of per-seed lists."""
+    seeds_ids = ids if isinstance(ids, list) and ids and isinstance(ids[0], list) else [ids or []]
+    return sorted({i for s in seeds_ids for i in (s or [])})
+
+
 def markdown_report(result: dict[str, Any]) -> str:
     m = result["manifest"]
     model = m["model"]
@@ -59,19 +65,25 @@ def markdown_report(result: dict[str, Any]) -> str:
                  f"max_new_tokens {d['max_new_tokens']}")
     lines.append(f"- multi-turn template: {m['multi_turn_template']}; thinking history kept: "
                  f"{m['keep_thinking_history']}; limit per subset: {m['limit_per_subset']}")
-    lines.append(f"- values: mean ± std over seeds, percent; TaskBench: upstream rule (unparseable samples "
-                 "dropped) with the strict value (counted wrong) in brackets")
+    lines.append("- values: mean ± std over seeds, percent. TaskBench: upstream's evaluate.py exactly (samples it "
+                 "cannot score are left out), the strict value in brackets (every sample scored; unusable "
+                 "predictions and unconvertible arguments count as wrong)")
     lines += ["", "| Benchmark | Subset | Metric | Value |", "|---|---|---|---|"]
     lines += [f"| {b} | {s} | {k} | {v} |" for b, s, k, v in rows(result)]
     tb = result["results"].get("taskbench", {})
     for dom, r in tb.items():
-        ids = r.get("dropped_ids")
-        seeds_ids = ids if isinstance(ids, list) and ids and isinstance(ids[0], list) else [ids or []]
-        flat = sorted({i for s in seeds_ids for i in (s or [])})
+        flat = _ids_over_seeds(r.get("dropped_ids"))
         if flat:
             lines.append("")
-            lines.append(f"TaskBench {dom}: samples without a usable prediction (dropped upstream, wrong in "
-                         f"strict): {', '.join(flat[:50])}{' ...' if len(flat) > 50 else ''}")
+            lines.append(f"TaskBench {dom}: upstream scored {r.get('n_scored_upstream')} of {r.get('n')} samples "
+                         f"(per seed); left out upstream, wrong in strict: "
+                         f"{', '.join(flat[:50])}{' ...' if len(flat) > 50 else ''}")
+    for cat, r in result["results"].get("bfcl", {}).items():
+        flat = _ids_over_seeds(r.get("unevaluated_ids"))
+        if flat:
+            lines.append("")
+            lines.append(f"BFCL {cat}: outputs holding an expression bfcl would evaluate as code (not run here, "
+                         f"scored wrong): {', '.join(flat[:50])}{' ...' if len(flat) > 50 else ''}")
     for s in result.get("skipped", []):
         lines.append(f"\nSkipped {s['unit']}: {s['reason']}")
     for n in result.get("notes", []):

@@ -1,4 +1,4 @@
-"""RoTBench (Ye et al. 2024; papers/003 appendix B): tool selection, parameter identification and
+"""RoTBench (Ye et al. 2024; Tool-ReRL appendix B): tool selection, parameter identification and
 content filling on the five noise levels, scored exactly as the upstream evaluator
 ``Junjie-Ye/RoTBench: Code/Evaluation/evaluate.py`` (``ts_eval``, ``pi_eval``, ``cf_eval``) does.
 
@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .data import DataError, first_existing, read_json
+from .data import DataError, check_lengths, first_existing, read_json
 
 LEVELS = ("clean", "slight", "medium", "heavy", "union")
 LEVEL_ABBR = {"clean": "CLE", "slight": "SLI", "medium": "MED", "heavy": "HEA", "union": "UNI"}
@@ -231,8 +231,7 @@ def score_one(text: Any, config: list[dict[str, Any]], answers: list[str]) -> di
 
 def score(items: list[RotItem], outputs: list[Any]) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     """Metrics (percent, like upstream ``show_stats``) and per-sample verdicts for one level."""
-    if len(items) != len(outputs):
-        raise ValueError(f"{len(items)} items but {len(outputs)} outputs")
+    check_lengths("rotbench", items, outputs)
     per = []
     for it, text in zip(items, outputs):
         v = score_one(text, it.config, it.answers)

@@ -1,5 +1,5 @@
 """Run benchmarks over seeds with one backend and write results.json, manifest.json, report.md and
-predictions.jsonl (the reproducibility protocol of papers/000 sec. 3).
+predictions.jsonl (the reproducibility protocol of the efficiency paper (arXiv:2606.00135) sec. 3).
 
 A benchmark is split into *units* (a RoTBench noise level, a BFCL category, a TaskBench domain, a
 Seal-Tools split). Every sample is an *episode*: a generator that yields chat messages and receives
@@ -19,7 +19,7 @@ from typing import Any, Callable, Generator
 from . import bfcl as bfcl_mod
 from . import rotbench, sealtools, taskbench
 from .backends import Backend, Decoding, apply_template
-from .data import DataError
+from .data import DataError, check_lengths
 from .manifest import build_manifest, data_hashes, prompt_record
 
 BENCHMARKS = ("rotbench", "taskbench", "bfcl", "sealtools")
@@ -98,12 +98,14 @@ def taskbench_units(opts: EvalOptions) -> tuple[list[Unit], list[dict[str, str]]
                             f"no data.json (gold task graphs) in {taskbench.domain_dir(opts.data_dir, dom)}"})
             continue
         items = taskbench.load_domain(opts.data_dir, dom, opts.limit)
-        msgs = [taskbench.prompt_messages(i, td, dom) for i in items]
+        template = taskbench.prompt_template(td, dom)
+        msgs = [taskbench.prompt_messages(i, td, dom, template) for i in items]
         units.append(Unit("taskbench", dom, [i.id for i in items],
                           (lambda msgs=msgs: [single(m) for m in msgs]),
                           (lambda outs, items=items, td=td, dom=dom: taskbench.score(items, outs, td, dom)),
-                          [_sys(m) for m in msgs],
-                          [gold, taskbench.domain_dir(opts.data_dir, dom) / "tool_desc.json"]))
+                          [],  # no system message: the template below is the whole prompt
+                          [gold, taskbench.domain_dir(opts.data_dir, dom) / "tool_desc.json"],
+                          prompt_template=template))
     return units, skipped
 
 
@@ -124,13 +126,15 @@ def sealtools_units(opts: EvalOptions) -> tuple[list[Unit], list[dict[str, str]]
 
 
 def _bfcl_score(entries: list[bfcl_mod.BfclEntry], outs: list[Any]) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    check_lengths("bfcl", entries, outs)
     per = []
     for e, out in zip(entries, outs):
         v = bfcl_mod.score_multi_turn(e, out) if e.multi_turn else bfcl_mod.score_single(e, out)
-        per.append({"id": e.id, **{k: v.get(k) for k in ("valid", "error_type", "error", "unsafe")}})
+        per.append({"id": e.id, **{k: v.get(k) for k in ("valid", "error_type", "error", "unevaluated")}})
     n = len(per)
     return {"accuracy": 100.0 * sum(p["valid"] for p in per) / n if n else 0.0, "n": n,
-            "unsafe_outputs": sum(bool(p.get("unsafe")) for p in per)}, per
+            "unevaluated_outputs": sum(bool(p.get("unevaluated")) for p in per),
+            "unevaluated_ids": [p["id"] for p in per if p.get("unevaluated")]}, per
 
 
 def bfcl_units(opts: EvalOptions) -> tuple[list[Unit], list[dict[str, str]]]:
@@ -209,7 +213,8 @@ def _aggregate(per_seed: list[dict[str, Any]]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for k, v in first.items():
         if isinstance(v, bool) or k == "n" or k.startswith("n_"):
-            out[k] = v
+            vals = [s.get(k) for s in per_seed]
+            out[k] = v if all(x == v for x in vals) else vals  # counts that vary by seed: one per seed
         elif isinstance(v, (int, float)) or v is None and all(
                 isinstance(s.get(k), (int, float, type(None))) for s in per_seed):
             out[k] = mean_std([s.get(k) for s in per_seed])

@@ -1,4 +1,4 @@
-"""Seal-Tools (Wu et al. 2025; papers/003 appendix B): format rate, API P/R/F1 and parameter P/R/F1
+"""Seal-Tools (Wu et al. 2025; Tool-ReRL appendix B): format rate, API P/R/F1 and parameter P/R/F1
 as ``fairyshine/Seal-Tools: LLM_Evaluation/src/llm_tools/evaluation/calculate.py::
 calculate_score_ToolLearning`` computes them, with the output parser of ``transform_output.py``
 (case ``'ToolLearning'``).
@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .data import DataError, first_existing, read_jsonl
+from .data import DataError, check_lengths, first_existing, read_jsonl
 
 METRICS = ("format_rate", "api_p", "api_r", "api_f1", "param_p", "param_r", "param_f1")
 SPLIT_FILES = ("test_in_domain.jsonl", "test_out_domain.jsonl", "dev.jsonl", "dev_subset.jsonl")
@@ -148,6 +148,7 @@ def parse_output(output_text: Any) -> Any:
 
 def score(items: list[SealItem], outputs: list[Any]) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     """Upstream ``calculate_score_ToolLearning`` over parsed outputs; metrics in percent."""
+    check_lengths("sealtools", items, outputs)
     n_fmt = c_api = p_api = g_api = c_par = p_par = g_par = 0
     per = []
     for it, text in zip(items, outputs):

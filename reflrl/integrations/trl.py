@@ -34,7 +34,7 @@ retried by the client's ``RetryPolicy`` (Retry-After aware), triaged (ok / env_f
 policy_error) and recorded in ``factory.ledger`` (injected and observed, ``reconcile()``).
 
 Keeping env-fault failures out of the loss: a rollout is *masked* when one of its calls ended on
-an env fault that retries did not recover (``env.masked``; Tool-ReRL, papers/003 sec. 1 and 3.2:
+an env fault that retries did not recover (``env.masked``; Tool-ReRL sec. 1 and 3.2:
 environment-caused failures are not the policy's errors). For such a rollout every reward
 function of this module returns None. TRL (1.16, ``_generate_and_score_completions``) treats a
 completion for which *every* reward source returned None as unscorable: its reward is NaN, it is
