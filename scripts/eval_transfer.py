@@ -21,7 +21,7 @@ from pathlib import Path
 
 
 def _eval(model: str, out: Path, args: argparse.Namespace, extra: list[str]) -> float:
-    cmd = [sys.executable, "-m", "reflrl.eval.cli", "eval", *args.benchmarks.split(","), "--model", model,
+    cmd = [sys.executable, "-m", "reflrl", "eval", *args.benchmarks.split(","), "--model", model,
            "--limit", str(args.limit), "--seeds", str(args.seeds), "--dtype", args.dtype, "--out", str(out)]
     if args.data_dir:
         cmd += ["--data-dir", args.data_dir]
@@ -55,7 +55,7 @@ def main() -> int:
         base = out / "base"
         print(f"base model: {_eval(args.base_model, base, args, extra):.0f} s", flush=True)
     print(f"trained run: {_eval(str(run), out / 'trained', args, extra):.0f} s", flush=True)
-    cmp = subprocess.run([sys.executable, "-m", "reflrl.eval.cli", "eval", "compare", str(base), str(out / "trained")],
+    cmp = subprocess.run([sys.executable, "-m", "reflrl", "eval", "compare", str(base), str(out / "trained")],
                          check=True, capture_output=True, text=True).stdout
     (out / "compare.txt").write_text(cmp)
     print(cmp)

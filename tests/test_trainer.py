@@ -416,9 +416,10 @@ def test_tiny_recipe_on_the_real_model(tmp_path):
     """The default recipe shrunk to seconds of work on the embedded SmolLM2: warm-up, two GRPO
     steps with faults, both evaluations; everything finite, the run folder complete."""
     cfg = C.load_config(ROOT / "configs" / "default.yaml", [
-        f"train.out_dir={tmp_path}", "train.run_name=real", "data.n_train=16", "data.n_val=4",
-        "data.n_test=4", "warmup.enabled=true", "warmup.steps=3", "warmup.probe_n=4", "warmup.batch_size=2",
-        "rollout.batch_prompts=2", "rollout.n=2", "rollout.max_new_tokens=48", "train.steps=2",
+        f"train.out_dir={tmp_path}", "train.run_name=real", "data.n_train=16", "data.n_val=0",
+        "data.n_test=2", "warmup.enabled=true", "warmup.steps=3", "warmup.probe_n=0", "warmup.batch_size=2",
+        "warmup.eval_after=false", "rollout.batch_prompts=2", "rollout.n=2", "rollout.max_new_tokens=24",
+        "train.steps=2",
         "train.time_budget_min=null", "env.faults=rate_limit=0.2"])
     summary = T.train(cfg, tmp_path / "real", progress=False, quiet=True)
     assert summary["steps"] == 2

@@ -174,9 +174,9 @@ def build_parser() -> argparse.ArgumentParser:
     # ---- train (the trainer parses its own arguments) ----------------------------------
     from reflrl.cli import train as train_cli  # 'reflrl train ...'
     train_cli.add_parser(sub)
-    from reflrl.eval.cli import add_eval_commands  # 'reflrl eval ...', 'reflrl data download ...'
+    from .eval import add_eval_commands  # 'reflrl eval ...', 'reflrl data download ...'
     add_eval_commands(sub)
-    from reflrl.experiment.cli import add_experiment_commands  # 'reflrl experiment faults', 'reflrl report'
+    from .experiment import add_experiment_commands  # 'reflrl experiment faults', 'reflrl report'
     add_experiment_commands(sub)
     return p
 

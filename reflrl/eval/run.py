@@ -320,7 +320,7 @@ def run_eval(backend: Backend, opts: EvalOptions, out_dir: Path | None = None,
 
 
 def write_outputs(result: dict[str, Any], predictions: list[dict[str, Any]], out_dir: Path) -> None:
-    from .report import markdown_report
+    from .tables import markdown_report
 
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "manifest.json").write_text(json.dumps(result["manifest"], indent=2, default=str) + "\n")

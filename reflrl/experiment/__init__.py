@@ -3,5 +3,5 @@
 - :mod:`reflrl.experiment.grid`: the ``--faults`` grid grammar and how it expands into settings;
 - :mod:`reflrl.experiment.sweep`: cells (method x fault setting x seed), the sweep manifest, the
   resumable runner (each cell a ``reflrl train`` subprocess) and the ETA;
-- :mod:`reflrl.experiment.cli`: the argparse wiring.
+- the argparse wiring is :mod:`reflrl.cli.experiment`.
 """

@@ -68,8 +68,8 @@ def _err(msg: str) -> int:
 
 
 def cmd_experiment_faults(args: argparse.Namespace) -> int:
-    from .grid import GridError
-    from .sweep import Sweep, SweepError, SweepSpec, parse_methods, parse_seeds
+    from reflrl.experiment.grid import GridError
+    from reflrl.experiment.sweep import Sweep, SweepError, SweepSpec, parse_methods, parse_seeds
 
     try:
         config = None

@@ -70,7 +70,7 @@ def add_eval_commands(subparsers: Any) -> None:
                          formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     dl.add_argument("benchmark", choices=("rotbench",), help="benchmark to download")
     dl.add_argument("--dest", required=True, help="destination folder (use it as --data-dir)")
-    from .download import ROTBENCH_URL
+    from reflrl.eval.download import ROTBENCH_URL
 
     dl.add_argument("--base-url", default=ROTBENCH_URL, help="folder URL holding <level>.json")
     dl.set_defaults(func=cmd_download)
@@ -86,12 +86,12 @@ def _fail(msg: str) -> int:
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
-    from .data import DataError
+    from reflrl.eval.data import DataError
 
     if args.targets[0] == "compare":
         if len(args.targets) != 3:
             return _fail("usage: reflrl eval compare RUN_A RUN_B")
-        from .compare import compare, format_comparison, load_result
+        from reflrl.eval.compare import compare, format_comparison, load_result
 
         try:
             c = compare(load_result(args.targets[1]), load_result(args.targets[2]))
@@ -108,13 +108,13 @@ def cmd_eval(args: argparse.Namespace) -> int:
         return _fail("--limit must be at least 1")
     if sum(x is not None for x in (args.endpoint, args.run)) > 1 or (args.run and args.model):
         return _fail("give exactly one of --model NAME, --endpoint URL --model NAME, --run RUN_DIR")
-    from .backends import Decoding, make_backend
-    from .bfcl import BfclUnavailable
-    from .run import EvalOptions, default_out_dir, run_eval
+    from reflrl.eval.backends import Decoding, make_backend
+    from reflrl.eval.bfcl import BfclUnavailable
+    from reflrl.eval.run import EvalOptions, default_out_dir, run_eval
 
     try:
         if "bfcl" in args.targets:
-            from .bfcl import resolve_categories
+            from reflrl.eval.bfcl import resolve_categories
 
             resolve_categories(args.categories)  # fail on a typo before loading the model
         opts = EvalOptions(
@@ -134,7 +134,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
         result = run_eval(backend, opts, out_dir=out_dir, log=lambda m: print(m, file=sys.stderr))
     except (DataError, ValueError, BfclUnavailable, FileNotFoundError) as e:
         return _fail(str(e))
-    from .report import markdown_report
+    from reflrl.eval.tables import markdown_report
 
     print(markdown_report(result))
     print(f"wrote {out_dir}/results.json, manifest.json, report.md, predictions.jsonl")
@@ -142,8 +142,8 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
 
 def cmd_download(args: argparse.Namespace) -> int:
-    from .data import DataError
-    from .download import download_rotbench
+    from reflrl.eval.data import DataError
+    from reflrl.eval.download import download_rotbench
 
     try:
         download_rotbench(args.dest, args.base_url)
@@ -151,16 +151,3 @@ def cmd_download(args: argparse.Namespace) -> int:
         return _fail(str(e))
     return 0
 
-
-def main(argv: list[str] | None = None) -> int:
-    """Standalone entry (``python -m reflrl.eval.cli eval ...``) when the reflrl CLI has no hook."""
-    p = argparse.ArgumentParser(prog="reflrl")
-    sub = p.add_subparsers(dest="command", metavar="COMMAND")
-    sub.required = True
-    add_eval_commands(sub)
-    args = p.parse_args(argv)
-    return int(args.func(args))
-
-
-if __name__ == "__main__":  # pragma: no cover
-    sys.exit(main())
