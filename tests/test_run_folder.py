@@ -19,21 +19,9 @@ from reflrl.train.batch import batch_logprobs, make_batch
 from reflrl.train.update import policy_update
 from reflrl.runlog import RunLog, latest_checkpoint, list_checkpoints
 
-from doubles import ScriptedEngine, answer_by_task, run_until_killed, scripted, tiny_cfg
+from doubles import ScriptedEngine, answer_by_task, run_until_killed, scripted, tb_scalars, tiny_cfg
 
 ROOT = Path(__file__).resolve().parent.parent
-
-
-def tb_scalars(run: Path) -> Counter:
-    """(tag, step) -> how many events of it the run's TensorBoard files hold."""
-    from tensorboard.backend.event_processing.event_file_loader import EventFileLoader
-
-    seen: Counter = Counter()
-    for f in sorted(run.glob("events.out.tfevents.*")):
-        for ev in EventFileLoader(str(f)).Load():
-            for v in ev.summary.value:
-                seen[(v.tag, ev.step)] += 1
-    return seen
 
 
 def _save(log: RunLog, step: int, model: torch.nn.Module) -> Path:

@@ -302,13 +302,25 @@ async def reflect_and_retry(
         gold = list(task.gold[0])
     query = str(messages[_last_user(messages)].get("content") or task.query)
 
-    async def judge(gen: Generation, fb: EnvFeedback) -> Critique:
+    async def judge(gen: Generation, fb: EnvFeedback) -> bool:
+        """Critique ``gen``, note it in ``rec``; True when the repair loop ends here (a positive
+        verdict, or no reflection to retry with), else the attempt and its reflection are kept."""
         req = CritiqueRequest(query=query, tools=list(task.tools), response=gen.text,
                               parse=fb.parse, gold=gold, env_fault=fb.env_fault)
         c = await critic.acritique(req)
         if stats is not None:
             stats.record(c)
-        return c
+        rec.critiques.append(c)
+        rec.critic_latency_s += c.latency_s
+        if c.positive:
+            rec.recovered, rec.stop_reason = True, "positive" if rec.retries else "first_positive"
+            return True
+        if c.reflection is None:
+            rec.stop_reason = "critic_unparsed"
+            return True
+        thought, action = split_response(gen.text)
+        rec.attempts.append(Attempt(thought, action, c.reflection))
+        return False
 
     fb0 = first_feedback if first_feedback is not None else await _call(step_env, first_response.text)
     rec = RepairRecord(
@@ -318,17 +330,8 @@ async def reflect_and_retry(
         first_feedback=fb0, final_feedback=fb0,
         cause="env_fault" if fb0.env_fault is not None else "policy_error",
     )
-    c = await judge(first_response, fb0)
-    rec.critiques.append(c)
-    rec.critic_latency_s += c.latency_s
-    if c.positive:
-        rec.recovered, rec.stop_reason = True, "first_positive"
+    if await judge(first_response, fb0):
         return rec
-    if c.reflection is None:
-        rec.stop_reason = "critic_unparsed"
-        return rec
-    thought, action = split_response(first_response.text)
-    rec.attempts.append(Attempt(thought, action, c.reflection))
     for _ in range(max_attempts):
         q_star = augmented_messages(messages, rec.attempts, mode=mode)
         gen: Generation = await _call(generate, q_star)
@@ -338,16 +341,7 @@ async def reflect_and_retry(
         rec.augmented_messages = q_star
         rec.response_text, rec.response_ids = gen.text, list(gen.token_ids)
         rec.behaviour_logprobs, rec.final_feedback = list(gen.logprobs), fb
-        c = await judge(gen, fb)
-        rec.critiques.append(c)
-        rec.critic_latency_s += c.latency_s
-        if c.positive:
-            rec.recovered, rec.stop_reason = True, "positive"
+        if await judge(gen, fb):
             return rec
-        if c.reflection is None:
-            rec.stop_reason = "critic_unparsed"
-            return rec
-        thought, action = split_response(gen.text)
-        rec.attempts.append(Attempt(thought, action, c.reflection))
     rec.stop_reason = "max_attempts"
     return rec
