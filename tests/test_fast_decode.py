@@ -120,3 +120,22 @@ def test_chunked_prefill_matches_one_padded_prefill(tiny, monkeypatch):
     assert [s.token_ids for s in a] == [s.token_ids for s in b]
     for x, y in zip(a, b):
         assert x.logprobs == pytest.approx(y.logprobs, abs=1e-4)
+
+
+def test_a_batch_of_similar_lengths_answers_each_prompt_as_alone(tiny):
+    """Similar lengths in no sorted order make ONE prefill chunk; each row must still be its own
+    prompt's (a chunk kept in length order once swapped the rows: every GRPO group was sampled from
+    another task's prompt, and greedy evaluation in batches of 16 scored 0%)."""
+    model, tok = tiny
+    texts = ["word " * 40, "ok go " * 22, "word " * 43, "hi there " * 21, "yes " * 42]
+    prompts = [tok.encode(t) for t in texts]
+    import reflrl.engines.fast_decode as F
+    lengths = [len(p) for p in prompts]
+    assert lengths != sorted(lengths) and lengths != sorted(lengths, reverse=True)
+    assert len(F.length_chunks(lengths)) == 1
+    eng = TransformersEngine(model, tok)
+    alone = [eng.generate([p], n=1, max_new_tokens=6, temperature=0.0)[0].token_ids for p in prompts]
+    assert len({tuple(a) for a in alone}) > 1  # the prompts' answers differ: a swap would show
+    batched = eng.generate(prompts, n=2, max_new_tokens=6, temperature=0.0)
+    assert [s.token_ids for s in batched] == [a for a in alone for _ in range(2)]
+    assert [s.prompt_index for s in batched] == [i for i in range(len(prompts)) for _ in range(2)]

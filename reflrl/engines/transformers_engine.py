@@ -152,7 +152,9 @@ class TransformersEngine:
         compute; the merged cache is the same as one left-padded prefill except in masked positions.
         """
         one = len(prompts) == 1 or not growable(self.model.config)
-        chunks = [list(range(len(prompts)))] if one else length_chunks([len(p) for p in prompts])
+        # rows keep their order inside a chunk, so a single chunk is the batch itself (its h and cache
+        # rows are the prompts' rows as they are given)
+        chunks = [list(range(len(prompts)))] if one else [sorted(c) for c in length_chunks([len(p) for p in prompts])]
         trunk = self.trunk_cache if growable(self.model.config) else None
         depth = trunk.check() if trunk is not None else 0
         parts, hs = [], torch.empty(0)
