@@ -4,7 +4,7 @@ bfcl-eval decodes a prompting model's answer ``[f(a=1), g(b='x')]`` with
 ``model_handler/utils.py``: ``default_decode_ast_prompting`` (strip, add brackets) -> ``ast_parse``
 (``ast.parse``; one call or a list of calls) -> ``resolve_ast_call`` / ``resolve_ast_by_type``
 (keyword arguments only; positional arguments are ignored). One branch of ``resolve_ast_by_type``
-runs model text: a ``BinOp`` value becomes ``eval(ast.unparse(value))``, evaluated in the globals of
+runs model text: a ``BinOp`` value becomes ``eval`` of ``ast.unparse(value)``, evaluated in the globals of
 bfcl's ``utils`` module. (Its ``Lambda`` branch reads ``value.body[0]``, which raises TypeError before
 its ``eval``: a lambda's body is one node, not a list, so bfcl never runs a lambda.)
 
@@ -197,7 +197,7 @@ class _Prepass:
         elif isinstance(node, ast.Call) and node.keywords:
             self.call(node)
         elif isinstance(node, ast.Lambda):
-            # bfcl: eval(ast.unparse(value.body[0].value)) -- the subscript raises before the eval
+            # bfcl evaluates ast.unparse(value.body[0].value) -- the subscript raises before the eval
             raise TypeError(f"'{type(node.body).__name__}' object is not subscriptable")
         return node
 
