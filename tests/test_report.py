@@ -3,6 +3,7 @@ Chromium without console errors, derived numbers (temporal stability, recovery r
 from __future__ import annotations
 
 import base64
+import json
 import io
 import re
 import shutil
@@ -124,6 +125,25 @@ def test_recovered_ratio_counts_retries_and_reflection(tmp_path):
     run.summary.pop("recovery")
     run.rows = [{k: v for k, v in row.items() if not k.startswith("reflect/")} for row in run.rows]
     assert D.recovery(run).recovered_ratio == (pytest.approx(45 / 54), "tool calls")
+
+
+def test_learning_curve_starts_rl_at_the_warm_up_result_not_the_base_model(tmp_path):
+    """The held-out curve over RL steps starts from the accuracy after the warm-up (same step 0 as the
+    base model's evaluation), so a report never credits RL with the warm-up's gain; the base model is
+    kept apart."""
+    path = make_run(tmp_path / "r", steps=8, acc_after=0.55)
+    rows = [json.loads(l) for l in (path / "metrics.jsonl").read_text().splitlines()]
+    rows.insert(1, {"step": 0, "phase": "eval", "test_after_warmup_accuracy": 0.45,
+                    "test_after_warmup_stderr": 0.07})
+    (path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    acc = D.accuracy(load_run(path))
+    assert acc.base == pytest.approx(0.2)
+    assert acc.test_steps == [0, 8] and acc.test_acc == pytest.approx([0.45, 0.55])
+    assert acc.test_err[0] == pytest.approx(0.07)
+    assert acc.val_steps == [8]
+    # without the warm-up evaluation the curve starts at the base model, and base is not separate
+    plain = D.accuracy(load_run(make_run(tmp_path / "p", steps=8, acc_after=0.55)))
+    assert plain.base is None and plain.test_acc == pytest.approx([0.2, 0.55])
 
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")

@@ -251,18 +251,27 @@ def reflection_accounting(run: RunData) -> dict[str, Any]:
 # ============================================================================ accuracy
 @dataclass
 class Accuracy:
-    """Held-out accuracy: test before/after (with standard errors) and validation over steps."""
+    """Held-out accuracy: the base model (before any training), the RL curve on the test split (after
+    the warm-up at step 0, then after RL; with standard errors) and validation accuracy over RL steps.
+
+    ``test_*`` starts at the warm-up's result when the run evaluated it, so the curve over RL steps
+    shows what RL added; ``base`` is the untrained model's accuracy (the warm-up's starting point)."""
 
     test_steps: list[int]
     test_acc: list[float]
     test_err: list[float]
     val_steps: list[int]
     val_acc: list[float]
+    base: float | None = None
 
 
 def accuracy(run: RunData) -> Accuracy:
     ts, ta, te = [], [], []
+    base = warm = None
     for r in run.eval_rows():
+        w = _num(r.get("test_after_warmup_accuracy"))
+        if w is not None:
+            warm = (int(r["step"]), w, _num(r.get("test_after_warmup_stderr")) or 0.0)
         a = _num(r.get("test_accuracy"))
         if a is not None:
             ts.append(int(r["step"]))
@@ -276,7 +285,14 @@ def accuracy(run: RunData) -> Accuracy:
                 ts.append(int(step))
                 ta.append(float(ev["accuracy"]))
                 te.append(_num(ev.get("stderr")) or 0.0)
-    return Accuracy(ts, ta, te, vs, va)
+        ev = run.summary.get("eval_after_warmup") or {}
+        if _num(ev.get("accuracy")) is not None:
+            warm = (0, float(ev["accuracy"]), _num(ev.get("stderr")) or 0.0)
+    if warm is not None and ts and ts[0] == warm[0]:
+        # the test point at step 0 is the base model's: RL starts from the warm-up's result instead
+        base = ta[0]
+        ts[0], ta[0], te[0] = warm
+    return Accuracy(ts, ta, te, vs, va, base)
 
 
 def mean_std(xs: Sequence[float]) -> tuple[float, float, int]:

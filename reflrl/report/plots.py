@@ -84,8 +84,13 @@ def reward_accuracy(run: RunData) -> Figure:
         a2.plot(acc.val_steps, [100 * v for v in acc.val_acc], marker="s", color=COLORS[3],
                 label="validation accuracy")
     if acc.test_steps:
+        start = "after warm-up, " if acc.base is not None else ""
         a2.errorbar(acc.test_steps, [100 * v for v in acc.test_acc], yerr=[100 * e for e in acc.test_err],
-                    fmt="o", color=COLORS[1], capsize=4, ms=6, label="held-out test accuracy (± s.e.)")
+                    fmt="o-", color=COLORS[1], capsize=4, ms=6,
+                    label=f"held-out test accuracy ({start}then after RL; ± s.e.)")
+    if acc.base is not None:
+        a2.axhline(100 * acc.base, ls=":", color="#555", lw=1,
+                   label=f"base model, before the warm-up ({100 * acc.base:.1f}%)")
     a2.set_ylim(-3, 103)
     a2.set_xlabel("RL step (policy updates)")
     a2.set_ylabel("accuracy (% of tasks, exact match)")
