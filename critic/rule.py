@@ -22,7 +22,10 @@ learned. So the default ``reveal="query"`` names the argument and the wrong valu
 and points to the *span of the user request* that holds the expected value when the value occurs
 in the request verbatim -- information the policy already had in q, so tau* stays reachable from
 q (the spirit of Assumption 1). ``reveal="none"`` never quotes the request;
-``reveal="value"`` states the expected value, as an LLM critic that sees the ground truth may.
+``reveal="value"`` states the expected value (and a missing or wrong tool's expected arguments), as
+an LLM critic that sees the ground truth may; ``reveal="call"`` adds the whole expected answer
+("The expected call is get_air_quality(city=\"Chicago\")."), the most a ground-truth critic can say.
+Which level a run uses is measured, not assumed: see the recipe's ``reflection.reveal`` comment.
 Tool names are always named (the paper's critic names endpoints and parameters).
 """
 from __future__ import annotations
@@ -39,7 +42,7 @@ from reflrl.envs.types import ParseResult, ToolCall
 from .base import Critique, CritiqueRequest, SyncCritic
 from .format import describe_env_fault, format_critique
 
-REVEAL_MODES = ("none", "query", "value")
+REVEAL_MODES = ("none", "query", "value", "call")
 
 POSITIVE_ANALYSIS = "The tool call is well-formed and matches the expected call with the right arguments."
 
@@ -51,6 +54,16 @@ def _q(v: Any, limit: int = 60) -> str:
     except (TypeError, ValueError):
         s = repr(v)
     return s if len(s) <= limit else s[: limit - 3] + "..."
+
+
+def _args_text(c: ToolCall) -> str:
+    """``k="v", n=2``: a call's arguments as keyword arguments with JSON values."""
+    return ", ".join(f"{k}={_q(v)}" for k, v in dict(c.arguments).items())
+
+
+def _call_text(c: ToolCall) -> str:
+    """``name(k="v", n=2)``: a whole call, as the ``call`` reveal level states it."""
+    return f"{c.name}({_args_text(c)})"
 
 
 def _type_name(v: Any) -> str:
@@ -147,9 +160,13 @@ class RuleCritic(SyncCritic):
             raise ValueError("the rule critic needs the gold calls (CritiqueRequest.gold); "
                              "use an LLM or policy critic for tasks without ground truth")
         pr = request.parse if request.parse is not None else parse_response(request.response, self.parser)
-        problem = self._problem(pr, list(request.gold), request.query)
+        gold = list(request.gold)
+        problem = self._problem(pr, gold, request.query)
         if problem is None:
             return "positive", POSITIVE_ANALYSIS
+        if self.reveal == "call" and gold:  # the whole expected answer, after what is wrong
+            calls = "; ".join(_call_text(g) for g in gold)
+            problem += f" The expected {'calls are' if len(gold) > 1 else 'call is'} {calls}."
         return "negative", problem
 
     # ---- comparison ------------------------------------------------------------------------
@@ -188,10 +205,11 @@ class RuleCritic(SyncCritic):
                 p_left.remove(c)
         issues: list[str] = []
         if len(p_left) == 1 and len(g_left) == 1:
-            issues.append(f"The response calls `{p_left[0].name}` but the request needs `{g_left[0].name}`")
+            issues.append(f"The response calls `{p_left[0].name}` but the request needs `{g_left[0].name}`"
+                          + self._with_args(g_left[0]))
         else:
             for g in g_left:
-                issues.append(f"The response is missing a call to `{g.name}`")
+                issues.append(f"The response is missing a call to `{g.name}`{self._with_args(g)}")
             for c in p_left:
                 issues.append(f"The response makes an extra call to `{c.name}` that the request does not need")
         for c, g in pairs:
@@ -205,8 +223,14 @@ class RuleCritic(SyncCritic):
             text = text[:-1] + f", and {more} other issue{'s' if more > 1 else ''} remain{'' if more > 1 else 's'}."
         return text
 
+    def _with_args(self, g: ToolCall) -> str:
+        """A needed call's arguments, at the value-revealing levels (where the analysis states values)."""
+        if self.reveal in ("value", "call") and g.arguments:
+            return f" with {_args_text(g)}"
+        return ""
+
     def _hint(self, value: Any, query: str) -> str:
-        if self.reveal == "value":
+        if self.reveal in ("value", "call"):
             return f"; the expected value is {_q(value)}"
         if self.reveal == "query":
             span = query_span(query, value)

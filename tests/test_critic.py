@@ -122,6 +122,30 @@ def test_rule_missing_and_extra_parallel_calls():
     assert a == "The response makes an extra call to `c` that the request does not need."
 
 
+def test_rule_value_levels_give_a_needed_calls_arguments_and_call_gives_the_whole_answer():
+    g = [ToolCall("get_air_quality", {"city": "Chicago"}), ToolCall("add_to_cart", {"product_id": "P-1", "quantity": 2})]
+    pred = ok(ToolCall("add_to_cart", {"product_id": "P-1"}))
+    query_level = judge(pred, gold=g, reveal="query").analysis
+    assert query_level.startswith("The response is missing a call to `get_air_quality`.")
+    value = judge(pred, gold=g, reveal="value").analysis
+    assert value.startswith('The response is missing a call to `get_air_quality` with city="Chicago".')
+    assert "missing the argument 'quantity'; the expected value is 2." in value
+    call = judge(pred, gold=g, reveal="call").analysis
+    assert call.startswith(value[:-1])  # everything the value level says, then the whole answer
+    assert call.endswith('The expected calls are get_air_quality(city="Chicago"); '
+                         'add_to_cart(product_id="P-1", quantity=2).')
+    # a wrong tool: the needed tool's arguments at the value levels only
+    wrong = ok(ToolCall("Stocks", {"country": "us"}))
+    assert judge(wrong, reveal="query").analysis == "The response calls `Stocks` but the request needs `Market`."
+    assert judge(wrong, reveal="value").analysis == ('The response calls `Stocks` but the request needs `Market` '
+                                                     'with trend_type="MARKET_INDEXES", country="us", language="en".')
+    # an unparseable answer at the call level still gets the expected call
+    bad = judge(ParseResult(False, [], error="block 1 holds invalid JSON"), reveal="call").analysis
+    assert bad.startswith("The response is not a valid tool call") and 'Market(trend_type="MARKET_INDEXES"' in bad
+    with pytest.raises(ValueError, match="reveal='everything'"):
+        RuleCritic(reveal="everything")
+
+
 @pytest.mark.parametrize("fault, expected", [
     (EnvFault("rate_limit", "Market", 429, 2.0), "The tool `Market` answered 429 rate limit; retry after 2 s."),
     (EnvFault("rate_limit", "", None, None), "The tool answered 429 rate limit; retry later."),
