@@ -124,6 +124,20 @@ def test_a_whole_run_says_so_and_exits_0(tmp_path, capsys):
     assert set(s["eval_seconds"]) == {"before", "after"}
 
 
+def test_a_warm_up_only_run_reports_three_accuracies_without_evaluating_twice(tmp_path, capsys):
+    """train.steps=0 (the shared warm-up of paper_table --warm-start): the model after the warm-up IS the
+    final model, so 'after' is the after-warm-up evaluation (not a second pass) and the RL gain is 0."""
+    args = ["--config", str(ROOT / "configs" / "tiny.yaml"), "--name", "w", "--no-report",
+            "--set", f"train.out_dir={tmp_path}", "--set", "train.steps=0", "--set", "warmup.enabled=true",
+            "--set", "warmup.steps=2", "--set", "warmup.eval_after=true", "--set", "data.n_test=2"]
+    assert cli_main(["train", *args]) == 0
+    out = capsys.readouterr().out
+    assert "eval after warm-up done" in out and "eval after done" not in out
+    s = json.loads((tmp_path / "w" / "summary.json").read_text())
+    assert s["accuracy_after"] == s["accuracy_after_warmup"] is not None and s["rl_gain"] == 0
+    assert set(s["eval_seconds"]) == {"before", "after_warmup", "after"}
+
+
 # ----------------------------------------------------------------------------- progress in logs
 def test_progress_lines_when_stdout_is_not_a_terminal(tmp_path, capsys):
     args = ["--config", str(ROOT / "configs" / "tiny.yaml"), "--name", "p", "--no-report",

@@ -420,7 +420,11 @@ class Trainer:
             self.ref_model = frozen_copy(self.model)
         self._rl_phase()
         st["phase"] = "done"
-        st["eval_after"] = self._evaluate_phase("eval after", "test")
+        if self.step == 0 and "eval_after_warmup" in st:
+            # no RL step ran (e.g. a warm-up-only run, train.steps=0): the model is the one just evaluated
+            st["eval_after"] = dict(st["eval_after_warmup"])
+        else:
+            st["eval_after"] = self._evaluate_phase("eval after", "test")
         self.log.log(self.step, {f"test_{k}": v for k, v in st["eval_after"].items()}, phase="eval")
         self.save()
         summary = self.summary()
