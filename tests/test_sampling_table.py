@@ -5,10 +5,15 @@ import importlib.util
 import json
 from pathlib import Path
 
+from reflrl.config import load_config
+
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ["model.name=tiny-random", "model.dtype=float32", "model.trainable=all", "data.n_train=4",
         "data.n_test=2", "data.n_val=0", "rollout.n=2", "rollout.max_new_tokens=8", "warmup.enabled=false",
         "train.threads=1", "train.save_every=0"]
+
+
+RECIPE = load_config(ROOT / "configs" / "default.yaml")
 
 
 def load_script():
@@ -37,7 +42,8 @@ def test_sampling_table_runs_each_method_as_reflrl_train_and_prints_the_table(tm
     rows = json.loads((tmp_path / "rows.json").read_text())["rows"]
     assert [r["method"] for r in rows] == ["toolrl", "dscl"]
     for r in rows:
-        assert r["steps"] == 2 and r["rollouts"] == 2 * 2 * 2  # steps x batch_prompts x n (default recipe: 2 prompts)
+        # steps x the default recipe's prompts per step x n (TINY sets n=2)
+        assert r["steps"] == 2 and r["rollouts"] == 2 * RECIPE.rollout.batch_prompts * 2
         assert r["after"] is not None and r["wall_s"] > 0
         cfg = (Path(r["run_dir"]) / "config.yaml").read_text()
         assert "time_budget_min: 5" in cfg
