@@ -1,21 +1,11 @@
 """scripts/bench_recipe.py's aggregate: the three accuracies and the paired RL gain over seeds."""
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
-ROOT = Path(__file__).resolve().parents[1]
-
-
-def load_script():
-    spec = importlib.util.spec_from_file_location("bench_recipe", ROOT / "scripts" / "bench_recipe.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+from script_loader import load_script
 
 
 def test_aggregate_prints_the_three_accuracies_and_the_paired_rl_gain():
-    br = load_script()
+    br = load_script("bench_recipe")
     rows = [{"seed": s, "before": 0.0, "after_warmup": w, "after": a, "rl_gain": a - w, "wall_s": 600.0,
              "recipe_complete": s != 2, "recovery": {"reflected": 10, "recovered_by_reflection": r,
                                                      "recovered_policy_error": r}}

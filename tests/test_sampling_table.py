@@ -1,11 +1,12 @@
 """scripts/sampling_table.py end to end on the tiny random model (2 methods, 1 seed, 2 RL steps)."""
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 
 from reflrl.config import load_config
+
+from script_loader import load_script as load_script_named
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ["model.name=tiny-random", "model.dtype=float32", "model.trainable=all", "data.n_train=4",
@@ -17,10 +18,7 @@ RECIPE = load_config(ROOT / "configs" / "default.yaml")
 
 
 def load_script():
-    spec = importlib.util.spec_from_file_location("sampling_table", ROOT / "scripts" / "sampling_table.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script_named("sampling_table")
 
 
 def test_every_method_has_a_recipe_on_the_default():
