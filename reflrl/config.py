@@ -374,6 +374,10 @@ def registered(kind: str) -> list[str]:
         from reflrl.engines import ENGINES
 
         return ENGINES.names()
+    if kind == "reveal":  # the rule critic's disclosure levels, defined where they are implemented
+        from reflrl.critic.rule import REVEAL_MODES
+
+        return list(REVEAL_MODES)
     raise ValueError(f"no registry of {kind!r}")
 
 
@@ -499,7 +503,7 @@ def validate(cfg: Config) -> Config:
     f = cfg.reflection
     _choice(e, "reflection.variant", f.variant, registered("variant"))
     _choice(e, "reflection.critic", f.critic, registered("critic"))
-    _choice(e, "reflection.reveal", f.reveal, ("none", "query", "value", "call"))
+    _choice(e, "reflection.reveal", f.reveal, registered("reveal"))
     _choice(e, "reflection.reflect_on", f.reflect_on, ("failure", "env_fault"))
     _choice(e, "reflection.mode", f.mode, ("replace", "append"))
     _choice(e, "reflection.group", f.group, ("replace", "add"))

@@ -102,6 +102,7 @@ def test_overrides_apply_on_top_of_file(tmp_path):
     ("rollout.n=0", ["rollout.n", ">= 1"]),
     ("warmup.enabled=maybe", ["warmup.enabled", "'maybe'"]),
     ("train.run_name=../x", ["train.run_name"]),
+    ("reflection.reveal=vaule", ["reflection.reveal", "did you mean 'value'", "call"]),
 ])
 def test_bad_overrides_name_the_key(override, needles):
     with pytest.raises(ConfigError) as exc:
