@@ -75,6 +75,11 @@ def _generate_texts(engine: Any, tokenizer: Any, prompts: list[list[int]], caps:
     return out, tokens, capped
 
 
+def _exact(p: Any, task: Task) -> bool:
+    """The parsed answer ``p`` calls exactly the gold calls of the task's first turn."""
+    return bool(p.ok and task.gold and calls_match(list(p.calls), list(task.gold[0])))
+
+
 def _format_ok(text: str, fmt: str) -> bool:
     p = parse(text, fmt)
     return bool(p.ok and p.calls)
@@ -102,7 +107,7 @@ def evaluate(engine: Any, tokenizer: Any, tasks: Sequence[Task], messages_fn: Ca
     for t, text in zip(tasks, texts):
         p = parse(text, fmt)
         ok = bool(p.ok and p.calls)
-        hit = bool(p.ok and t.gold and calls_match(list(p.calls), list(t.gold[0])))
+        hit = _exact(p, t)
         correct += hit
         fmt_ok += ok
         rec: dict[str, Any] = {"id": t.id, "correct": hit, "format_ok": ok}
@@ -129,3 +134,26 @@ def format_rate(engine: Any, tokenizer: Any, tasks: Sequence[Task], messages_fn:
     texts, _, _ = _generate_texts(engine, tokenizer, prompts, caps, gen, batch_size=batch_size,
                                   temperature=gen.temperature, seed=seed)
     return sum(_format_ok(x, gen.fmt) for x in texts) / len(texts)
+
+
+def sampled_correct(engine: Any, tokenizer: Any, tasks: Sequence[Task], messages_fn: Callable[[Task], list[dict]],
+                    gen: RolloutSpec | None = None, *, n: int = 8, temperature: float = 1.0, batch_size: int = 64,
+                    seed: int = 0) -> list[int]:
+    """How many of ``n`` answers sampled at ``temperature`` are exactly right, per task (in task order;
+    the caps and early stop of ``gen``). With the greedy verdicts of :func:`evaluate` this tells where
+    GRPO can find a signal: a task the greedy answer gets wrong and no sample gets right gives an
+    all-wrong group, so sampling alone cannot move its greedy answer (``scripts/rl_headroom.py``)."""
+    if n < 1:
+        raise ValueError(f"sampled_correct: n must be >= 1, got {n}")
+    gen = gen or RolloutSpec()
+    tasks = list(tasks)
+    if not tasks:
+        raise ValueError("sampled_correct: no tasks")
+    rep = [t for t in tasks for _ in range(n)]
+    prompts = [render_prompt(tokenizer, messages_fn(t)) for t in rep]
+    caps = [answer_token_cap(t, tokenizer, gen) for t in rep]
+    texts, _, _ = _generate_texts(engine, tokenizer, prompts, caps, gen, batch_size=batch_size,
+                                  temperature=temperature, seed=seed)
+    hits = [_exact(parse(x, gen.fmt), t) for t, x in zip(rep, texts)]
+    return [sum(hits[i * n:(i + 1) * n]) for i in range(len(tasks))]
+
