@@ -72,6 +72,10 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"no checkpoint {ck} (the run's checkpoints: "
                 f"{', '.join(sorted(x.name for x in (run / 'checkpoints').glob('step_*'))) or 'none'})")
     cfg = C.load_config(run / "config.yaml", [f"model.init_from={ck}", "env.faults=", *a.overrides])
+    if cfg.train.threads:  # as a run does (--set train.threads=1 beside another process)
+        import torch
+
+        torch.set_num_threads(cfg.train.threads)
     tasks = splits_from_config(cfg.data)[a.split]
     comp = build_components(cfg, splits_from_config(cfg.data)["train"])
     mf = messages_fn(cfg)
