@@ -353,7 +353,7 @@ def _choice(errors: list[str], path: str, value: Any, choices: tuple | list) -> 
 
 def registered(kind: str) -> list[str]:
     """The names a registry knows (``reflrl.registry.Registry``), so names registered by a plugin are
-    accepted too. Imported when a config is validated, not when this module is (no torch at import)."""
+    accepted too; ``reveal``: the rule critic's disclosure levels, from the module that implements them. Imported when a config is validated, not when this module is (no torch at import)."""
     if kind in ("advantage", "policy_loss"):
         from reflrl.algos.registry import ADVANTAGES, POLICY_LOSSES
 

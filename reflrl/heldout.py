@@ -54,10 +54,13 @@ class EvalResult:
         return d
 
 
-def _generate_texts(engine: Any, tokenizer: Any, prompts: list[list[int]], caps: list[int], gen: RolloutSpec, *,
-                    batch_size: int, temperature: float, seed: int = 0) -> tuple[list[str], int, int]:
-    """(decoded completions in the order of ``prompts``, new tokens, answers cut at their cap);
-    batches group prompts of similar length; each answer has its own cap and stops when complete."""
+def _generate_texts(engine: Any, tokenizer: Any, tasks: Sequence[Task], messages_fn: Callable[[Task], list[dict]],
+                    gen: RolloutSpec, *, batch_size: int, temperature: float, seed: int = 0) -> tuple[list[str], int, int]:
+    """One answer per entry of ``tasks`` (rendered as rollouts are, capped by its gold answer):
+    (decoded completions in the order of ``tasks``, new tokens, answers cut at their cap); batches
+    group prompts of similar length; each answer stops when complete."""
+    prompts = [render_prompt(tokenizer, messages_fn(t)) for t in tasks]
+    caps = [answer_token_cap(t, tokenizer, gen) for t in tasks]
     order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
     out: list[str] = [""] * len(prompts)
     extra: dict[str, Any] = {}
@@ -98,9 +101,7 @@ def evaluate(engine: Any, tokenizer: Any, tasks: Sequence[Task], messages_fn: Ca
     tasks = list(tasks)
     if not tasks:
         raise ValueError("evaluate: no tasks")
-    prompts = [render_prompt(tokenizer, messages_fn(t)) for t in tasks]
-    caps = [answer_token_cap(t, tokenizer, gen) for t in tasks]
-    texts, new_tokens, capped = _generate_texts(engine, tokenizer, prompts, caps, gen, batch_size=batch_size,
+    texts, new_tokens, capped = _generate_texts(engine, tokenizer, tasks, messages_fn, gen, batch_size=batch_size,
                                                 temperature=0.0)
     per = []
     correct = fmt_ok = 0
@@ -129,9 +130,7 @@ def format_rate(engine: Any, tokenizer: Any, tasks: Sequence[Task], messages_fn:
     tasks = [t for t in tasks for _ in range(samples_per_task)]
     if not tasks:
         raise ValueError("format_rate: no tasks")
-    prompts = [render_prompt(tokenizer, messages_fn(t)) for t in tasks]
-    caps = [answer_token_cap(t, tokenizer, gen) for t in tasks]
-    texts, _, _ = _generate_texts(engine, tokenizer, prompts, caps, gen, batch_size=batch_size,
+    texts, _, _ = _generate_texts(engine, tokenizer, tasks, messages_fn, gen, batch_size=batch_size,
                                   temperature=gen.temperature, seed=seed)
     return sum(_format_ok(x, gen.fmt) for x in texts) / len(texts)
 
@@ -150,10 +149,7 @@ def sampled_correct(engine: Any, tokenizer: Any, tasks: Sequence[Task], messages
     if not tasks:
         raise ValueError("sampled_correct: no tasks")
     rep = [t for t in tasks for _ in range(n)]
-    prompts = [render_prompt(tokenizer, messages_fn(t)) for t in rep]
-    caps = [answer_token_cap(t, tokenizer, gen) for t in rep]
-    texts, _, _ = _generate_texts(engine, tokenizer, prompts, caps, gen, batch_size=batch_size,
+    texts, _, _ = _generate_texts(engine, tokenizer, rep, messages_fn, gen, batch_size=batch_size,
                                   temperature=temperature, seed=seed)
     hits = [_exact(parse(x, gen.fmt), t) for t, x in zip(rep, texts)]
     return [sum(hits[i * n:(i + 1) * n]) for i in range(len(tasks))]
-

@@ -76,8 +76,9 @@ def main(argv: list[str] | None = None) -> int:
         import torch
 
         torch.set_num_threads(cfg.train.threads)
-    tasks = splits_from_config(cfg.data)[a.split]
-    comp = build_components(cfg, splits_from_config(cfg.data)["train"])
+    splits = splits_from_config(cfg.data)
+    tasks = splits[a.split]
+    comp = build_components(cfg, splits["train"])
     mf = messages_fn(cfg)
     t0 = time.perf_counter()
     res = evaluate(comp.eval_engine, comp.tokenizer, tasks, mf, comp.rollout)

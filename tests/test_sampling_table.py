@@ -6,7 +6,7 @@ from pathlib import Path
 
 from reflrl.config import load_config
 
-from script_loader import load_script as load_script_named
+from script_loader import load_script
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ["model.name=tiny-random", "model.dtype=float32", "model.trainable=all", "data.n_train=4",
@@ -17,19 +17,15 @@ TINY = ["model.name=tiny-random", "model.dtype=float32", "model.trainable=all", 
 RECIPE = load_config(ROOT / "configs" / "default.yaml")
 
 
-def load_script():
-    return load_script_named("sampling_table")
-
-
 def test_every_method_has_a_recipe_on_the_default():
-    st = load_script()
+    st = load_script("sampling_table")
     assert list(st.METHODS) == ["toolrl", "dapo", "smv", "smr", "rds", "tdcl", "dscl"]
     for _, cfg in st.METHODS.values():
         assert "base: default.yaml" in (ROOT / cfg).read_text()
 
 
 def test_sampling_table_runs_each_method_as_reflrl_train_and_prints_the_table(tmp_path, capsys):
-    st = load_script()
+    st = load_script("sampling_table")
     argv = ["--seeds", "0", "--methods", "toolrl,dscl", "--budget-minutes", "5", "--steps", "2",
             "--out", str(tmp_path), "--json", str(tmp_path / "rows.json")]
     for o in TINY:
@@ -49,7 +45,7 @@ def test_sampling_table_runs_each_method_as_reflrl_train_and_prints_the_table(tm
 
 
 def test_warm_start_runs_one_warmup_per_seed_and_every_method_starts_from_it(tmp_path, capsys):
-    st = load_script()
+    st = load_script("sampling_table")
     argv = ["--seeds", "0", "--methods", "toolrl,smv", "--budget-minutes", "5", "--steps", "1",
             "--out", str(tmp_path), "--json", str(tmp_path / "rows.json"), "--warm-start"]
     for o in TINY:
@@ -78,7 +74,7 @@ def test_warm_start_runs_one_warmup_per_seed_and_every_method_starts_from_it(tmp
 def test_recipes_follow_papers_002_settings():
     from reflrl import config as C
 
-    st = load_script()
+    st = load_script("sampling_table")
     for key, (_, path) in st.METHODS.items():
         cfg = C.load_config(ROOT / path)
         assert cfg.reflection.variant == "grpo", key  # the paper's samplers run on plain GRPO
