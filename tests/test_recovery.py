@@ -312,6 +312,33 @@ def test_repaired_rollouts_in_groups_carry_the_record(tmp_path):
         tr.close()
 
 
+def test_repaired_trajectory_trains_on_q_and_only_q_star_holds_the_ground_truth(tmp_path):
+    """Tool-ReRL sec. 3.2: the critic (which sees the gold calls, appendix C) and q* carry the ground
+    truth; the prompt a repaired trajectory trains on is the task's q, with neither the critique nor
+    the expected call in it. With reveal='call' the analysis states the whole expected call, so q*
+    must hold it -- which makes its absence from q a real check."""
+    from critic.rule import _call_text  # the form in which the 'call' level states the expected answer
+
+    cfg = tiny_cfg(tmp_path, "tool_rerl", **{"rollout.n": 4, "reflection.reveal": "call"})
+    tr = make_trainer(cfg, tmp_path / "run")
+    try:
+        trajs = tr.rollout([0, 1], 0, {})
+        tr.recover(trajs, 0)
+        rep = [t for t in trajs if t.repaired]
+        assert rep
+        for t in rep:
+            expected = "; ".join(_call_text(g) for g in t.task.gold[0])
+            q = tr.tokenizer.decode(t.prompt_ids)
+            q_star = tr.tokenizer.decode(R.render_prompt(tr.tokenizer, t.repair.augmented_messages))
+            assert expected in q_star and RETRY_HEADER in q_star  # the critique gave the answer away in q*
+            assert t.task.query in q  # q is the task's own prompt ...
+            assert expected not in q and RETRY_HEADER not in q  # ... without the critique or its answer
+            assert gold_text(t.task) not in q and t.original.texts[0] not in q
+            assert t.prompt_ids == R.render_prompt(tr.tokenizer, t.repair.prompt_messages)
+    finally:
+        tr.close()
+
+
 def test_mixed_group_gets_a_learning_signal_from_repairs(tmp_path):
     """A group whose rollouts all fail has zero variance without reflection; its repairs give it one."""
     cfg = tiny_cfg(tmp_path, "tool_rerl", **{"reflection.max_per_step": 2})
