@@ -24,7 +24,10 @@ in the request verbatim -- information the policy already had in q, so tau* stay
 q (the spirit of Assumption 1). ``reveal="none"`` never quotes the request;
 ``reveal="value"`` states the expected value (and a missing or wrong tool's expected arguments), as
 an LLM critic that sees the ground truth may; ``reveal="call"`` adds the whole expected answer
-("The expected call is get_air_quality(city=\"Chicago\")."), the most a ground-truth critic can say.
+("The expected call is get_air_quality(city=\"Chicago\")."); ``reveal="answer"`` states the same whole
+expected answer in the policy's own answer format (the ``parser``'s, e.g. hermes ``<tool_call>`` blocks),
+so acting on the critique is a copy -- the most a ground-truth critic can say, in the form a small
+policy can use.
 Which level a run uses is measured, not assumed: see the recipe's ``reflection.reveal`` comment.
 Tool names are always named (the paper's critic names endpoints and parameters).
 """
@@ -35,14 +38,14 @@ import re
 import time
 from typing import Any
 
-from reflrl.envs.parsing import parse as parse_response
+from reflrl.envs.parsing import format_calls, parse as parse_response
 from reflrl.envs.rewards import calls_match, normalize_value
 from reflrl.envs.types import ParseResult, ToolCall
 
 from .base import Critique, CritiqueRequest, SyncCritic
 from .format import describe_env_fault, format_critique
 
-REVEAL_MODES = ("none", "query", "value", "call")
+REVEAL_MODES = ("none", "query", "value", "call", "answer")
 
 POSITIVE_ANALYSIS = "The tool call is well-formed and matches the expected call with the right arguments."
 
@@ -126,8 +129,8 @@ class RuleCritic(SyncCritic):
     """Deterministic critic comparing the response with the gold calls (module doc).
 
     Args:
-        reveal: "query" (default) | "none" | "value": how much of an expected value the analysis
-            gives away (module doc).
+        reveal: "query" (default) | "none" | "value" | "call" | "answer": how much of an expected
+            value the analysis gives away (module doc).
         parser: format used when a request has no ParseResult ("auto": hermes, pythonic, react).
         max_issues: how many problems the analysis names, one sentence each (the rest are counted):
             a repair needs every problem of a parallel call, not only the first.
@@ -167,6 +170,9 @@ class RuleCritic(SyncCritic):
         if self.reveal == "call" and gold:  # the whole expected answer, after what is wrong
             calls = "; ".join(_call_text(g) for g in gold)
             problem += f" The expected {'calls are' if len(gold) > 1 else 'call is'} {calls}."
+        elif self.reveal == "answer" and gold:  # the same, written as the policy should answer
+            # one line, as every analysis (reflrl.critic.format): the blocks' JSON verbatim
+            problem += " The expected answer is: " + " ".join(format_calls(gold, self.parser).split())
         return "negative", problem
 
     # ---- comparison ------------------------------------------------------------------------
@@ -225,12 +231,12 @@ class RuleCritic(SyncCritic):
 
     def _with_args(self, g: ToolCall) -> str:
         """A needed call's arguments, at the value-revealing levels (where the analysis states values)."""
-        if self.reveal in ("value", "call") and g.arguments:
+        if self.reveal in ("value", "call", "answer") and g.arguments:
             return f" with {_args_text(g)}"
         return ""
 
     def _hint(self, value: Any, query: str) -> str:
-        if self.reveal in ("value", "call"):
+        if self.reveal in ("value", "call", "answer"):
             return f"; the expected value is {_q(value)}"
         if self.reveal == "query":
             span = query_span(query, value)

@@ -215,7 +215,7 @@ class ReflectionConfig:
     critic_base_url: str | None = _f(None, "OpenAI-compatible endpoint of the 'llm' critic and the 'external*' variants, e.g. http://127.0.0.1:8000/v1 (python -m reflrl.chat_server)")
     critic_model: str = _f("default", "model name the critic endpoint serves")
     critic_timeout_s: float = _f(60.0, "per-request timeout of the critic endpoint (seconds)")
-    reveal: str = _f("query", "rule critic: how much of an expected value the analysis gives away: 'none' | 'query' (the request's span that holds it) | 'value' (the expected values) | 'call' (value + the whole expected answer)")
+    reveal: str = _f("query", "rule critic: how much of an expected value the analysis gives away: 'none' | 'query' (the request's span that holds it) | 'value' (the expected values) | 'call' (value + the whole expected answer) | 'answer' (the same, written in the policy's answer format)")
     max_attempts: int = _f(2, "retries sampled under q* per failed trajectory, stopping at the first positive (Definition 1 ii)")
     max_per_step: int = _f(0, "at most this many failed trajectories reflected on per step (env faults first); 0 = all")
     reflect_on: str = _f("failure", "which failures are reflected on: 'failure' (env faults and policy errors) | 'env_fault' (only env faults)")

@@ -23,7 +23,8 @@ from reflrl.critic import (
 from reflrl.critic.format import MAX_CHARS
 from reflrl.critic.policy import PolicyCritic
 from reflrl.recovery.critics import CRITICS, get_critic
-from reflrl.envs.parsing import format_calls
+from reflrl.envs.parsing import format_calls, parse
+from reflrl.envs.rewards import calls_match
 from reflrl.envs.types import ParseResult, ToolCall
 
 Q = "I'm considering investing. Could you get me the top market trends in the US? Answer in English."
@@ -34,7 +35,7 @@ def judge(pred, gold=GOLD, query=Q, **kw):
     c = RuleCritic(**kw).critique(CritiqueRequest(query=query, response="", parse=pred, gold=gold))
     assert c.parsed and c.error is None
     # every analysis is one sentence, and the raw text round-trips through the strict parser
-    assert "\n" not in c.analysis and c.analysis.endswith(".")
+    assert "\n" not in c.analysis and c.analysis.endswith((".", "</tool_call>"))  # the answer level ends on its last block
     p = parse_critique(c.raw)
     assert p.ok and p.score == c.score and p.analysis == c.analysis
     return c
@@ -134,6 +135,12 @@ def test_rule_value_levels_give_a_needed_calls_arguments_and_call_gives_the_whol
     assert call.startswith(value[:-1])  # everything the value level says, then the whole answer
     assert call.endswith('The expected calls are get_air_quality(city="Chicago"); '
                          'add_to_cart(product_id="P-1", quantity=2).')
+    # 'answer': the same problems, then the expected answer as the policy writes it (hermes blocks, one line)
+    answer = judge(pred, gold=g, reveal="answer", parser="hermes").analysis
+    assert answer.startswith(value[:-1])
+    blocks = answer.split("The expected answer is: ", 1)[1]
+    assert blocks == " ".join(format_calls(g, "hermes").split())
+    assert parse(blocks, "hermes").ok and calls_match(list(parse(blocks, "hermes").calls), g)  # a copy is right
     # a wrong tool: the needed tool's arguments at the value levels only
     wrong = ok(ToolCall("Stocks", {"country": "us"}))
     assert judge(wrong, reveal="query").analysis == "The response calls `Stocks` but the request needs `Market`."

@@ -93,12 +93,12 @@ def build_critic(cfg: Config, engine: Any = None, tokenizer: Any = None) -> Any:
     the LLM endpoint with :data:`EXTERNAL_INSTRUCTION` for ``external*``."""
     f, v = cfg.reflection, variant_of(cfg)
     if v.source == "self":
-        return SelfThoughtCritic(get_critic("rule", reveal=f.reveal))
+        return SelfThoughtCritic(get_critic("rule", reveal=f.reveal, parser=cfg.env.parser))
     if v.source == "external":
         return get_critic("llm", base_url=f.critic_base_url, model=f.critic_model, timeout=f.critic_timeout_s,
                           instruction=EXTERNAL_INSTRUCTION, max_tokens=320)
     if f.critic == "rule":
-        return get_critic("rule", reveal=f.reveal)
+        return get_critic("rule", reveal=f.reveal, parser=cfg.env.parser)
     if f.critic == "llm":
         return get_critic("llm", base_url=f.critic_base_url, model=f.critic_model, timeout=f.critic_timeout_s)
     from reflrl.critic.policy import chat_generate_fn
