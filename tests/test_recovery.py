@@ -317,7 +317,7 @@ def test_repaired_trajectory_trains_on_q_and_only_q_star_holds_the_ground_truth(
     truth; the prompt a repaired trajectory trains on is the task's q, with neither the critique nor
     the expected call in it. With reveal='call' the analysis states the whole expected call, so q*
     must hold it -- which makes its absence from q a real check."""
-    from critic.rule import _call_text  # the form in which the 'call' level states the expected answer
+    from reflrl.critic.rule import _call_text  # the form in which the 'call' level states the expected answer
 
     cfg = tiny_cfg(tmp_path, "tool_rerl", **{"rollout.n": 4, "reflection.reveal": "call"})
     tr = make_trainer(cfg, tmp_path / "run")
