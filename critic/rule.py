@@ -46,6 +46,7 @@ from .base import Critique, CritiqueRequest, SyncCritic
 from .format import describe_env_fault, format_critique
 
 REVEAL_MODES = ("none", "query", "value", "call", "answer")
+VALUE_LEVELS = ("value", "call", "answer")  # the levels whose analysis states expected values
 
 POSITIVE_ANALYSIS = "The tool call is well-formed and matches the expected call with the right arguments."
 
@@ -231,12 +232,12 @@ class RuleCritic(SyncCritic):
 
     def _with_args(self, g: ToolCall) -> str:
         """A needed call's arguments, at the value-revealing levels (where the analysis states values)."""
-        if self.reveal in ("value", "call", "answer") and g.arguments:
+        if self.reveal in VALUE_LEVELS and g.arguments:
             return f" with {_args_text(g)}"
         return ""
 
     def _hint(self, value: Any, query: str) -> str:
-        if self.reveal in ("value", "call", "answer"):
+        if self.reveal in VALUE_LEVELS:
             return f"; the expected value is {_q(value)}"
         if self.reveal == "query":
             span = query_span(query, value)
