@@ -195,6 +195,7 @@ class TrainConfig:
 
     steps: int = _f(40, "RL training steps")
     time_budget_min: float | None = _f(30.0, "guard on the whole run's minutes: a phase it would overrun (warm-up, RL) is cut, the final evaluation still runs, and the run says loudly that its result is not the recipe's (summary 'budget_cut', exit status 3); null = no limit")
+    rl_minutes: float | None = _f(None, "equal-time stopping rule (scripts/paper_table.py --rl-minutes): start no RL step that would end after this many minutes of RL steps (by the last steps' mean), train.steps staying the ceiling; the steps done then depend on the machine's speed and load, and the summary and printed result say so (stop_reason 'rl_minutes'); null = off")
     eval_every: int = _f(0, "evaluate on the validation split every N steps (0 = only before/after)")
     save_every: int = _f(10, "checkpoint every N steps (0 = only at the end)")
     keep_checkpoints: int = _f(2, "checkpoints kept in the run folder (older ones are pruned)")
@@ -493,6 +494,7 @@ def validate(cfg: Config) -> Config:
     need(tr.keep_checkpoints >= 1, f"train.keep_checkpoints: must be >= 1, got {tr.keep_checkpoints}")
     need(0.0 <= cfg.warmup.reflection_share <= 1.0,
          f"warmup.reflection_share: must be in [0, 1], got {cfg.warmup.reflection_share}")
+    need(tr.rl_minutes is None or tr.rl_minutes > 0, f"train.rl_minutes: must be > 0 or null, got {tr.rl_minutes}")
     need(tr.time_budget_min is None or tr.time_budget_min > 0,
          f"train.time_budget_min: must be > 0 or null, got {tr.time_budget_min}")
     need(tr.threads is None or tr.threads >= 1, f"train.threads: must be >= 1 or null, got {tr.threads}")

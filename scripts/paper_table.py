@@ -1,7 +1,8 @@
 """Tool-ReRL's comparison (Tool-ReRL, Table 1) on the embedded default, several seeds each.
 
     .venv/bin/python scripts/paper_table.py [--variants grpo,ref,cot_is,tool_rerl] [--seeds 3]
-        [--faults rate_limit=0.1] [--budget-minutes M] [--set key=value ...] [--out runs/paper_table]
+        [--faults rate_limit=0.1] [--budget-minutes M] [--rl-minutes M [--max-steps N]]
+        [--set key=value ...] [--out runs/paper_table]
         [--json FILE]
 
 Each (variant, seed) runs `reflrl train --config configs/<variant>.yaml` in its own process (exactly
@@ -15,7 +16,13 @@ than cot when both ran).
 With the real model each run takes the recipe's 14-minute budget (4 variants x 3 seeds: about 3 hours
 on 2 cores); --budget-minutes shortens every run (train.time_budget_min), and --warm-start pays the warm-up once
 per seed instead of once per run (every variant of a seed then starts RL from the same checkpoint,
-which is also the fairer comparison). A smoke test with the tiny
+which is also the fairer comparison).
+
+Equal steps (the default: every run does the recipe's train.steps) or equal time: --rl-minutes M gives
+every run M minutes of RL steps (train.rl_minutes; train.steps = --max-steps, default 1000, is only a
+ceiling), so a variant whose steps cost more (reflection retries, thought tokens) does fewer of them.
+An equal-time table depends on the machine and its load, and says so; run it on an idle machine. A smoke
+test with the tiny
 random model:
 
     .venv/bin/python scripts/paper_table.py --seeds 1 --set model.name=tiny-random --set model.dtype=float32 \\
@@ -45,6 +52,8 @@ def run_one(variant: str, seed: int, args: argparse.Namespace, stamp: str) -> di
     if not cfg.is_file():
         raise SystemExit(f"paper_table: no config {cfg} for variant {variant!r}")
     over = ([f"train.time_budget_min={args.budget_minutes}"] if args.budget_minutes is not None else []) + list(args.overrides)
+    if args.rl_minutes is not None:  # equal time: the minutes are the rule, train.steps only a ceiling
+        over += [f"train.rl_minutes={args.rl_minutes:g}", f"train.steps={args.max_steps}"]
     over = args.warm_overrides.get(seed, []) + over
     cmd = train_command(seed=seed, name=name, out_dir=args.out, config=cfg, faults=args.faults, overrides=over)
     print(f"{variant} seed {seed}: {' '.join(cmd[2:])}", flush=True)
@@ -55,7 +64,7 @@ def run_one(variant: str, seed: int, args: argparse.Namespace, stamp: str) -> di
         raise RuntimeError(f"{variant} seed {seed}: reflrl train failed") from None
     rec = s.get("recovery") or {}
     row = {"variant": variant, "seed": seed, "before": s["accuracy_before"], "after": s["accuracy_after"],
-           "steps": s["steps"], "wall_s": wall, "failed": rec.get("failed", 0.0),
+           "steps": s["steps"], "stop_reason": s.get("stop_reason"), "rl_s": s.get("rl_seconds"), "wall_s": wall, "failed": rec.get("failed", 0.0),
            "recovered": rec.get("recovered_by_reflection", 0.0), "recovered_ratio": rec.get("recovered_ratio"),
            "tool_calls": rec.get("tool_calls"), "signal_trajectories": rec.get("signal_trajectories"),
            "tool_calls_per_signal": rec.get("tool_calls_per_signal"),
@@ -69,8 +78,8 @@ def run_one(variant: str, seed: int, args: argparse.Namespace, stamp: str) -> di
 
 def table(rows: list[dict], variants: list[str]) -> tuple[str, dict[str, float]]:
     """The markdown table and each variant's mean accuracy after training."""
-    out = ["| variant | seeds | held-out acc. after | gain | recovered ratio | tool calls / signal | RL steps | wall min |",
-           "|---|---|---|---|---|---|---|---|"]
+    out = ["| variant | seeds | held-out acc. after | gain | recovered ratio | tool calls / signal | RL steps | RL min "
+           "| wall min |", "|---|---|---|---|---|---|---|---|---|"]
     means: dict[str, float] = {}
     for v in variants:
         rs = [r for r in rows if r["variant"] == v]
@@ -85,6 +94,7 @@ def table(rows: list[dict], variants: list[str]) -> tuple[str, dict[str, float]]
         tps = f"{calls / sig:.2f}" if sig else "n/a"
         out.append(f"| {v} | {len(rs)} | {mean_std(after)} | {mean_std([r['after'] - r['before'] for r in rs])} | "
                    f"{ratio} | {tps} | {mean_std([float(r['steps']) for r in rs], '.1f')} | "
+                   f"{mean_std([(r.get('rl_s') or 0.0) / 60 for r in rs], '.1f')} | "
                    f"{mean_std([r['wall_s'] / 60 for r in rs], '.1f')} |")
     return "\n".join(out), means
 
@@ -111,6 +121,10 @@ def main(argv=None) -> int:
     p.add_argument("--seeds", type=int, default=3, help="seeds per variant (train.seed 0..N-1)")
     p.add_argument("--faults", default="rate_limit=0.1", help="fault spec passed to reflrl train")
     p.add_argument("--budget-minutes", type=float, help="train.time_budget_min of every run (default: the recipe's)")
+    p.add_argument("--rl-minutes", type=float,
+                   help="equal wall time: every run gets this many minutes of RL steps (train.rl_minutes) instead of "
+                        "the recipe's step count")
+    p.add_argument("--max-steps", type=int, default=1000, help="with --rl-minutes: train.steps, only a ceiling")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="config override for every run (repeatable)")
     p.add_argument("--out", default=str(ROOT / "runs" / "paper_table"), help="parent folder of the runs")
@@ -118,6 +132,8 @@ def main(argv=None) -> int:
     p.add_argument("--warm-start", nargs="?", const="auto", metavar="RUN_PATTERN", help=WARM_START_HELP)
     args = p.parse_args(argv)
     variants = [v.strip() for v in args.variants.split(",") if v.strip()]
+    if args.rl_minutes is not None and not (args.rl_minutes > 0 and args.max_steps >= 1):
+        p.error(f"--rl-minutes must be > 0 and --max-steps >= 1 (got {args.rl_minutes}, {args.max_steps})")
     if args.seeds < 1 or not variants:
         p.error(f"--seeds must be >= 1 (got {args.seeds}) and --variants must name at least one config")
     stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
@@ -134,6 +150,8 @@ def main(argv=None) -> int:
     text, means = table(rows, variants)
     print(f"\nfaults {args.faults!r}, {args.seeds} seed(s) per variant"
           + (f", {args.budget_minutes} min per run" if args.budget_minutes is not None else "")
+          + (f", EQUAL TIME: {args.rl_minutes:g} min of RL steps per run (step counts depend on this machine)"
+             if args.rl_minutes is not None else ", equal steps")
           + (f", every variant from the seed's shared warm-up ({args.warm_start}; 'gain' is RL's alone)"
              if args.warm_start else ""))
     print(text)
@@ -141,7 +159,8 @@ def main(argv=None) -> int:
         print(line)
     if args.json:
         Path(args.json).write_text(json.dumps({"rows": rows, "faults": args.faults, "variants": variants,
-                                               "budget_minutes": args.budget_minutes, "warm_start": args.warm_start,
+                                               "budget_minutes": args.budget_minutes, "rl_minutes": args.rl_minutes,
+                                               "warm_start": args.warm_start,
                                                "overrides": args.overrides}, indent=2))
     return 0
 

@@ -124,6 +124,31 @@ def test_a_whole_run_says_so_and_exits_0(tmp_path, capsys):
     assert set(s["eval_seconds"]) == {"before", "after"}
 
 
+def test_rl_minutes_stops_rl_by_time_and_says_the_count_is_the_machines(tmp_path, capsys, monkeypatch):
+    """train.rl_minutes (paper_table --rl-minutes, equal wall time): no RL step starts that would end past
+    the minutes, by the steps' own times; it is the rule the user chose (exit 0, no budget cut), and both the
+    summary and the printed result say the step count depends on the machine."""
+    real_step = T.Trainer.train_step
+
+    def step_of_30s(self):  # every RL step 'takes' 30 s: deterministic whatever the machine's speed
+        m = real_step(self)
+        m["time_step_s"] = 30.0
+        return m
+
+    monkeypatch.setattr(T.Trainer, "train_step", step_of_30s)
+    args = ["--config", str(ROOT / "configs" / "tiny.yaml"), "--name", "eq", "--no-report",
+            "--set", f"train.out_dir={tmp_path}", "--set", "train.steps=10", "--set", "train.rl_minutes=1",
+            "--set", "data.n_test=2"]
+    assert cli_main(["train", *args]) == 0
+    out = capsys.readouterr().out.rstrip().splitlines()
+    s = json.loads((tmp_path / "eq" / "summary.json").read_text())
+    # steps 1 and 2 end at 30 s and 60 s; a third would end at 90 s > 60 s
+    assert s["steps"] == 2 and s["stop_reason"] == "rl_minutes" and s["rl_seconds"] == 60.0
+    assert s["budget_cuts"] == [] and s["recipe_complete"] is True
+    assert out[-1].startswith("result: RL stopped by train.rl_minutes after 2 steps")
+    assert "depends on this machine's speed" in out[-1]
+
+
 def test_a_warm_up_only_run_reports_three_accuracies_without_evaluating_twice(tmp_path, capsys):
     """train.steps=0 (the shared warm-up of paper_table --warm-start): the model after the warm-up IS the
     final model, so 'after' is the after-warm-up evaluation (not a second pass) and the RL gain is 0."""

@@ -432,7 +432,8 @@ class Trainer:
         return summary
 
     def _rl_phase(self) -> None:
-        """RL steps until ``train.steps`` (or the time guard); periodic validation and checkpoints."""
+        """RL steps until ``train.steps`` (or ``train.rl_minutes``, or the time guard); periodic validation
+        and checkpoints."""
         tr = self.cfg.train
         final_eval_s = self._eval_estimate_s()
         step_times: list[float] = []
@@ -440,6 +441,13 @@ class Trainer:
         phase = self.progress_out.phase("RL", tr.steps, initial=self.step) if tr.steps else None
         while self.step < tr.steps:
             est = float(np.mean(step_times[-3:])) if step_times else 0.0
+            rl_s = self.state.get("rl_seconds", 0.0)  # RL step time so far (kept across --resume)
+            if tr.rl_minutes is not None and rl_s > 0 and rl_s + est > tr.rl_minutes * 60:
+                stop_reason = "rl_minutes"  # the equal-time rule the user chose: not a cut, but said
+                self.say(f"RL stopped by train.rl_minutes={tr.rl_minutes:g} after {self.step} steps "
+                         f"({rl_s / 60:.1f} min of RL steps): a time-based stop, so the step count depends on "
+                         "this machine's speed and load")
+                break
             if self._over_budget(est + final_eval_s):
                 stop_reason = "time_budget"
                 self._record_cut("RL", self.step, tr.steps)
@@ -447,6 +455,7 @@ class Trainer:
             m = self.train_step()
             self.step += 1
             step_times.append(m["time_step_s"])
+            self.state["rl_seconds"] = self.state.get("rl_seconds", 0.0) + float(m["time_step_s"])
             if self.step % tr.log_every == 0 or self.step == tr.steps:
                 self.log.log(self.step, m)
             if tr.eval_every and self.step % tr.eval_every == 0 and self.splits["val"]:
@@ -458,7 +467,8 @@ class Trainer:
                 phase.update(1, reward=m["reward_mean"], acc=m["correct_rate"], zero_var=m["zero_var_ratio"],
                              masked=int(m["masked"]))
         if phase is not None:
-            phase.close("cut by the time budget" if stop_reason == "time_budget" else "")
+            phase.close({"time_budget": "cut by the time budget", "rl_minutes": "stopped by train.rl_minutes"}
+                        .get(stop_reason, ""))
         self.state["stop_reason"] = stop_reason
         if self.sampling is not None and self.sampler.epoch >= 0:  # the last epoch's shares so far
             self.log.log(self.step, self.sampling.epoch_record(

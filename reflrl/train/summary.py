@@ -50,7 +50,7 @@ def build_summary(st: dict[str, Any], *, cfg: C.Config, run_dir: str, step: int,
         "precision": precision.to_dict(), **threads_summary(),
         "format_rate_before": wu.get("format_rate_before"), "format_rate_after": wu.get("format_rate_after"),
         "warmup": wu,
-        "steps": step, "stop_reason": st.get("stop_reason"),
+        "steps": step, "stop_reason": st.get("stop_reason"), "rl_seconds": round(st.get("rl_seconds", 0.0), 1),
         "reward_per_step": st["rewards"], "zero_var_ratio_per_step": st["zero_var_ratio"],
         "prefilter_skipped_per_epoch": dict(prefilter_skipped),
         "trajectories": st["trajectories"], "masked_trajectories": st["masked"],
@@ -116,6 +116,9 @@ def format_summary(s: dict[str, Any]) -> str:
         lines += [f"WARNING: {budget_cut_text(c)}" for c in cuts]
         lines.append(f"RESULT INCOMPLETE: the time budget cut {', '.join(c['phase'] for c in cuts)}; "
                      f"exit status {EXIT_BUDGET_CUT}")
+    elif s.get("stop_reason") == "rl_minutes":
+        lines.append(f"result: RL stopped by train.rl_minutes after {s['steps']} steps ({s.get('rl_seconds', 0) / 60:.1f} "
+                     "min of RL steps): a time-based stop, so the step count depends on this machine's speed and load")
     else:
         lines.append("result: the recipe ran whole (every planned step)")
     return "\n".join(lines)
