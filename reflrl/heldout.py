@@ -6,6 +6,8 @@ tool-call accuracy with greedy decoding, and the format rate. (The benchmark har
   calls of the first turn (multiset of name + normalised arguments, ``envs.rewards.calls_match``;
   the binary reward's ``correct``, the efficiency paper (arXiv:2606.00135) appendix E eq. 8). No tool is executed, so env faults
   cannot touch the metric.
+* accuracy by gold calls per task (``by_gold_calls``): [right, tasks] for the tasks whose gold answer
+  makes 1, 2, 3, ... calls, since parallel answers are much harder for a small model than single ones.
 * format rate: the share of SAMPLED answers (temperature 1, like RL rollouts) that parse as at least
   one tool call in the expected format — what decides whether GRPO gets any signal (the warm-up
   rule of the default recipe).
@@ -44,11 +46,12 @@ class EvalResult:
     per_task: list[dict[str, Any]] = field(default_factory=list)
     new_tokens: int = 0
     capped: int = 0
+    by_gold_calls: dict[str, list[int]] = field(default_factory=dict)
 
     def to_dict(self, with_tasks: bool = False) -> dict[str, Any]:
         d = {"accuracy": self.accuracy, "format_rate": self.format_rate, "n": self.n,
              "stderr": self.stderr, "seconds": round(self.seconds, 2), "new_tokens": self.new_tokens,
-             "capped": self.capped}
+             "capped": self.capped, "by_gold_calls": self.by_gold_calls}
         if with_tasks:
             d["per_task"] = self.per_task
         return d
@@ -81,6 +84,22 @@ def _generate_texts(engine: Any, tokenizer: Any, tasks: Sequence[Task], messages
 def _exact(p: Any, task: Task) -> bool:
     """The parsed answer ``p`` calls exactly the gold calls of the task's first turn."""
     return bool(p.ok and task.gold and calls_match(list(p.calls), list(task.gold[0])))
+
+
+def gold_calls(task: Task) -> int:
+    """How many calls the task's first-turn gold answer makes (1: a single call; more: parallel calls)."""
+    return len(task.gold[0]) if task.gold else 0
+
+
+def by_gold_calls(tasks: Sequence[Task], correct: Sequence[bool]) -> dict[str, list[int]]:
+    """[right, tasks] per number of gold calls, keyed "1", "2", ... in increasing order: where a model's
+    exact-match accuracy comes from (a single call is far easier than two or three in one answer)."""
+    out: dict[int, list[int]] = {}
+    for t, ok in zip(tasks, correct, strict=True):
+        row = out.setdefault(gold_calls(t), [0, 0])
+        row[0] += bool(ok)
+        row[1] += 1
+    return {str(k): out[k] for k in sorted(out)}
 
 
 def _format_ok(text: str, fmt: str) -> bool:
@@ -118,7 +137,8 @@ def evaluate(engine: Any, tokenizer: Any, tasks: Sequence[Task], messages_fn: Ca
     n = len(tasks)
     acc = correct / n
     return EvalResult(accuracy=acc, format_rate=fmt_ok / n, n=n, stderr=math.sqrt(acc * (1 - acc) / n),
-                      seconds=time.perf_counter() - t0, per_task=per, new_tokens=new_tokens, capped=capped)
+                      seconds=time.perf_counter() - t0, per_task=per, new_tokens=new_tokens, capped=capped,
+                      by_gold_calls=by_gold_calls(tasks, [r["correct"] for r in per]))
 
 
 def format_rate(engine: Any, tokenizer: Any, tasks: Sequence[Task], messages_fn: Callable[[Task], list[dict]],

@@ -161,6 +161,45 @@ def test_a_warm_up_only_run_reports_three_accuracies_without_evaluating_twice(tm
     s = json.loads((tmp_path / "w" / "summary.json").read_text())
     assert s["accuracy_after"] == s["accuracy_after_warmup"] is not None and s["rl_gain"] == 0
     assert set(s["eval_seconds"]) == {"before", "after_warmup", "after"}
+    # each evaluation also counts right answers per number of gold calls, and the printed summary says so
+    for key in ("eval_before", "eval_after_warmup", "eval_after"):
+        b = s[key]["by_gold_calls"]
+        assert sum(n for _, n in b.values()) == s[key]["n"] == 2
+        assert sum(r for r, _ in b.values()) == round(s[key]["accuracy"] * 2)
+    assert "  right by gold calls (" in out and " -> after warm-up " in out
+
+
+def test_evaluation_counts_right_answers_per_number_of_gold_calls():
+    """A scripted policy that answers single-call tasks right and parallel ones with only their first call:
+    the breakdown puts every right answer under "1" and every parallel task under its call count."""
+    from reflrl.envs.prompts import build_messages
+    from reflrl.rollout import render_prompt
+    from reflrl.train.summary import format_by_gold_calls
+
+    _, tok = load_model("tiny-random", dtype="float32", trainable="none")
+    calls = lambda i, k: [ToolCall("get_weather", {"city": f"C{i}-{j}"}) for j in range(k)]  # noqa: E731
+    tasks = [Task(id=f"t{i}", kind="parallel" if k > 1 else "single", query=f"weather in {k} cities, #{i}?",
+                  tools=[], gold=[calls(i, k)]) for i, k in enumerate([1, 2, 1, 3, 2, 1])]
+    msgs = lambda t: build_messages(t, style="compact", fmt="hermes")  # noqa: E731
+    answer = {tuple(render_prompt(tok, msgs(t))): format_calls(t.gold[0][:1], "hermes") for t in tasks}
+
+    class FirstCallOnly:
+        def generate(self, prompts, n=1, max_new_tokens=256, temperature=1.0, top_p=1.0, stop_ids=None, seed=0,
+                     stop_when=None):
+            out = []
+            for i, p in enumerate(prompts):
+                ids = tok(answer[tuple(p)], add_special_tokens=False)["input_ids"]
+                out.append(Sample(i, list(p), ids, [0.0] * len(ids), "stop"))
+            return out
+
+    res = evaluate(FirstCallOnly(), tok, tasks, msgs, RolloutSpec(max_new_tokens=64, temperature=0.0), batch_size=4)
+    assert res.accuracy == 0.5
+    assert res.by_gold_calls == {"1": [3, 3], "2": [0, 2], "3": [0, 1]}
+    assert res.to_dict()["by_gold_calls"] == res.by_gold_calls
+    line = format_by_gold_calls({"eval_before": {"by_gold_calls": {"1": [0, 3], "2": [0, 2]}},
+                                 "eval_after": {"by_gold_calls": {"1": [3, 3], "2": [1, 2], "3": [0, 1]}}})
+    assert line == "  right by gold calls (1 call / 2 calls / 3 calls): before 0/3, 0/2, - -> after RL 3/3, 1/2, 0/1"
+    assert format_by_gold_calls({"eval_after": {"accuracy": 0.5}}) is None  # a summary from before this count
 
 
 # ----------------------------------------------------------------------------- progress in logs

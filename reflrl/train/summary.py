@@ -68,6 +68,22 @@ def build_summary(st: dict[str, Any], *, cfg: C.Config, run_dir: str, step: int,
     }
 
 
+def format_by_gold_calls(s: dict[str, Any]) -> str | None:
+    """One line: right answers per number of gold calls at each evaluation of the run, e.g.
+    ``  right by gold calls (1 call / 2 calls / 3 calls): before 0/24, 0/15, 0/9 -> after warm-up 21/24,
+    3/15, 1/9 -> after RL 21/24, 2/15, 1/9``; None when no evaluation recorded it."""
+    stages = [(name, (s.get(key) or {}).get("by_gold_calls")) for name, key in
+              (("before", "eval_before"), ("after warm-up", "eval_after_warmup"), ("after RL", "eval_after"))]
+    stages = [(name, b) for name, b in stages if b]
+    if not stages:
+        return None
+    kinds = sorted({k for _, b in stages for k in b}, key=int)
+    head = " / ".join(f"{k} call{'' if k == '1' else 's'}" for k in kinds)
+    return (f"  right by gold calls ({head}): "
+            + " -> ".join(f"{name} " + ", ".join(f"{b[k][0]}/{b[k][1]}" if k in b else "-" for k in kinds)
+                          for name, b in stages))
+
+
 def format_summary(s: dict[str, Any]) -> str:
     """The short human summary printed at the end of a run (its last line says whether the result is
     the recipe's: a time-budget cut is impossible to miss)."""
@@ -86,6 +102,9 @@ def format_summary(s: dict[str, Any]) -> str:
         lines.append(f"  base model {pct(s['accuracy_before'])} -> after warm-up {pct(s['accuracy_after_warmup'])} "
                      f"-> after RL {pct(s['accuracy_after'])}"
                      + (f"  (RL gain {gain * 100:+.1f} points)" if gain is not None else ""))
+    by_calls = format_by_gold_calls(s)
+    if by_calls:
+        lines.append(by_calls)
     if s.get("precision"):
         lines.append(f"{s['precision']['dtype']} on {s['precision']['cpu']}, {s.get('threads', '?')} threads "
                      f"(OpenMP wait policy {s.get('omp_wait_policy', '?')}) "
