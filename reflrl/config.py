@@ -200,6 +200,7 @@ class TrainConfig:
     save_every: int = _f(10, "checkpoint every N steps (0 = only at the end)")
     keep_checkpoints: int = _f(2, "checkpoints kept in the run folder (older ones are pruned)")
     log_every: int = _f(1, "write metrics every N steps")
+    log_rollouts: bool = _f(False, "write every RL rollout to rollouts.jsonl in the run folder, one JSON line each (step, task id, group, response text, reward, correct, masked, advantage; a reflection repair also its retry prompt q* and the failed attempt), as verl's rollout_data_dir or TRL's log_completions")
     seed: int = _f(0, "seed of sampling, data order and model init")
     out_dir: str = _f("runs", "parent folder of run folders")
     run_name: str | None = _f(None, "run folder name; null = generated from time and seed")

@@ -44,6 +44,7 @@ import yaml
 
 CHECKPOINT_DIR = "checkpoints"
 METRICS = "metrics.jsonl"
+ROLLOUTS = "rollouts.jsonl"
 _CKPT_RE = re.compile(r"step_(\d+)")
 
 
@@ -142,6 +143,9 @@ class RunLog:
             self.write_config(config)
         (self.path / "versions.json").write_text(json.dumps(versions(), indent=2) + "\n")
         kept = self._rewind_metrics() if resume else []
+        if resume:
+            self._rewind_rollouts()
+        self._rollouts = None  # rollouts.jsonl, opened on the first log_rollouts()
         self._records = len(kept)
         self._metrics = open(self.path / METRICS, "a", buffering=1)
         self._tb = None
@@ -181,6 +185,32 @@ class RunLog:
         tmp.write_text("".join(json.dumps(r) + "\n" for r in kept))
         os.replace(tmp, p)
         return kept
+
+    def _rewind_rollouts(self) -> None:
+        """Cut rollouts.jsonl back to the steps the last checkpoint had done (none without one), so a
+        resumed run logs each step's rollouts once."""
+        p = self.path / ROLLOUTS
+        if not p.exists():
+            return
+        ck = latest_checkpoint(self.path)
+        last = int(json.loads((ck / "state.json").read_text())["step"]) if ck is not None else -1
+        kept = []
+        for line in p.read_text().split("\n")[:-1]:
+            try:
+                rec = json.loads(line)
+            except ValueError:
+                break
+            if int(rec.get("step", 0)) <= last:
+                kept.append(line + "\n")
+        tmp = p.with_name(p.name + ".tmp")
+        tmp.write_text("".join(kept))
+        os.replace(tmp, p)
+
+    def log_rollouts(self, step: int, records: list[dict[str, Any]]) -> None:
+        """Append one JSON line per rollout of RL step ``step`` to rollouts.jsonl (``train.log_rollouts``)."""
+        if self._rollouts is None:
+            self._rollouts = open(self.path / ROLLOUTS, "a", buffering=1)
+        self._rollouts.write("".join(json.dumps(_jsonable({"step": int(step), **r})) + "\n" for r in records))
 
     # ------------------------------------------------------------------ config
     def write_config(self, config: dict[str, Any]) -> None:
@@ -263,6 +293,9 @@ class RunLog:
         return p
 
     def close(self) -> None:
+        if self._rollouts is not None:
+            self._rollouts.close()
+            self._rollouts = None
         if self._tb is not None:
             self._tb.flush()
             self._tb.close()

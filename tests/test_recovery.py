@@ -2,6 +2,8 @@
 variants, accounting (reflrl.recovery; Tool-ReRL sec. 3.2-3.3, A.3, appendix C)."""
 from __future__ import annotations
 
+import json
+
 import asyncio
 import copy
 import math
@@ -358,6 +360,38 @@ def test_mixed_group_gets_a_learning_signal_from_repairs(tmp_path):
         assert m["rerl/count"] >= 1
     finally:
         tr.close()
+
+
+def test_logged_rollouts_show_each_rollout_once_with_its_advantage_and_a_repair_its_q_star(tmp_path):
+    """train.log_rollouts: one line per rollout of the step (8 own + 2 added repairs), the advantage the
+    update used (null for none), and for a repair the retry prompt it was sampled under and its failure."""
+    cfg = tiny_cfg(tmp_path, "tool_rerl", **{"reflection.max_per_step": 2, "reflection.group": "add",
+                                              "train.log_rollouts": True})
+    def answer_fn(tasks):
+        def answer(text, j):
+            task = next(t for t in tasks if t.query in text)
+            if RETRY_HEADER in text:
+                return gold_text(task)
+            return format_calls([ToolCall(task.gold[0][0].name, {"nonsense": j})], "hermes")
+        return answer
+    tr = make_trainer(cfg, tmp_path / "run", answer_fn)
+    try:
+        tr.train_step()
+        tr.log.close()
+        recs = [json.loads(x) for x in (tmp_path / "run" / "rollouts.jsonl").read_text().splitlines()]
+    finally:
+        tr.close()
+    assert len(recs) == 10 and {r["step"] for r in recs} == {1}
+    reps = [r for r in recs if r["repaired"]]
+    assert len(reps) == 2 and all(r["added"] and r["correct"] and r["reward"] == 1.0 for r in reps)
+    for r in reps:
+        assert RETRY_HEADER in r["q_star"] and "nonsense" in r["failed"] and r["advantage"] > 0
+    fails = [r for r in recs if not r["repaired"]]
+    assert all(not r["correct"] and "nonsense" in r["text"] for r in fails)
+    # a group with a repair has a signal: its failures are pushed down; a group without one has none
+    with_rep = {r["group"] for r in reps}
+    assert all(r["advantage"] < 0 for r in fails if r["group"] in with_rep)
+    assert all(r["advantage"] is None for r in fails if r["group"] not in with_rep)
 
 
 def test_ref_variant_trains_repairs_without_weight(tmp_path):

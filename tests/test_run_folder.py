@@ -75,7 +75,7 @@ def test_a_resumed_tiny_run_logs_each_step_once_and_leaves_no_sandbox_folder(tmp
     tmp = tmp_path / "tmp"
     tmp.mkdir()
     monkeypatch.setattr(tempfile, "tempdir", str(tmp))
-    cfg = tiny_cfg(tmp_path, **{"train.steps": 2, "train.save_every": 2, "rollout.n": 2})
+    cfg = tiny_cfg(tmp_path, **{"train.steps": 2, "train.save_every": 2, "rollout.n": 2, "train.log_rollouts": True})
 
     a = T.Trainer(cfg, tmp_path / "run", progress=False, quiet=True, engine=scripted(cfg))
     run_until_killed(a, 1)
@@ -93,6 +93,9 @@ def test_a_resumed_tiny_run_logs_each_step_once_and_leaves_no_sandbox_folder(tmp
     assert [k for k, n in tb.items() if n > 1] == []
     assert {s for (tag, s) in tb if tag == "train/loss"} == {1, 2}
     assert list(tmp.glob("reflrl-sandboxes-*")) == []
+    rolls = [json.loads(x) for x in (tmp_path / "run" / "rollouts.jsonl").read_text().splitlines()]
+    per_step = Counter(x["step"] for x in rolls)  # step 1's rollouts once, though it ran twice
+    assert per_step == {1: cfg.rollout.n * cfg.rollout.batch_prompts, 2: cfg.rollout.n * cfg.rollout.batch_prompts}
 
 
 def test_a_taken_run_name_is_refused_before_the_model_loads(tmp_path, monkeypatch, capsys):

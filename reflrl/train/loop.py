@@ -288,6 +288,8 @@ class Trainer:
         metrics, n_signal = self.update(got.kept[:B])
         update_s = time.perf_counter() - t_up
         metrics.update(self.account(got, n_signal, metrics, timings, rollout_s, update_s, t_step))
+        if cfg.train.log_rollouts:
+            self.log.log_rollouts(self.step + 1, S.rollout_records(got.groups, self._advantages))
         if ctl is not None:
             metrics.update(ctl.step_metrics())
         if self.sampler.epoch != epoch_before:
@@ -302,6 +304,7 @@ class Trainer:
         train_trajs, adv, group_ids = S.group_advantages(kept, a)
         # rollouts with zero advantage give exactly zero gradient: leave them out of the compute
         use = [i for i, v in enumerate(adv) if v != 0.0 and train_trajs[i].n_action_tokens > 0]
+        self._advantages = {id(train_trajs[i]): adv[i] for i in use}  # for train.log_rollouts
         m: dict[str, Any] = {"groups_trained": len({group_ids[i] for i in use}),
                              "adv_abs_mean": float(np.mean(np.abs(adv))) if adv else 0.0,
                              "repaired_trained": float(sum(bool(train_trajs[i].repaired) for i in use)),

@@ -124,3 +124,24 @@ class StepRollouts:
     @property
     def trajectories(self) -> list[Trajectory]:
         return [t for g in self.groups for t in g]
+
+
+def rollout_records(groups: Sequence[Sequence[Trajectory]], advantages: dict[int, float]) -> list[dict[str, Any]]:
+    """One JSON-ready record per rollout of a step, for ``train.log_rollouts``.
+
+    ``advantages`` maps ``id(trajectory)`` to the advantage it was trained with; a rollout not in it
+    (zero advantage, masked, or its group not kept) records ``advantage: null``. A reflection repair
+    (``repaired``) also records the retry prompt it was sampled under (q*'s last user message) and the
+    failed attempt it repairs; the loss trains it on the original prompt q (Tool-ReRL eq. 2)."""
+    out: list[dict[str, Any]] = []
+    for grp in groups:
+        for t in grp:
+            rec: dict[str, Any] = {"task_id": t.task.id, "group": t.group, "text": "\n".join(t.texts),
+                                   "reward": t.reward, "correct": bool(t.correct), "masked": bool(t.masked),
+                                   "advantage": advantages.get(id(t)), "repaired": t.repaired, "added": t.added}
+            if t.repaired:
+                msgs = t.repair.augmented_messages
+                rec["q_star"] = next((m["content"] for m in reversed(msgs) if m.get("role") == "user"), None)
+                rec["failed"] = t.repair.first.text
+            out.append(rec)
+    return out
