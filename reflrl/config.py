@@ -225,6 +225,7 @@ class ReflectionConfig:
     mode: str = _f("replace", "how q* is rendered: 'replace' (the user message becomes appendix C's retry prompt) | 'append' (attempt + retry prompt appended)")
     group: str = _f("replace", "how a repair enters its GRPO group: 'replace' (tau* takes the failed rollout's place, as the paper's transformed trajectory) | 'add' (tau* joins the group beside the failure, which keeps its negative advantage)")
     think: bool | None = _f(None, "ask for a <think> block before the calls; null = the variant's default (true for cot and cot_is)")
+    train_on_qstar: bool = _f(False, "also train each repair under its retry prompt q* (on-policy there, with the repair's advantage), beside the repair on q with eq. 2's weight: the paper trains on q only; for a small policy this keeps it acting on critiques during RL (reflrl.recovery.qstar_trajectory)")
     level: str = _f("sequence", "importance ratio level (reflrl.algos.importance): 'sequence' (eq. 2) | 'token' | 'sequence_mean'")
     log_cap: float = _f(5.0, "clamp of the repaired trajectories' log importance ratio (weights within [e^-cap, e^cap])")
     dpo_beta: float = _f(0.1, "'dpo': beta of the DPO loss on (repaired, failed) pairs")

@@ -394,6 +394,51 @@ def test_logged_rollouts_show_each_rollout_once_with_its_advantage_and_a_repair_
     assert all(r["advantage"] is None for r in fails if r["group"] not in with_rep)
 
 
+def test_train_on_qstar_trains_each_repair_once_more_under_its_retry_prompt(tmp_path):
+    """reflection.train_on_qstar: each repair enters the update twice, on q (eq. 2's weight) and on q*
+    (on-policy there: its behaviour log-probs are its old log-probs, no weight); q never holds the answer."""
+    def answer_fn(tasks):
+        def answer(text, j):
+            task = next(t for t in tasks if t.query in text)
+            if RETRY_HEADER in text:
+                return gold_text(task)
+            return format_calls([ToolCall(task.gold[0][0].name, {"nonsense": j})], "hermes")
+        return answer
+    seen = {}
+    for on in (False, True):
+        cfg = tiny_cfg(tmp_path / str(on), "tool_rerl", **{"reflection.max_per_step": 2, "reflection.group": "add",
+                                                           "reflection.train_on_qstar": on})
+        tr = make_trainer(cfg, tmp_path / str(on) / "run", answer_fn)
+        try:
+            m = tr.train_step()
+        finally:
+            tr.close()
+        seen[on] = m
+    off, on = seen[False], seen[True]
+    assert off["repaired_trained"] == on["repaired_trained"] == 2 and "qstar_trained" not in off
+    assert on["qstar_trained"] == 2 and on["update_sequences"] == off["update_sequences"] + 2
+    assert on["rerl/count"] == off["rerl/count"]  # the q* rows carry no importance weight
+
+
+def test_qstar_trajectory_is_the_repair_on_its_retry_prompt(tmp_path):
+    cfg = tiny_cfg(tmp_path, "tool_rerl", **{"reflection.max_per_step": 1})
+    tr = make_trainer(cfg, tmp_path / "run")
+    try:
+        trajs = tr.rollout([0], 0, {})
+        tr.recover(trajs, 0)
+        rep = next(t for t in trajs if t.repaired)
+        render = lambda msgs: R.render_prompt(tr.tokenizer, msgs)  # noqa: E731
+        q_star = RC.qstar_trajectory(rep, render)
+        assert not q_star.repaired and q_star.reward == rep.reward and q_star.group == rep.group
+        assert q_star.response_ids == rep.response_ids and q_star.old_logprobs == rep.old_logprobs
+        assert RETRY_HEADER in tr.tokenizer.decode(q_star.prompt_ids)
+        assert RETRY_HEADER not in tr.tokenizer.decode(rep.prompt_ids)
+        with pytest.raises(ValueError, match="repaired"):
+            RC.qstar_trajectory(rep.original, render)
+    finally:
+        tr.close()
+
+
 def test_ref_variant_trains_repairs_without_weight(tmp_path):
     cfg = tiny_cfg(tmp_path, "ref", **{"reflection.max_per_step": 1})
     tr = make_trainer(cfg, tmp_path / "run")

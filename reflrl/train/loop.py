@@ -48,7 +48,7 @@ from reflrl.algos import PreRolloutFilter, groups_to_request
 from reflrl.budget import budget_cut_text, cut_record
 from reflrl.envs.seeding import derive_seed
 from reflrl.progress import Progress
-from reflrl.recovery import RecoveryLedger, check_cpu_support, own_rollouts, step_accounting
+from reflrl.recovery import RecoveryLedger, check_cpu_support, own_rollouts, qstar_trajectory, step_accounting
 from reflrl.runlog import RunLog, latest_checkpoint, load_checkpoint, refuse_existing_run
 
 from . import step as S
@@ -320,7 +320,14 @@ class Trainer:
                     self.ref_model = frozen_copy(self.model)
                 m.update(dpo_update(self.model, self.optimizer, self.ref_model, pairs, cfg, self.pad_id))
         elif use:
-            batch = make_batch([train_trajs[i] for i in use], [adv[i] for i in use], self.pad_id)
+            rows, row_adv = [train_trajs[i] for i in use], [adv[i] for i in use]
+            if cfg.reflection.train_on_qstar:  # each repair once more, on its own prompt q*
+                render = lambda msgs: R.render_prompt(self.tokenizer, msgs)  # noqa: E731
+                extra = [(qstar_trajectory(t, render), v) for t, v in zip(rows, row_adv) if t.repaired]
+                rows += [t for t, _ in extra]
+                row_adv += [v for _, v in extra]
+                m["qstar_trained"] = float(len(extra))
+            batch = make_batch(rows, row_adv, self.pad_id)
             imp = ({"level": cfg.reflection.level, "log_cap": cfg.reflection.log_cap}
                    if self.variant.importance else None)  # eq. 2 on repaired rows (tool_rerl, cot_is, external_is)
             m.update(policy_update(self.model, self.optimizer, batch, a, importance=imp,
