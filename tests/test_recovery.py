@@ -47,6 +47,16 @@ def repairing_answer(tasks):
     return answer
 
 
+def gold_on_retry(tasks):
+    """Every rollout wrong (a nonsense argument), every retry under q* the gold answer."""
+    def answer(text, j):
+        task = next(t for t in tasks if t.query in text)
+        if RETRY_HEADER in text:
+            return gold_text(task)
+        return format_calls([ToolCall(task.gold[0][0].name, {"nonsense": j})], "hermes")
+    return answer
+
+
 def make_trainer(cfg, run_dir, answer=None):
     """A Trainer whose engine answers by script (default: gold under q*, wrong for odd samples under q)."""
     return T.Trainer(cfg, run_dir, progress=False, quiet=True, engine=scripted(cfg, answer or repairing_answer))
@@ -344,14 +354,7 @@ def test_repaired_trajectory_trains_on_q_and_only_q_star_holds_the_ground_truth(
 def test_mixed_group_gets_a_learning_signal_from_repairs(tmp_path):
     """A group whose rollouts all fail has zero variance without reflection; its repairs give it one."""
     cfg = tiny_cfg(tmp_path, "tool_rerl", **{"reflection.max_per_step": 2})
-    def answer_fn(tasks):
-        def answer(text, j):
-            task = next(t for t in tasks if t.query in text)
-            if RETRY_HEADER in text:
-                return gold_text(task)
-            return format_calls([ToolCall(task.gold[0][0].name, {"nonsense": j})], "hermes")
-        return answer
-    tr = make_trainer(cfg, tmp_path / "run", answer_fn)
+    tr = make_trainer(cfg, tmp_path / "run", gold_on_retry)
     try:
         m = tr.train_step()
         assert m["reflect/failed"] == 8 and m["reflect/reflected"] == 2 and m["reflect/recovered_by_reflection"] == 2
@@ -367,14 +370,7 @@ def test_logged_rollouts_show_each_rollout_once_with_its_advantage_and_a_repair_
     update used (null for none), and for a repair the retry prompt it was sampled under and its failure."""
     cfg = tiny_cfg(tmp_path, "tool_rerl", **{"reflection.max_per_step": 2, "reflection.group": "add",
                                               "train.log_rollouts": True})
-    def answer_fn(tasks):
-        def answer(text, j):
-            task = next(t for t in tasks if t.query in text)
-            if RETRY_HEADER in text:
-                return gold_text(task)
-            return format_calls([ToolCall(task.gold[0][0].name, {"nonsense": j})], "hermes")
-        return answer
-    tr = make_trainer(cfg, tmp_path / "run", answer_fn)
+    tr = make_trainer(cfg, tmp_path / "run", gold_on_retry)
     try:
         tr.train_step()
         tr.log.close()
@@ -397,18 +393,11 @@ def test_logged_rollouts_show_each_rollout_once_with_its_advantage_and_a_repair_
 def test_train_on_qstar_trains_each_repair_once_more_under_its_retry_prompt(tmp_path):
     """reflection.train_on_qstar: each repair enters the update twice, on q (eq. 2's weight) and on q*
     (on-policy there: its behaviour log-probs are its old log-probs, no weight); q never holds the answer."""
-    def answer_fn(tasks):
-        def answer(text, j):
-            task = next(t for t in tasks if t.query in text)
-            if RETRY_HEADER in text:
-                return gold_text(task)
-            return format_calls([ToolCall(task.gold[0][0].name, {"nonsense": j})], "hermes")
-        return answer
     seen = {}
     for on in (False, True):
         cfg = tiny_cfg(tmp_path / str(on), "tool_rerl", **{"reflection.max_per_step": 2, "reflection.group": "add",
                                                            "reflection.train_on_qstar": on})
-        tr = make_trainer(cfg, tmp_path / str(on) / "run", answer_fn)
+        tr = make_trainer(cfg, tmp_path / str(on) / "run", gold_on_retry)
         try:
             m = tr.train_step()
         finally:
