@@ -185,6 +185,16 @@ def verl_keys(cfg: Config, s: VerlSettings) -> dict[str, Any]:
         raise ConfigError(f"algo.advantage={a.advantage!r} has no verl counterpart; use one of {sorted(ADVANTAGE_MAP)}")
     loss_mode = POLICY_LOSS_MAP[a.policy_loss]
     rf = getattr(cfg, "reflection", None)
+    # CPU-trainer options verl has no counterpart for: refused rather than silently dropped
+    if float(a.negative_weight) != 1.0:
+        raise ConfigError(f"algo.negative_weight={a.negative_weight}: the verl backend trains with GRPO's advantages "
+                          "as computed (1.0); negative_weight is a CPU-trainer option")
+    if cfg.train.log_rollouts:
+        raise ConfigError("train.log_rollouts=true: on the verl backend use verl's own rollout dump, the verl "
+                          "override trainer.rollout_data_dir=DIR")
+    if rf is not None and rf.train_on_qstar:
+        raise ConfigError("reflection.train_on_qstar=true: the verl backend trains repairs on q only; "
+                          "train_on_qstar is a CPU-trainer option")
     if loss_mode == "reflrl_tool_rerl" and rf is not None:
         # the ratio level and log cap of eq. 2, as the CPU trainer applies them (reflection.level / log_cap)
         from reflrl.algos.importance import DEFAULT_LOG_CAP
