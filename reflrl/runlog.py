@@ -123,6 +123,26 @@ def _jsonable(x: Any) -> Any:
     return x
 
 
+def _read_jsonl(p: Path) -> list[dict[str, Any]]:
+    """The records of a JSONL log, up to the first unreadable line (a last line without "\n" is
+    half-written: a kill while appending); [] for a missing file."""
+    recs: list[dict[str, Any]] = []
+    if p.exists():
+        for line in p.read_text().split("\n")[:-1]:
+            try:
+                recs.append(json.loads(line))
+            except ValueError:
+                break
+    return recs
+
+
+def _write_jsonl(p: Path, recs: list[dict[str, Any]]) -> None:
+    """Replace a JSONL log with ``recs`` atomically (write a sibling, then rename)."""
+    tmp = p.with_name(p.name + ".tmp")
+    tmp.write_text("".join(json.dumps(r) + "\n" for r in recs))
+    os.replace(tmp, p)
+
+
 class RunLog:
     """A run folder: config, versions, metrics (JSONL + TensorBoard), checkpoints, summary.
 
@@ -167,13 +187,7 @@ class RunLog:
         checkpoint from before this rule: those up to its step; none without a checkpoint), and
         drop a half-written last line. Returns the records kept."""
         p = self.path / METRICS
-        recs = []
-        if p.exists():
-            for line in p.read_text().split("\n")[:-1]:  # a last line without "\n" is half-written
-                try:
-                    recs.append(json.loads(line))
-                except ValueError:
-                    break
+        recs = _read_jsonl(p)
         ck = latest_checkpoint(self.path)
         if ck is None:
             kept = []
@@ -181,9 +195,7 @@ class RunLog:
             st = json.loads((ck / "state.json").read_text())
             n = st.get("metrics_records")
             kept = recs[:n] if n is not None else [r for r in recs if int(r.get("step", 0)) <= int(st["step"])]
-        tmp = p.with_name(p.name + ".tmp")
-        tmp.write_text("".join(json.dumps(r) + "\n" for r in kept))
-        os.replace(tmp, p)
+        _write_jsonl(p, kept)
         return kept
 
     def _rewind_rollouts(self) -> None:
@@ -194,17 +206,7 @@ class RunLog:
             return
         ck = latest_checkpoint(self.path)
         last = int(json.loads((ck / "state.json").read_text())["step"]) if ck is not None else -1
-        kept = []
-        for line in p.read_text().split("\n")[:-1]:
-            try:
-                rec = json.loads(line)
-            except ValueError:
-                break
-            if int(rec.get("step", 0)) <= last:
-                kept.append(line + "\n")
-        tmp = p.with_name(p.name + ".tmp")
-        tmp.write_text("".join(kept))
-        os.replace(tmp, p)
+        _write_jsonl(p, [r for r in _read_jsonl(p) if int(r.get("step", 0)) <= last])
 
     def log_rollouts(self, step: int, records: list[dict[str, Any]]) -> None:
         """Append one JSON line per rollout of RL step ``step`` to rollouts.jsonl (``train.log_rollouts``)."""

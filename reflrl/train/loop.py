@@ -130,6 +130,7 @@ class Trainer:
             C.save_config(cfg, self.log.path / "config.yaml", header="resolved config of this run "
                           "(reflrl train --resume RUN_DIR reads it back)")
         self.step = 0
+        self._advantages: dict[int, float] = {}  # id(trajectory) -> advantage of the last update (train.log_rollouts)
         self.state: dict[str, Any] = {"phase": "start", "timers": {"rollout_s": 0.0, "update_s": 0.0,
                                                                     "eval_s": 0.0, "warmup_s": 0.0},
                                       "elapsed_before_s": 0.0, "zero_var_ratio": [], "rewards": [],
