@@ -53,6 +53,7 @@ from reflrl.runlog import RunLog, latest_checkpoint, load_checkpoint, refuse_exi
 
 from . import step as S
 from .batch import make_batch
+from .credit import blamed_fraction, trajectory_credit
 from .data import PromptSampler, splits_from_config
 from .setup import EngineFactory, answer_format, build_components, messages_fn
 from .summary import build_summary, ledger_totals
@@ -328,7 +329,12 @@ class Trainer:
                 rows += [t for t, _ in extra]
                 row_adv += [v for _, v in extra]
                 m["qstar_trained"] = float(len(extra))
-            batch = make_batch(rows, row_adv, self.pad_id)
+            weights = None
+            if a.credit == "call":  # negative advantages blame only the wrong calls (reflrl.train.credit)
+                fmt = answer_format(cfg)
+                weights = [trajectory_credit(t, self.tokenizer, fmt) if v < 0 else None for t, v in zip(rows, row_adv)]
+                m["credit_blamed_frac"] = blamed_fraction(rows, row_adv, weights)
+            batch = make_batch(rows, row_adv, self.pad_id, weights)
             imp = ({"level": cfg.reflection.level, "log_cap": cfg.reflection.log_cap}
                    if self.variant.importance else None)  # eq. 2 on repaired rows (tool_rerl, cot_is, external_is)
             m.update(policy_update(self.model, self.optimizer, batch, a, importance=imp,
