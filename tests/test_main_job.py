@@ -95,6 +95,24 @@ def test_trainer_logs_and_summarises_its_precision(tmp_path, monkeypatch, capsys
     assert "AVX2 CPU without native bfloat16" in s["precision"]["reason"]
 
 
+def test_a_bfloat16_cpu_gets_one_precision_line_that_says_auto(tmp_path, monkeypatch, capsys):
+    """On a CPU with native bfloat16 the policy loader resolved 'auto' and then asked the model loader for
+    'bfloat16' by name, which resolved it again and logged a second line, "as configured" (seen on an
+    AVX512-BF16 machine). One line, saying why, is what a user should read."""
+    from reflrl.train.setup import load_policy
+
+    monkeypatch.setattr(P, "cpu_features", lambda: AVX512_BF16)
+    monkeypatch.setattr(P, "measure_bf16_slowdown", lambda: 0.5)
+    cfg = C.load_config(ROOT / "configs" / "tiny.yaml", ["model.dtype=auto", "model.trainable=all"])
+    monkeypatch.setattr(P, "_cache_file", lambda: tmp_path / "precision.json")  # this fake CPU's verdict
+    lines: list[str] = []
+    model, _tok, choice, _s = load_policy(cfg, lines.append)
+    err = capsys.readouterr().err
+    assert choice.dtype == "bfloat16" and len(lines) == 1 and lines[0].startswith("precision: bfloat16 (auto")
+    assert "precision:" not in err
+    assert {p.dtype for p in model.parameters() if not p.requires_grad} <= {torch.bfloat16}
+
+
 # ----------------------------------------------------------------------------- the time guard
 def test_a_budget_cut_is_reported_in_summary_log_and_exit_status(tmp_path, capsys, monkeypatch):
     # the run's clock advances one second each time it is read: deterministic whatever the machine's speed

@@ -66,7 +66,8 @@ def load_policy(cfg: C.Config, say: Callable[[str], None]) -> tuple[torch.nn.Mod
     say(precision.log_line())
     if precision.warning:
         print(f"[reflrl] warning: {precision.warning}", file=sys.stderr, flush=True)
-    model, tok = load_model(m.name, dtype=precision.dtype, trainable=m.trainable, lora_r=m.lora_r,
+    # the torch dtype, not its name: load_model would resolve and announce 'bfloat16' a second time
+    model, tok = load_model(m.name, dtype=getattr(torch, precision.dtype), trainable=m.trainable, lora_r=m.lora_r,
                             lora_alpha=m.lora_alpha, lora_dropout=m.lora_dropout, seed=cfg.train.seed,
                             trainable_dtype=m.trainable_dtype)
     if m.init_from:  # e.g. RL variants that share one warm-up (scripts/paper_table.py --warm-start)
