@@ -189,7 +189,7 @@ def verl_keys(cfg: Config, s: VerlSettings) -> dict[str, Any]:
     if float(a.negative_weight) != 1.0:
         raise ConfigError(f"algo.negative_weight={a.negative_weight}: the verl backend trains with GRPO's advantages "
                           "as computed (1.0); negative_weight is a CPU-trainer option")
-    if getattr(a, "credit", "sequence") != "sequence":
+    if a.credit != "sequence":
         raise ConfigError(f"algo.credit={a.credit}: the verl backend gives every token its sequence advantage "
                           "('sequence'); per-call credit is a CPU-trainer option")
     if cfg.train.log_rollouts:
