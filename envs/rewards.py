@@ -92,7 +92,9 @@ def normalize_value(v: Any) -> Hashable:
     return ("other", repr(v))
 
 
-def _call_key(c: ToolCall) -> Hashable:
+def call_key(c: ToolCall) -> Hashable:
+    """What exact match compares of one call: its name and its normalised arguments (also used to match
+    single calls against the gold ones, e.g. reflrl.train.credit)."""
     return (c.name, normalize_value(dict(c.arguments)))
 
 
@@ -100,7 +102,7 @@ def calls_match(pred: list[ToolCall], gold: list[ToolCall]) -> bool:
     """ToolCallMatch: same multiset of (name, normalised arguments); order-insensitive."""
     if len(pred) != len(gold):
         return False
-    return Counter(_call_key(c) for c in pred) == Counter(_call_key(c) for c in gold)
+    return Counter(call_key(c) for c in pred) == Counter(call_key(c) for c in gold)
 
 
 def has_think(pred: ParseResult) -> bool:

@@ -29,7 +29,7 @@ from collections import Counter
 from typing import Any, Sequence
 
 from reflrl.envs.parsing import parse
-from reflrl.envs.rewards import _call_key
+from reflrl.envs.rewards import call_key
 from reflrl.envs.types import ToolCall
 
 _BLOCK = re.compile(r"<tool_call>.*?(?:</tool_call>|$)", re.DOTALL)
@@ -57,7 +57,7 @@ def blamed_spans(text: str, gold: Sequence[ToolCall], fmt: str = "hermes") -> li
     blocks = list(_BLOCK.finditer(text))
     if not blocks:
         return None
-    left = Counter(_call_key(c) for c in gold)
+    left = Counter(call_key(c) for c in gold)
     spans: list[tuple[int, int]] = []
     made = 0
     for b in blocks:
@@ -65,7 +65,7 @@ def blamed_spans(text: str, gold: Sequence[ToolCall], fmt: str = "hermes") -> li
         calls = list(p.calls) if p.ok else []
         due = made < len(gold)  # the gold answer has a call here: opening a block was right
         made += max(1, len(calls))
-        keys = [_call_key(c) for c in calls]
+        keys = [call_key(c) for c in calls]
         if calls and all(left[k] > 0 for k in keys) and len(set(keys)) == len(keys):
             for k in keys:
                 left[k] -= 1
