@@ -142,6 +142,8 @@ class AlgoConfig:
     epochs_per_batch: int = _f(1, "optimisation passes over each rollout batch (1 = on-policy)")
     micro_batch_size: int = _f(8, "sequences per forward/backward (gradient accumulation over the batch)")
     credit: str = _f("sequence", "which tokens a negative advantage applies to: 'sequence' (every token of the answer, GRPO as written) | 'call' (only the tool-call blocks that match no gold call, and the end of the turn when calls are missing; hermes single-turn answers, else every token: reflrl.train.credit)")
+    self_distill: float = _f(0.0, "weight of the self-distillation advantage (SDPO, 'Reinforcement Learning via Self-Distillation', arXiv:2601.20802): every failed rollout is re-scored by the policy itself under a teacher prompt holding the critic's analysis of it (reflection.critic / reflection.reveal) and a correct answer of its group when there is one, and self_distill x (log pi_teacher - log pi) joins each of its tokens' advantage, so all-wrong groups still get a signal; 0 = off (reflrl.train.distill)")
+    self_distill_clip: float = _f(5.0, "clamp of the per-token self-distillation advantage (|teacher - student log-prob| at most this)")
     negative_weight: float = _f(1.0, "scale of the negative advantages after the group normalisation: 1 = GRPO as written; < 1 leans on the correct samples (positive sample reinforcement, which raises pass@1 fastest; 0 = only them), > 1 on the wrong ones (W-REINFORCE up-weights the negatives for pass@k): 'The Surprising Effectiveness of Negative Reinforcement in LLM Reasoning', arXiv:2506.01347, sec. 3-4")
     downsample_m: int = _f(0, "max-variance down-sampling (efficiency paper, arXiv:2606.00135, sec. 4.2): train on m of n rollouts; 0 = off")
     prefilter_k: int = _f(0, "online pre-rollout filter (efficiency paper, arXiv:2606.00135, sec. 4.1): skip prompts all-correct for k epochs; 0 = off")
@@ -452,8 +454,10 @@ def validate(cfg: Config) -> Config:
     need(a.dual_clip_c is None or a.dual_clip_c > 1, f"algo.dual_clip_c: must be > 1 or null, got {a.dual_clip_c}")
     need(0 <= a.gamma <= 1, f"algo.gamma: must be in [0, 1], got {a.gamma}")
     need(0 <= a.lam <= 1, f"algo.lam: must be in [0, 1], got {a.lam}")
-    for name in ("kl_coef", "entropy_coef", "value_coef", "weight_decay", "grad_clip", "adv_eps", "negative_weight"):
+    for name in ("kl_coef", "entropy_coef", "value_coef", "weight_decay", "grad_clip", "adv_eps", "negative_weight",
+                 "self_distill"):
         need(getattr(a, name) >= 0, f"algo.{name}: must be >= 0, got {getattr(a, name)}")
+    need(a.self_distill_clip > 0, f"algo.self_distill_clip: must be > 0, got {a.self_distill_clip}")
     need(a.lr > 0, f"algo.lr: must be > 0, got {a.lr}")
     need(a.epochs_per_batch >= 1, f"algo.epochs_per_batch: must be >= 1, got {a.epochs_per_batch}")
     need(a.micro_batch_size >= 1, f"algo.micro_batch_size: must be >= 1, got {a.micro_batch_size}")

@@ -304,13 +304,18 @@ class Trainer:
         """Advantages over the kept groups, then the optimiser step(s); (metrics, trajectories with a signal)."""
         cfg, a = self.cfg, self.cfg.algo
         train_trajs, adv, group_ids = S.group_advantages(kept, a)
+        sd = self.self_distill(kept) if a.self_distill > 0 and not self.variant.dpo else None
         # rollouts with zero advantage give exactly zero gradient: leave them out of the compute
-        use = [i for i, v in enumerate(adv) if v != 0.0 and train_trajs[i].n_action_tokens > 0]
+        # (a self-distilled rollout has a per-token signal even where GRPO's is zero)
+        use = [i for i, v in enumerate(adv) if (v != 0.0 or (sd is not None and id(train_trajs[i]) in sd.token_adv))
+               and train_trajs[i].n_action_tokens > 0]
         self._advantages = {id(train_trajs[i]): adv[i] for i in use}  # for train.log_rollouts
         m: dict[str, Any] = {"groups_trained": len({group_ids[i] for i in use}),
                              "adv_abs_mean": float(np.mean(np.abs(adv))) if adv else 0.0,
                              "repaired_trained": float(sum(bool(train_trajs[i].repaired) for i in use)),
                              "trained_rollouts": len(train_trajs)}
+        if sd is not None:
+            m.update(sd.metrics)
         n_signal = len(use)
         if self.variant.dpo:  # Tool-ReRL's DPO baseline: DPO on (repaired, failed) pairs only
             from reflrl.recovery import dpo_pairs
@@ -334,7 +339,11 @@ class Trainer:
                 fmt = answer_format(cfg)
                 weights = [trajectory_credit(t, self.tokenizer, fmt) if v < 0 else None for t, v in zip(rows, row_adv)]
                 m["credit_blamed_frac"] = blamed_fraction(rows, row_adv, weights)
-            batch = make_batch(rows, row_adv, self.pad_id, weights)
+            bonus = None
+            if sd is not None:  # SDPO's per-token advantage on the failed rollouts (reflrl.train.distill)
+                bonus = [[a.self_distill * x for x in sd.token_adv[id(t)]] if id(t) in sd.token_adv else None
+                         for t in rows]
+            batch = make_batch(rows, row_adv, self.pad_id, weights, bonus)
             imp = ({"level": cfg.reflection.level, "log_cap": cfg.reflection.log_cap}
                    if self.variant.importance else None)  # eq. 2 on repaired rows (tool_rerl, cot_is, external_is)
             m.update(policy_update(self.model, self.optimizer, batch, a, importance=imp,
@@ -343,6 +352,21 @@ class Trainer:
         if "loss" in m and cfg.rollout.engine == "vllm":
             self.remote_engine.update_weights(self.model)  # the next rollouts sample the updated policy
         return m, n_signal
+
+    def self_distill(self, kept: list[list[R.Trajectory]]) -> Any:
+        """Self-distillation advantages of the kept groups' failed rollouts (``algo.self_distill``,
+        :mod:`reflrl.train.distill`): the critic of the variant, else the rule critic."""
+        from .distill import distill_signal, teacher_prompts
+
+        critic = self.critic
+        if critic is None:  # the variant does not reflect (grpo): the rule critic at reflection.reveal
+            from reflrl.recovery import get_critic
+
+            critic = self.__dict__.setdefault("_sd_critic", get_critic("rule", reveal=self.cfg.reflection.reveal))
+        scored = teacher_prompts(kept, critic=critic, messages_of=self.messages,
+                                 render=lambda msgs: R.render_prompt(self.tokenizer, msgs), fmt=answer_format(self.cfg))
+        return distill_signal(self.model, scored, pad_id=self.pad_id, temperature=self.cfg.rollout.temperature,
+                              clip=self.cfg.algo.self_distill_clip, micro_batch_size=self.cfg.algo.micro_batch_size)
 
     def account(self, got: S.StepRollouts, n_signal: int, update_metrics: dict[str, Any], timings: dict[str, float],
                 rollout_s: float, update_s: float, t_step: float) -> dict[str, Any]:

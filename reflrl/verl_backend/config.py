@@ -189,6 +189,9 @@ def verl_keys(cfg: Config, s: VerlSettings) -> dict[str, Any]:
     if float(a.negative_weight) != 1.0:
         raise ConfigError(f"algo.negative_weight={a.negative_weight}: the verl backend trains with GRPO's advantages "
                           "as computed (1.0); negative_weight is a CPU-trainer option")
+    if a.self_distill > 0:
+        raise ConfigError(f"algo.self_distill={a.self_distill}: self-distillation re-scores rollouts under the critic's "
+                          "teacher prompt in the CPU trainer (reflrl.train.distill); the verl backend has no such step")
     if a.credit != "sequence":
         raise ConfigError(f"algo.credit={a.credit}: the verl backend gives every token its sequence advantage "
                           "('sequence'); per-call credit is a CPU-trainer option")
