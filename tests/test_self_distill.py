@@ -6,7 +6,7 @@ import torch
 
 from reflrl import config as C
 from reflrl import rollout as R
-from reflrl.algos.distill import self_distill_advantages
+from reflrl.algos.distill import self_distill_advantages, topk_forward_kl
 from reflrl.critic.rule import RuleCritic
 from reflrl.envs.parsing import format_calls
 from reflrl.envs.types import Task, ToolCall
@@ -55,6 +55,22 @@ def test_the_advantage_is_teacher_minus_student_clamped_and_masked():
         self_distill_advantages(s, t, m, clip=0)
 
 
+def test_topk_forward_kl_is_zero_at_the_teacher_and_pulls_toward_its_tokens():
+    full_t = torch.log_softmax(torch.tensor([[3.0, 1.0, 0.0, -1.0, -2.0]]), -1)
+    ids = full_t.topk(2, -1).indices
+    t = full_t.gather(-1, ids)
+    assert torch.allclose(topk_forward_kl(t, t), torch.zeros(1), atol=1e-6)
+    logits = torch.zeros(1, 5, requires_grad=True)  # a uniform student
+    s = torch.log_softmax(logits, -1).gather(-1, ids)
+    kl = topk_forward_kl(s, t)
+    assert kl.item() > 0
+    kl.sum().backward()
+    assert logits.grad[0, 0] < 0 and logits.grad[0, 4] > 0  # descent raises the teacher's top token
+    assert torch.allclose(topk_forward_kl(s.detach(), t, add_tail=False), topk_forward_kl(s.detach() + 1.0, t, add_tail=False))
+    with pytest.raises(ValueError, match="k"):
+        topk_forward_kl(s[0], t[0])
+
+
 def test_the_teacher_prompt_holds_feedback_and_solution_and_leaves_q_alone():
     q = [{"role": "system", "content": "tools"}, {"role": "user", "content": QUERY}]
     c = teacher_messages(q, feedback="Wrong  value\nfor symbol.", solution="<tool_call>x</tool_call>")
@@ -101,19 +117,23 @@ def test_config_checks_the_self_distill_values(tmp_path):
         tiny_cfg(tmp_path, **{"algo.self_distill": -1})
     with pytest.raises(C.ConfigError, match="algo.self_distill_clip"):
         tiny_cfg(tmp_path, **{"algo.self_distill_clip": 0})
+    with pytest.raises(C.ConfigError, match="algo.self_distill_mode"):
+        tiny_cfg(tmp_path, **{"algo.self_distill_mode": "logits"})
 
 
 def all_wrong(tasks):
     return lambda prompt_text, j: format_calls([ToolCall("no_such_tool", {"x": j})], "hermes")
 
 
-def test_all_wrong_groups_train_only_with_self_distillation(tmp_path):
+@pytest.mark.parametrize("mode", ["topk", "sampled_token"])
+def test_all_wrong_groups_train_only_with_self_distillation(tmp_path, mode):
     """Every rollout wrong: GRPO's advantages are all zero, so the step skips its update; with
     self_distill the failed rollouts are re-scored under the critic's feedback and the weights move."""
     rows, moved = {}, {}
     for sd in (0.0, 1.0):
         cfg = tiny_cfg(tmp_path / str(sd), **{"train.steps": 1, "train.save_every": 0, "reflection.variant": "grpo",
-                                              "algo.self_distill": sd, "algo.prefilter_k": 0})
+                                              "algo.self_distill": sd, "algo.self_distill_mode": mode,
+                                              "algo.prefilter_k": 0})
         tr = scripted_trainer(cfg, tmp_path / str(sd) / "run", answer=all_wrong)
         try:
             before = trainable(tr.model)
@@ -125,4 +145,7 @@ def test_all_wrong_groups_train_only_with_self_distillation(tmp_path):
     assert rows[0.0]["update_skipped"] == 1.0 and not moved[0.0]
     assert rows[1.0]["update_skipped"] == 0.0 and moved[1.0]
     assert rows[1.0]["sd_rollouts"] == 8.0  # 2 prompts x 4 rollouts, all failed
-    assert rows[1.0]["sd_adv_mean"] != 0.0
+    if mode == "topk":
+        assert rows[1.0]["sd_kl"] > 0.0 and 0.0 <= rows[1.0]["sd_teacher_agree"] <= 1.0
+    else:
+        assert rows[1.0]["sd_adv_mean"] != 0.0

@@ -44,3 +44,34 @@ def self_distill_advantages(student_log_prob: torch.Tensor, teacher_log_prob: to
     mask = as_bool_mask(response_mask)
     diff = (teacher_log_prob.float() - student_log_prob.float()).clamp(-clip, clip)
     return torch.where(mask, diff, torch.zeros_like(diff))
+
+
+def topk_forward_kl(student_log_prob: torch.Tensor, teacher_log_prob: torch.Tensor, add_tail: bool = True
+                    ) -> torch.Tensor:
+    """Per-token forward KL(teacher || student) on the teacher's top-k tokens.
+
+    student_log_prob, teacher_log_prob: [N, k] full-vocabulary log-probs of the SAME k token ids per
+    row (the teacher's top k at that position). ``add_tail`` appends one bucket holding each side's
+    remaining mass (``log(1 - sum p)``), so the divergence approximates the full-vocabulary one (TRL's
+    ``distillation_add_tail``); without it both sides are renormalised over the k tokens.
+    Returns [N] float32 ``sum_v p_T(v) (log p_T(v) - log p_S(v))`` (>= 0; its gradient in the
+    student is ``-(p_T - p_S)`` on the logits of the support, so it pulls probability toward the
+    tokens the teacher prefers, sampled or not: the distributional-DAgger / forward cross-entropy
+    objective of arXiv:2606.05152, and SDPO's logit-level distillation with alpha = 0).
+    """
+    if student_log_prob.shape != teacher_log_prob.shape or student_log_prob.dim() != 2:
+        raise ValueError(f"expected two [N, k] tensors of one shape, got {tuple(student_log_prob.shape)} and "
+                         f"{tuple(teacher_log_prob.shape)}")
+    s, t = student_log_prob.float(), teacher_log_prob.float()
+    if add_tail:
+        s, t = _with_tail(s), _with_tail(t)
+    else:
+        s = s - torch.logsumexp(s, dim=-1, keepdim=True)
+        t = t - torch.logsumexp(t, dim=-1, keepdim=True)
+    return (t.exp() * (t - s)).sum(-1)
+
+
+def _with_tail(log_p: torch.Tensor) -> torch.Tensor:
+    """[N, k] log-probs -> [N, k + 1] with the leftover mass ``1 - sum p`` as the last bucket."""
+    mass = torch.logsumexp(log_p, dim=-1, keepdim=True).clamp(max=-1e-6)
+    return torch.cat([log_p, torch.log(-torch.expm1(mass))], dim=-1)

@@ -14,9 +14,10 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
 import torch
+import torch.nn.functional as F
 
 from reflrl import rollout as R
-from reflrl.algos.distill import self_distill_advantages
+from reflrl.algos.distill import self_distill_advantages, topk_forward_kl
 from reflrl.critic.base import CritiqueRequest
 from reflrl.envs.parsing import parse
 from reflrl.recovery.distill import teacher_messages
@@ -26,10 +27,30 @@ from .batch import batch_logprobs, make_batch
 
 @dataclass
 class Distilled:
-    """What :func:`distill_signal` found: per-token advantages of the scored rollouts (by ``id``)."""
+    """What :func:`distill_signal` / :func:`distill_targets` found: per-token advantages of the scored
+    rollouts (by ``id``; ``sampled_token``) or the teacher's top-k targets (``topk``)."""
 
     token_adv: dict[int, list[float]] = field(default_factory=dict)
+    targets: "TopKTargets | None" = None
     metrics: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass
+class TopKTargets:
+    """The teacher's top-k next-token log-probs on each scored rollout's action tokens.
+
+    rows:  the rollouts (trained on their OWN prompt q).
+    ids:   per rollout, [A, k] long: the teacher's k most likely tokens at each of its A action tokens.
+    logp:  per rollout, [A, k] float32: their log-probs under the teacher context (full-vocabulary
+           normalised, at the loss temperature)."""
+
+    rows: list[R.Trajectory]
+    ids: list[torch.Tensor]
+    logp: list[torch.Tensor]
+
+    @property
+    def n_tokens(self) -> int:
+        return int(sum(x.shape[0] for x in self.ids))
 
 
 def _solution(group: Sequence[R.Trajectory], t: R.Trajectory) -> str | None:
@@ -103,3 +124,85 @@ def distill_signal(model: torch.nn.Module, scored: Sequence[tuple[R.Trajectory, 
     out.metrics.update(sd_rollouts=float(len(scored)), sd_adv_mean=tot / max(n_tok, 1.0),
                        sd_neg_frac=neg / max(n_tok, 1.0), sd_seconds=time.perf_counter() - t0)
     return out
+
+
+def _action_hidden(model: torch.nn.Module, prompts: Sequence[list[int]], rows: Sequence[R.Trajectory], pad_id: int
+                   ) -> tuple[torch.Tensor, list[int]]:
+    """Final hidden states that predict each action token of ``rows`` (under ``prompts[i]``), stacked
+    row after row: ([sum A_i, H], [A_i per row]). One right-padded full-sequence forward."""
+    from reflrl.logprobs import hidden_states
+
+    seqs = [list(p) + list(t.response_ids) for p, t in zip(prompts, rows)]
+    L = max(len(x) for x in seqs)
+    ids = torch.full((len(seqs), L), pad_id, dtype=torch.long)
+    attn = torch.zeros((len(seqs), L), dtype=torch.long)
+    for i, x in enumerate(seqs):
+        ids[i, : len(x)] = torch.tensor(x, dtype=torch.long)
+        attn[i, : len(x)] = 1
+    hid = hidden_states(model, ids, attn)
+    parts, counts = [], []
+    for i, (p, t) in enumerate(zip(prompts, rows)):
+        pos = [len(p) + j - 1 for j, m in enumerate(t.loss_mask) if m]  # the position predicting token j
+        parts.append(hid[i, pos])
+        counts.append(len(pos))
+    return torch.cat(parts), counts
+
+
+def _log_softmax_rows(model: torch.nn.Module, h: torch.Tensor, temperature: float) -> torch.Tensor:
+    from reflrl.logprobs import head_of
+
+    _dec, w, b = head_of(model)
+    logits = F.linear(h.float(), w.float(), None if b is None else b.float())
+    t = temperature if temperature and temperature > 0 else 1.0
+    return torch.log_softmax(logits / t, dim=-1)
+
+
+def distill_targets(model: torch.nn.Module, scored: Sequence[tuple[R.Trajectory, list[int]]], *, pad_id: int,
+                    temperature: float, k: int, micro_batch_size: int = 8) -> Distilled:
+    """The teacher's top-``k`` log-probs on every action token of ``scored`` (rollout, teacher prompt ids)
+    under the CURRENT policy, no gradient (``topk`` self-distillation). Metrics: ``sd_rollouts``,
+    ``sd_teacher_agree`` (share of action tokens where the teacher's most likely token is the one the
+    rollout sampled), ``sd_seconds``."""
+    out = Distilled()
+    t0 = time.perf_counter()
+    if not scored:
+        out.metrics.update(sd_rollouts=0.0, sd_seconds=0.0)
+        return out
+    rows, ids, logp = [], [], []
+    agree = n_tok = 0
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            for s in range(0, len(scored), micro_batch_size):
+                chunk = scored[s: s + micro_batch_size]
+                h, counts = _action_hidden(model, [p for _, p in chunk], [t for t, _ in chunk], pad_id)
+                lp = _log_softmax_rows(model, h, temperature)
+                v, i = lp.topk(k, dim=-1)
+                o = 0
+                for (t, _), c in zip(chunk, counts):
+                    rows.append(t)
+                    ids.append(i[o: o + c].clone())
+                    logp.append(v[o: o + c].clone())
+                    sampled = torch.tensor([x for x, m in zip(t.response_ids, t.loss_mask) if m], dtype=torch.long)
+                    agree += int((i[o: o + c, 0] == sampled).sum())
+                    n_tok += c
+                    o += c
+    finally:
+        model.train(was_training)
+    out.targets = TopKTargets(rows, ids, logp)
+    out.metrics.update(sd_rollouts=float(len(rows)), sd_teacher_agree=agree / max(n_tok, 1),
+                       sd_seconds=time.perf_counter() - t0)
+    return out
+
+
+def topk_distill_loss(model: torch.nn.Module, targets: TopKTargets, idx: Sequence[int], *, pad_id: int,
+                      temperature: float, add_tail: bool = True) -> torch.Tensor:
+    """Sum over the action tokens of rollouts ``idx`` of the forward KL(teacher || policy on q) on the
+    teacher's top-k tokens (:func:`reflrl.algos.distill.topk_forward_kl`), differentiable in the policy."""
+    rows = [targets.rows[i] for i in idx]
+    h, _counts = _action_hidden(model, [t.prompt_ids for t in rows], rows, pad_id)
+    ids = torch.cat([targets.ids[i] for i in idx])
+    t_lp = torch.cat([targets.logp[i] for i in idx])
+    s_lp = _log_softmax_rows(model, h, temperature).gather(-1, ids)
+    return topk_forward_kl(s_lp, t_lp, add_tail).sum()

@@ -326,7 +326,7 @@ class Trainer:
                 if self.ref_model is None:  # the policy as DPO starts (no update happened before the first pair)
                     self.ref_model = frozen_copy(self.model)
                 m.update(dpo_update(self.model, self.optimizer, self.ref_model, pairs, cfg, self.pad_id))
-        elif use:
+        elif use or (sd is not None and sd.targets is not None and sd.targets.rows):
             rows, row_adv = [train_trajs[i] for i in use], [adv[i] for i in use]
             if cfg.reflection.train_on_qstar:  # each repair once more, on its own prompt q*
                 render = lambda msgs: R.render_prompt(self.tokenizer, msgs)  # noqa: E731
@@ -343,11 +343,12 @@ class Trainer:
             if sd is not None:  # SDPO's per-token advantage on the failed rollouts (reflrl.train.distill)
                 bonus = [[a.self_distill * x for x in sd.token_adv[id(t)]] if id(t) in sd.token_adv else None
                          for t in rows]
-            batch = make_batch(rows, row_adv, self.pad_id, weights, bonus)
+            batch = make_batch(rows, row_adv, self.pad_id, weights, bonus) if rows else None
             imp = ({"level": cfg.reflection.level, "log_cap": cfg.reflection.log_cap}
                    if self.variant.importance else None)  # eq. 2 on repaired rows (tool_rerl, cot_is, external_is)
             m.update(policy_update(self.model, self.optimizer, batch, a, importance=imp,
-                                   temperature=cfg.rollout.temperature, ref_model=self.ref_model))
+                                   temperature=cfg.rollout.temperature, ref_model=self.ref_model,
+                                   distill=sd.targets if sd is not None else None, pad_id=self.pad_id))
         m["update_skipped"] = float("loss" not in m)
         if "loss" in m and cfg.rollout.engine == "vllm":
             self.remote_engine.update_weights(self.model)  # the next rollouts sample the updated policy
@@ -356,7 +357,7 @@ class Trainer:
     def self_distill(self, kept: list[list[R.Trajectory]]) -> Any:
         """Self-distillation advantages of the kept groups' failed rollouts (``algo.self_distill``,
         :mod:`reflrl.train.distill`): the critic of the variant, else the rule critic."""
-        from .distill import distill_signal, teacher_prompts
+        from .distill import distill_signal, distill_targets, teacher_prompts
 
         critic = self.critic
         if critic is None:  # the variant does not reflect (grpo): the rule critic at reflection.reveal
@@ -365,8 +366,12 @@ class Trainer:
             critic = self.__dict__.setdefault("_sd_critic", get_critic("rule", reveal=self.cfg.reflection.reveal))
         scored = teacher_prompts(kept, critic=critic, messages_of=self.messages,
                                  render=lambda msgs: R.render_prompt(self.tokenizer, msgs), fmt=answer_format(self.cfg))
+        a = self.cfg.algo
+        if a.self_distill_mode == "topk":
+            return distill_targets(self.model, scored, pad_id=self.pad_id, temperature=self.cfg.rollout.temperature,
+                                   k=a.self_distill_topk, micro_batch_size=a.micro_batch_size)
         return distill_signal(self.model, scored, pad_id=self.pad_id, temperature=self.cfg.rollout.temperature,
-                              clip=self.cfg.algo.self_distill_clip, micro_batch_size=self.cfg.algo.micro_batch_size)
+                              clip=a.self_distill_clip, micro_batch_size=a.micro_batch_size)
 
     def account(self, got: S.StepRollouts, n_signal: int, update_metrics: dict[str, Any], timings: dict[str, float],
                 rollout_s: float, update_s: float, t_step: float) -> dict[str, Any]:
