@@ -149,3 +149,28 @@ def test_all_wrong_groups_train_only_with_self_distillation(tmp_path, mode):
         assert rows[1.0]["sd_kl"] > 0.0 and 0.0 <= rows[1.0]["sd_teacher_agree"] <= 1.0
     else:
         assert rows[1.0]["sd_adv_mean"] != 0.0
+
+
+def test_first_divergence_keeps_the_tokens_up_to_the_first_the_teacher_rejects(tok):
+    """distill_targets on a real (tiny) model: 'all' keeps every action token; 'first_divergence' keeps
+    each rollout's tokens up to and including the first whose teacher top-1 differs from the sampled
+    token, and the loss is computed on exactly those."""
+    from reflrl.models import load_model
+    from reflrl.train.distill import distill_targets, topk_distill_loss
+
+    model, _ = load_model("tiny-random", dtype="float32", seed=0)
+    task = Task(id="t0", query=QUERY, tools=TOOLS, gold=[GOLD])
+    wrong = format_calls([ToolCall("get_stock_quote", {"symbol": "AAPL"})], "hermes")
+    t = traj(task, wrong, False, tok)
+    c = R.render_prompt(tok, teacher_messages(msgs(task), feedback="The symbol should be DIS."))
+    full = distill_targets(model, [(t, c)], pad_id=0, temperature=1.0, k=4, span="all")
+    first = distill_targets(model, [(t, c)], pad_id=0, temperature=1.0, k=4, span="first_divergence")
+    n = len(t.response_ids)
+    assert full.targets.ids[0].shape == (n, 4) and full.metrics["sd_token_share"] == 1.0
+    sampled = torch.tensor(t.response_ids)
+    rejects = (full.targets.ids[0][:, 0] != sampled).nonzero()
+    want = int(rejects[0]) + 1 if len(rejects) else n
+    assert first.targets.ids[0].shape[0] == want
+    assert torch.equal(first.targets.logp[0], full.targets.logp[0][:want])
+    loss = topk_distill_loss(model, first.targets, [0], pad_id=0, temperature=1.0)
+    assert loss.requires_grad and float(loss.detach()) >= 0.0

@@ -161,9 +161,24 @@ def batch_logprobs(model: torch.nn.Module, mb: UpdateBatch, temperature: float =
     if not share_prompt:
         ids, attn, resp = mb.full()
         return mb.from_full(sequence_logprobs(model, ids, attn, resp, temperature))
+    _decoder, weight, bias = head_of(model)
+    pred, rows, cols = response_hidden(model, mb)
+    lp = token_logprobs_from_hidden(pred, mb.resp_ids[rows, cols], weight, bias, temperature=temperature)
+    B, Rn = mb.resp_ids.shape
+    out = torch.zeros((B, Rn), dtype=torch.float32)
+    return out.index_put((rows, cols), lp)
+
+
+
+def response_hidden(model: torch.nn.Module, mb: UpdateBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The final hidden states that predict ``mb``'s action tokens, each distinct prompt run through the
+    decoder once (:func:`batch_logprobs`): (hidden [N, H], rows [N], cols [N]) with (rows, cols) the
+    action tokens' positions in the [B, R] response layout, row-major (row by row, left to right)."""
     from transformers import DynamicCache
 
-    decoder, weight, bias = head_of(model)
+    from reflrl.logprobs import head_of
+
+    decoder, _weight, _bias = head_of(model)
     G, P = len(mb.prompts), max(len(p) for p in mb.prompts)
     p_ids = torch.full((G, P), mb.pad_id, dtype=torch.long)
     p_mask = torch.zeros((G, P), dtype=torch.long)
@@ -183,8 +198,4 @@ def batch_logprobs(model: torch.nn.Module, mb: UpdateBatch, temperature: float =
     # the hidden state predicting response token t: the prompt's last position for t = 0, else h_r[t-1]
     pred = torch.cat([h_p[owner, -1:].to(h_r.dtype), h_r[:, :-1]], dim=1)
     rows, cols = (mb.response_mask.bool() & mb.resp_attn.bool()).nonzero(as_tuple=True)
-    lp = token_logprobs_from_hidden(pred[rows, cols], mb.resp_ids[rows, cols], weight, bias,
-                                    temperature=temperature)
-    out = torch.zeros((B, Rn), dtype=torch.float32)
-    return out.index_put((rows, cols), lp)
-
+    return pred[rows, cols], rows, cols

@@ -22,7 +22,7 @@ from reflrl.critic.base import CritiqueRequest
 from reflrl.envs.parsing import parse
 from reflrl.recovery.distill import teacher_messages
 
-from .batch import batch_logprobs, make_batch
+from .batch import batch_logprobs, make_batch, response_hidden
 
 
 @dataclass
@@ -129,23 +129,17 @@ def distill_signal(model: torch.nn.Module, scored: Sequence[tuple[R.Trajectory, 
 def _action_hidden(model: torch.nn.Module, prompts: Sequence[list[int]], rows: Sequence[R.Trajectory], pad_id: int
                    ) -> tuple[torch.Tensor, list[int]]:
     """Final hidden states that predict each action token of ``rows`` (under ``prompts[i]``), stacked
-    row after row: ([sum A_i, H], [A_i per row]). One right-padded full-sequence forward."""
-    from reflrl.logprobs import hidden_states
-
-    seqs = [list(p) + list(t.response_ids) for p, t in zip(prompts, rows)]
-    L = max(len(x) for x in seqs)
-    ids = torch.full((len(seqs), L), pad_id, dtype=torch.long)
-    attn = torch.zeros((len(seqs), L), dtype=torch.long)
-    for i, x in enumerate(seqs):
-        ids[i, : len(x)] = torch.tensor(x, dtype=torch.long)
-        attn[i, : len(x)] = 1
-    hid = hidden_states(model, ids, attn)
-    parts, counts = [], []
-    for i, (p, t) in enumerate(zip(prompts, rows)):
-        pos = [len(p) + j - 1 for j, m in enumerate(t.loss_mask) if m]  # the position predicting token j
-        parts.append(hid[i, pos])
-        counts.append(len(pos))
-    return torch.cat(parts), counts
+    row after row: ([sum A_i, H], [A_i per row]). Rows with the same prompt share its forward
+    (:func:`reflrl.train.batch.response_hidden`)."""
+    as_rows = []
+    for p, t in zip(prompts, rows):
+        c = R.Trajectory(task=t.task, group=t.group, prompt_ids=list(p))
+        c.response_ids, c.loss_mask, c.old_logprobs = list(t.response_ids), list(t.loss_mask), list(t.old_logprobs)
+        as_rows.append(c)
+    mb = make_batch(as_rows, [0.0] * len(as_rows), pad_id)
+    hid, r, _c = response_hidden(model, mb)
+    counts = torch.bincount(r, minlength=len(as_rows)).tolist()
+    return hid, counts
 
 
 def _log_softmax_rows(model: torch.nn.Module, h: torch.Tensor, temperature: float) -> torch.Tensor:
@@ -158,7 +152,7 @@ def _log_softmax_rows(model: torch.nn.Module, h: torch.Tensor, temperature: floa
 
 
 def distill_targets(model: torch.nn.Module, scored: Sequence[tuple[R.Trajectory, list[int]]], *, pad_id: int,
-                    temperature: float, k: int, micro_batch_size: int = 8) -> Distilled:
+                    temperature: float, k: int, span: str = "all", micro_batch_size: int = 8) -> Distilled:
     """The teacher's top-``k`` log-probs on every action token of ``scored`` (rollout, teacher prompt ids)
     under the CURRENT policy, no gradient (``topk`` self-distillation). Metrics: ``sd_rollouts``,
     ``sd_teacher_agree`` (share of action tokens where the teacher's most likely token is the one the
@@ -169,7 +163,7 @@ def distill_targets(model: torch.nn.Module, scored: Sequence[tuple[R.Trajectory,
         out.metrics.update(sd_rollouts=0.0, sd_seconds=0.0)
         return out
     rows, ids, logp = [], [], []
-    agree = n_tok = 0
+    agree = n_tok = kept = 0
     was_training = model.training
     model.eval()
     try:
@@ -181,18 +175,23 @@ def distill_targets(model: torch.nn.Module, scored: Sequence[tuple[R.Trajectory,
                 v, i = lp.topk(k, dim=-1)
                 o = 0
                 for (t, _), c in zip(chunk, counts):
-                    rows.append(t)
-                    ids.append(i[o: o + c].clone())
-                    logp.append(v[o: o + c].clone())
                     sampled = torch.tensor([x for x, m in zip(t.response_ids, t.loss_mask) if m], dtype=torch.long)
-                    agree += int((i[o: o + c, 0] == sampled).sum())
+                    same = i[o: o + c, 0] == sampled
+                    agree += int(same.sum())
                     n_tok += c
+                    # first_divergence: the tokens up to the first one the teacher would not have chosen;
+                    # after it the teacher scores a prefix it already rejects
+                    keep = c if span == "all" or bool(same.all()) else int((~same).nonzero()[0]) + 1
+                    rows.append(t)
+                    ids.append(i[o: o + keep].clone())
+                    logp.append(v[o: o + keep].clone())
+                    kept += keep
                     o += c
     finally:
         model.train(was_training)
     out.targets = TopKTargets(rows, ids, logp)
     out.metrics.update(sd_rollouts=float(len(rows)), sd_teacher_agree=agree / max(n_tok, 1),
-                       sd_seconds=time.perf_counter() - t0)
+                       sd_token_share=kept / max(n_tok, 1), sd_seconds=time.perf_counter() - t0)
     return out
 
 
@@ -200,8 +199,11 @@ def topk_distill_loss(model: torch.nn.Module, targets: TopKTargets, idx: Sequenc
                       temperature: float, add_tail: bool = True) -> torch.Tensor:
     """Sum over the action tokens of rollouts ``idx`` of the forward KL(teacher || policy on q) on the
     teacher's top-k tokens (:func:`reflrl.algos.distill.topk_forward_kl`), differentiable in the policy."""
+    idx = list(idx)
     rows = [targets.rows[i] for i in idx]
-    h, _counts = _action_hidden(model, [t.prompt_ids for t in rows], rows, pad_id)
+    h, counts = _action_hidden(model, [t.prompt_ids for t in rows], rows, pad_id)
+    starts = [sum(counts[:j]) for j in range(len(counts))]  # each row's first action token in h
+    h = torch.cat([h[s0: s0 + targets.ids[i].shape[0]] for s0, i in zip(starts, idx)])  # the targeted tokens
     ids = torch.cat([targets.ids[i] for i in idx])
     t_lp = torch.cat([targets.logp[i] for i in idx])
     s_lp = _log_softmax_rows(model, h, temperature).gather(-1, ids)

@@ -369,7 +369,8 @@ class Trainer:
         a = self.cfg.algo
         if a.self_distill_mode == "topk":
             return distill_targets(self.model, scored, pad_id=self.pad_id, temperature=self.cfg.rollout.temperature,
-                                   k=a.self_distill_topk, micro_batch_size=a.micro_batch_size)
+                                   k=a.self_distill_topk, span=a.self_distill_span,
+                                   micro_batch_size=a.micro_batch_size)
         return distill_signal(self.model, scored, pad_id=self.pad_id, temperature=self.cfg.rollout.temperature,
                               clip=a.self_distill_clip, micro_batch_size=a.micro_batch_size)
 
