@@ -174,3 +174,19 @@ def test_first_divergence_keeps_the_tokens_up_to_the_first_the_teacher_rejects(t
     assert torch.equal(first.targets.logp[0], full.targets.logp[0][:want])
     loss = topk_distill_loss(model, first.targets, [0], pad_id=0, temperature=1.0)
     assert loss.requires_grad and float(loss.detach()) >= 0.0
+
+
+def test_the_frozen_teacher_keeps_the_weights_rl_started_with(tmp_path):
+    cfg = tiny_cfg(tmp_path, **{"train.steps": 2, "train.save_every": 0, "reflection.variant": "grpo",
+                                "algo.self_distill": 1.0, "algo.prefilter_k": 0})
+    assert cfg.algo.self_distill_teacher == "frozen"
+    tr = scripted_trainer(cfg, tmp_path / "run", answer=all_wrong)
+    try:
+        start = trainable(tr.model)
+        tr.train_step()
+        tr.train_step()
+        teacher = dict(tr._sd_teacher.named_parameters())
+        assert all(torch.equal(teacher[n], start[n]) for n in start)  # the teacher did not move
+        assert any(not torch.equal(p.detach(), start[n]) for n, p in tr.model.named_parameters() if n in start)
+    finally:
+        tr.close()

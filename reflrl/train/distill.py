@@ -85,10 +85,12 @@ def teacher_prompts(groups: Sequence[Sequence[R.Trajectory]], *, critic: Any, me
 
 
 def distill_signal(model: torch.nn.Module, scored: Sequence[tuple[R.Trajectory, list[int]]], *, pad_id: int,
-                   temperature: float, clip: float, micro_batch_size: int = 8) -> Distilled:
-    """Per-token self-distillation advantages of ``scored`` (rollout, teacher prompt ids) pairs under the
-    CURRENT policy (no gradient): the student's log-probs under the rollout's own prompt, the teacher's
-    under its teacher prompt, both at the loss's ``temperature``. Metrics: ``sd_rollouts``,
+                   temperature: float, clip: float, micro_batch_size: int = 8,
+                   teacher: torch.nn.Module | None = None) -> Distilled:
+    """Per-token self-distillation advantages of ``scored`` (rollout, teacher prompt ids) pairs, no
+    gradient: the student's (``model``, the current policy) log-probs under the rollout's own prompt,
+    the teacher's (``teacher``, default the same model) under its teacher prompt, both at the loss's
+    ``temperature``. Metrics: ``sd_rollouts``,
     ``sd_adv_mean`` / ``sd_neg_frac`` (over their action tokens), ``sd_seconds``."""
     out = Distilled()
     if not scored:
@@ -112,7 +114,7 @@ def distill_signal(model: torch.nn.Module, scored: Sequence[tuple[R.Trajectory, 
             with torch.no_grad():
                 sb, tb = make_batch(rows, zeros, pad_id), make_batch(as_teacher, zeros, pad_id)
                 adv = self_distill_advantages(batch_logprobs(model, sb, temperature),
-                                              batch_logprobs(model, tb, temperature), sb.response_mask, clip)
+                                              batch_logprobs(teacher or model, tb, temperature), sb.response_mask, clip)
             mask = sb.response_mask.bool()
             tot += float(adv[mask].sum())
             neg += float((adv[mask] < 0).sum())
@@ -154,7 +156,8 @@ def _log_softmax_rows(model: torch.nn.Module, h: torch.Tensor, temperature: floa
 def distill_targets(model: torch.nn.Module, scored: Sequence[tuple[R.Trajectory, list[int]]], *, pad_id: int,
                     temperature: float, k: int, span: str = "all", micro_batch_size: int = 8) -> Distilled:
     """The teacher's top-``k`` log-probs on every action token of ``scored`` (rollout, teacher prompt ids)
-    under the CURRENT policy, no gradient (``topk`` self-distillation). Metrics: ``sd_rollouts``,
+    under ``model`` (the teacher's weights: the current or the frozen policy), no gradient (``topk``
+    self-distillation). Metrics: ``sd_rollouts``,
     ``sd_teacher_agree`` (share of action tokens where the teacher's most likely token is the one the
     rollout sampled), ``sd_seconds``."""
     out = Distilled()

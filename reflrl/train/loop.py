@@ -367,12 +367,15 @@ class Trainer:
         scored = teacher_prompts(kept, critic=critic, messages_of=self.messages,
                                  render=lambda msgs: R.render_prompt(self.tokenizer, msgs), fmt=answer_format(self.cfg))
         a = self.cfg.algo
+        teacher = self.model
+        if a.self_distill_teacher == "frozen":  # the policy as RL started (this process), as SDPO's 'base' teacher
+            teacher = self.__dict__.get("_sd_teacher") or self.__dict__.setdefault("_sd_teacher", frozen_copy(self.model))
         if a.self_distill_mode == "topk":
-            return distill_targets(self.model, scored, pad_id=self.pad_id, temperature=self.cfg.rollout.temperature,
+            return distill_targets(teacher, scored, pad_id=self.pad_id, temperature=self.cfg.rollout.temperature,
                                    k=a.self_distill_topk, span=a.self_distill_span,
                                    micro_batch_size=a.micro_batch_size)
         return distill_signal(self.model, scored, pad_id=self.pad_id, temperature=self.cfg.rollout.temperature,
-                              clip=a.self_distill_clip, micro_batch_size=a.micro_batch_size)
+                              clip=a.self_distill_clip, micro_batch_size=a.micro_batch_size, teacher=teacher)
 
     def account(self, got: S.StepRollouts, n_signal: int, update_metrics: dict[str, Any], timings: dict[str, float],
                 rollout_s: float, update_s: float, t_step: float) -> dict[str, Any]:
