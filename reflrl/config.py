@@ -146,7 +146,7 @@ class AlgoConfig:
     self_distill_mode: str = _f("topk", "how the self-teacher's predictions are distilled: 'topk' (forward KL(teacher || policy) on the teacher's top-k tokens at every action token of a failed rollout, plus a tail bucket: pulls the policy toward the tokens the teacher prefers, sampled or not) | 'sampled_token' (SDPO's default: the per-token advantage log pi_teacher - log pi on the sampled tokens only)")
     self_distill_topk: int = _f(20, "'topk' self-distillation: teacher tokens per position")
     self_distill_span: str = _f("all", "'topk' self-distillation: which action tokens of a failed rollout are distilled: 'all' | 'first_divergence' (up to and including the first token whose teacher top-1 differs from the sampled token, after which the teacher scores a prefix it already rejects; measured worse, README)")
-    self_distill_teacher: str = _f("frozen", "whose weights the self-teacher uses: 'frozen' (the policy as RL started, SDPO's 'base' teacher; a copy of the model in memory) | 'live' (the current policy: measured unstable here, the training reward fell from 0.81 to 0 in 8 steps on one seed)")
+    self_distill_teacher: str = _f("frozen", "whose weights the self-teacher uses: 'frozen' (the policy as RL started, or as a resumed run restarted: SDPO's 'base' teacher; a copy of the model in memory) | 'live' (the current policy: measured unstable here, the training reward fell from 0.81 to 0 in 8 steps on one seed)")
     self_distill_clip: float = _f(5.0, "'sampled_token' self-distillation: clamp of the per-token advantage (|teacher - student log-prob| at most this)")
     negative_weight: float = _f(1.0, "scale of the negative advantages after the group normalisation: 1 = GRPO as written; < 1 leans on the correct samples (positive sample reinforcement, which raises pass@1 fastest; 0 = only them), > 1 on the wrong ones (W-REINFORCE up-weights the negatives for pass@k): 'The Surprising Effectiveness of Negative Reinforcement in LLM Reasoning', arXiv:2506.01347, sec. 3-4")
     downsample_m: int = _f(0, "max-variance down-sampling (efficiency paper, arXiv:2606.00135, sec. 4.2): train on m of n rollouts; 0 = off")
@@ -455,6 +455,8 @@ def validate(cfg: Config) -> Config:
     _choice(e, "algo.credit", a.credit, ("sequence", "call"))
     _choice(e, "algo.self_distill_mode", a.self_distill_mode, ("topk", "sampled_token"))
     _choice(e, "algo.self_distill_teacher", a.self_distill_teacher, ("frozen", "live"))
+    need(a.self_distill == 0 or cfg.reflection.variant != "dpo",
+         f"algo.self_distill={a.self_distill}: the 'dpo' variant trains DPO pairs only; self-distillation needs a policy-gradient variant")
     _choice(e, "algo.self_distill_span", a.self_distill_span, ("first_divergence", "all"))
     need(a.self_distill_topk >= 1, f"algo.self_distill_topk: must be >= 1, got {a.self_distill_topk}")
     need(0 <= a.clip_low < 1, f"algo.clip_low: must be in [0, 1), got {a.clip_low}")

@@ -117,6 +117,8 @@ def test_config_checks_the_self_distill_values(tmp_path):
         tiny_cfg(tmp_path, **{"algo.self_distill": -1})
     with pytest.raises(C.ConfigError, match="algo.self_distill_clip"):
         tiny_cfg(tmp_path, **{"algo.self_distill_clip": 0})
+    with pytest.raises(C.ConfigError, match="dpo"):
+        tiny_cfg(tmp_path, **{"algo.self_distill": 0.5, "reflection.variant": "dpo"})
     with pytest.raises(C.ConfigError, match="algo.self_distill_mode"):
         tiny_cfg(tmp_path, **{"algo.self_distill_mode": "logits"})
 

@@ -123,6 +123,8 @@ class Trainer:
             raise C.ConfigError(f"model.trainable={cfg.model.trainable!r} leaves no trainable parameter")
         self.optimizer = torch.optim.AdamW(params, lr=cfg.algo.lr, weight_decay=cfg.algo.weight_decay)
         self.ref_model = None  # KL / DPO reference: the policy as RL starts, see run()
+        self._sd_critic: Any = None  # self-distillation's critic and frozen teacher, made at first use
+        self._sd_teacher: torch.nn.Module | None = None
         self.loop = asyncio.new_event_loop()
 
         # ---- run folder and state -------------------------------------------------------
@@ -304,7 +306,7 @@ class Trainer:
         """Advantages over the kept groups, then the optimiser step(s); (metrics, trajectories with a signal)."""
         cfg, a = self.cfg, self.cfg.algo
         train_trajs, adv, group_ids = S.group_advantages(kept, a)
-        sd = self.self_distill(kept) if a.self_distill > 0 and not self.variant.dpo else None
+        sd = self.self_distill(kept) if a.self_distill > 0 else None  # the config refuses it with 'dpo'
         # rollouts with zero advantage give exactly zero gradient: leave them out of the compute
         # (a self-distilled rollout has a per-token signal even where GRPO's is zero)
         use = [i for i, v in enumerate(adv) if (v != 0.0 or (sd is not None and id(train_trajs[i]) in sd.token_adv))
@@ -361,15 +363,19 @@ class Trainer:
 
         critic = self.critic
         if critic is None:  # the variant does not reflect (grpo): the rule critic at reflection.reveal
-            from reflrl.recovery import get_critic
+            if self._sd_critic is None:
+                from reflrl.recovery import get_critic
 
-            critic = self.__dict__.setdefault("_sd_critic", get_critic("rule", reveal=self.cfg.reflection.reveal))
+                self._sd_critic = get_critic("rule", reveal=self.cfg.reflection.reveal)
+            critic = self._sd_critic
         scored = teacher_prompts(kept, critic=critic, messages_of=self.messages,
                                  render=lambda msgs: R.render_prompt(self.tokenizer, msgs), fmt=answer_format(self.cfg))
         a = self.cfg.algo
         teacher = self.model
-        if a.self_distill_teacher == "frozen":  # the policy as RL started (this process), as SDPO's 'base' teacher
-            teacher = self.__dict__.get("_sd_teacher") or self.__dict__.setdefault("_sd_teacher", frozen_copy(self.model))
+        if a.self_distill_teacher == "frozen":  # the policy as RL started (in this process), SDPO's 'base' teacher
+            if self._sd_teacher is None:
+                self._sd_teacher = frozen_copy(self.model)
+            teacher = self._sd_teacher
         if a.self_distill_mode == "topk":
             return distill_targets(teacher, scored, pad_id=self.pad_id, temperature=self.cfg.rollout.temperature,
                                    k=a.self_distill_topk, span=a.self_distill_span,
