@@ -77,27 +77,21 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", help="write the rows to this JSON file")
     a = p.parse_args(argv)
 
-    from reflrl import config as C
     from reflrl.heldout import evaluate
     from reflrl.recovery.critics import get_critic
     from reflrl.critic.rule import REVEAL_MODES
     from reflrl.train.data import splits_from_config
-    from reflrl.train.setup import build_components, messages_fn
+    from reflrl.train.setup import build_components, checkpoint_config, messages_fn
 
     levels = [x.strip() for x in (a.reveal or ",".join(REVEAL_MODES)).split(",") if x.strip()]
     bad = [x for x in levels if x not in REVEAL_MODES]
     if bad:
         p.error(f"--reveal: unknown level(s) {', '.join(bad)} (levels: {', '.join(REVEAL_MODES)})")
     run = Path(a.run)
-    ck = run / "checkpoints" / a.checkpoint
-    if not ck.is_dir():
-        p.error(f"no checkpoint {ck} (the run's checkpoints: "
-                f"{', '.join(sorted(x.name for x in (run / 'checkpoints').glob('step_*'))) or 'none'})")
-    cfg = C.load_config(run / "config.yaml", [f"model.init_from={ck}", "env.faults=", *a.overrides])
-    if cfg.train.threads:  # as a run does (--set train.threads=1 beside another process)
-        import torch
-
-        torch.set_num_threads(cfg.train.threads)
+    try:
+        cfg = checkpoint_config(run, a.checkpoint, a.overrides)
+    except FileNotFoundError as e:
+        p.error(str(e))
     splits = splits_from_config(cfg.data)
     tasks = splits[a.split]
     comp = build_components(cfg, splits["train"])

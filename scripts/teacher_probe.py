@@ -52,7 +52,6 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch
 
-    from reflrl import config as C
     from reflrl import rollout as R
     from reflrl.critic.base import CritiqueRequest
     from reflrl.envs.parsing import format_calls, parse
@@ -60,15 +59,13 @@ def main(argv: list[str] | None = None) -> int:
     from reflrl.recovery import get_critic
     from reflrl.recovery.distill import teacher_messages
     from reflrl.train.data import splits_from_config
-    from reflrl.train.setup import answer_format, build_components, messages_fn
+    from reflrl.train.setup import answer_format, build_components, checkpoint_config, messages_fn
 
     run = Path(a.run)
-    ck = run / "checkpoints" / a.checkpoint
-    if not ck.is_dir():
-        p.error(f"no checkpoint {ck}")
-    cfg = C.load_config(run / "config.yaml", [f"model.init_from={ck}", "env.faults=", *a.overrides])
-    if cfg.train.threads:
-        torch.set_num_threads(cfg.train.threads)
+    try:
+        cfg = checkpoint_config(run, a.checkpoint, a.overrides)
+    except FileNotFoundError as e:
+        p.error(str(e))
     splits = splits_from_config(cfg.data)
     tasks = splits["test"]
     comp = build_components(cfg, splits["train"])

@@ -140,3 +140,19 @@ def build_components(cfg: C.Config, train_tasks: Sequence[Any], *, say: Callable
     return Components(model=model, tokenizer=tok, precision=precision, engine=rollout_engine, eval_engine=eval_engine,
                       remote_engine=remote_engine(cfg, tok), variant=variant, critic=critic, envs=envs,
                       tool_server=server, rollout=spec, load_s=load_s)
+
+
+def checkpoint_config(run: str | Path, checkpoint: str, overrides: Sequence[str] = ()) -> C.Config:
+    """A run folder's config pointed at one of its checkpoints (``model.init_from``), with faults off
+    and ``overrides`` applied; sets torch's threads to ``train.threads`` as a run does. For the
+    scripts that study a checkpoint (scripts/rl_headroom.py, reflection_repairs.py, teacher_probe.py).
+    Raises FileNotFoundError naming the run's checkpoints when ``checkpoint`` is not one of them."""
+    run = Path(run)
+    ck = run / "checkpoints" / checkpoint
+    if not ck.is_dir():
+        have = ", ".join(sorted(x.name for x in (run / "checkpoints").glob("step_*"))) or "none"
+        raise FileNotFoundError(f"no checkpoint {ck} (the run's checkpoints: {have})")
+    cfg = C.load_config(run / "config.yaml", [f"model.init_from={ck}", "env.faults=", *overrides])
+    if cfg.train.threads:  # as a run does (--set train.threads=1 beside another process)
+        torch.set_num_threads(cfg.train.threads)
+    return cfg
