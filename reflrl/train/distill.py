@@ -60,6 +60,13 @@ class TopKTargets:
         return int(sum(x.shape[0] for x in self.ids))
 
 
+def _on_prompt(t: R.Trajectory, prompt_ids: Sequence[int]) -> R.Trajectory:
+    """t's response (ids, loss mask, log-probs) under another prompt, for scoring it there."""
+    c = R.Trajectory(task=t.task, group=t.group, prompt_ids=list(prompt_ids))
+    c.response_ids, c.loss_mask, c.old_logprobs = list(t.response_ids), list(t.loss_mask), list(t.old_logprobs)
+    return c
+
+
 def _solution(group: Sequence[R.Trajectory], t: R.Trajectory) -> str | None:
     """A correct answer of t's task from its group (the first one; a repair counts), not t itself."""
     for o in group:
@@ -112,11 +119,7 @@ def distill_signal(model: torch.nn.Module, scored: Sequence[tuple[R.Trajectory, 
         for s in range(0, len(scored), micro_batch_size):
             chunk = scored[s: s + micro_batch_size]
             rows = [t for t, _ in chunk]
-            as_teacher = []
-            for t, ids in chunk:
-                c = R.Trajectory(task=t.task, group=t.group, prompt_ids=list(ids))
-                c.response_ids, c.loss_mask, c.old_logprobs = list(t.response_ids), list(t.loss_mask), list(t.old_logprobs)
-                as_teacher.append(c)
+            as_teacher = [_on_prompt(t, ids) for t, ids in chunk]
             zeros = [0.0] * len(rows)
             with torch.no_grad():
                 sb, tb = make_batch(rows, zeros, pad_id), make_batch(as_teacher, zeros, pad_id)
@@ -140,11 +143,7 @@ def _action_hidden(model: torch.nn.Module, prompts: Sequence[list[int]], rows: S
     """Final hidden states that predict each action token of ``rows`` (under ``prompts[i]``), stacked
     row after row: ([sum A_i, H], [A_i per row]). Rows with the same prompt share its forward
     (:func:`reflrl.train.batch.response_hidden`)."""
-    as_rows = []
-    for p, t in zip(prompts, rows):
-        c = R.Trajectory(task=t.task, group=t.group, prompt_ids=list(p))
-        c.response_ids, c.loss_mask, c.old_logprobs = list(t.response_ids), list(t.loss_mask), list(t.old_logprobs)
-        as_rows.append(c)
+    as_rows = [_on_prompt(t, p) for p, t in zip(prompts, rows)]
     mb = make_batch(as_rows, [0.0] * len(as_rows), pad_id)
     hid, r, _c = response_hidden(model, mb)
     counts = torch.bincount(r, minlength=len(as_rows)).tolist()
