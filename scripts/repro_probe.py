@@ -25,15 +25,16 @@ def _digest(t) -> str:
     return hashlib.sha256(t.detach().float().contiguous().numpy().tobytes()).hexdigest()[:12]
 
 
-def probe(model_name: str, dtype: str, trainable: str, threads: int) -> dict[str, str]:
+def probe(model_name: str, dtype: str, trainable: str, threads: int, seed: int = 0) -> dict[str, str]:
     """Hashes of the logits of a forward and of a cached one-token decode step (no grad), and of the
-    trainable parameters' gradients of a summed log-likelihood, at ``threads`` torch threads."""
+    trainable parameters' gradients of a summed log-likelihood, at ``threads`` torch threads (``seed``: the
+    initialisation of ``tiny-random``, the tests' model)."""
     import torch
 
     from reflrl.models import load_model
 
     torch.set_num_threads(threads)
-    model, tok = load_model(model_name, dtype=dtype, trainable=trainable)
+    model, tok = load_model(model_name, dtype=dtype, trainable=trainable, seed=seed)
     ids = tok.apply_chat_template([{"role": "user", "content": PROMPT}], add_generation_prompt=True,
                                   return_tensors="pt")
     ids = (ids if torch.is_tensor(ids) else ids["input_ids"]).repeat(3, 1)
