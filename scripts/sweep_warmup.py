@@ -41,6 +41,10 @@ def worker(overrides: list[str], steps: int, every: int, seed: int) -> dict:
     from reflrl.recovery import think_of
 
     cfg = C.load_config(C.default_recipe(), [f"train.seed={seed}", f"warmup.steps={steps}", *overrides])
+    if cfg.train.threads:  # as a run does (a setting may pin it, e.g. train.threads=1 beside other work)
+        import torch
+
+        torch.set_num_threads(cfg.train.threads)
     sp = splits_from_config(cfg.data)
     model, tok, precision, _ = load_policy(cfg, lambda m: print(m, file=sys.stderr))
     msgs = messages_fn(cfg)
