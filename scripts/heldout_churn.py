@@ -46,18 +46,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     a = p.parse_args(argv)
 
     from reflrl.heldout import evaluate
-    from reflrl.train.data import splits_from_config
-    from reflrl.train.setup import build_components, checkpoint_config, messages_fn
+    from reflrl.train.setup import checkpoint_components, messages_fn
 
     scored: dict[str, list[bool]] = {}
     for spec in a.checkpoints:
         run, _, ck = spec.partition(":")
         try:
-            cfg = checkpoint_config(run, ck or "step_000000", [f"data.n_test={a.n_test}", *a.overrides])
+            cfg, splits, comp = checkpoint_components(run, ck or "step_000000",
+                                                      [f"data.n_test={a.n_test}", *a.overrides])
         except FileNotFoundError as e:
             p.error(str(e))
-        splits = splits_from_config(cfg.data)
-        comp = build_components(cfg, splits["train"])
         res = evaluate(comp.eval_engine, comp.tokenizer, splits["test"], messages_fn(cfg), comp.rollout)
         scored[spec] = [bool(r["correct"]) for r in res.per_task]
         print(f"{spec}: {res.accuracy:.1%} of {len(scored[spec])} ({sum(scored[spec][:a.first])} of the first "

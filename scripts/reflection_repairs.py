@@ -80,8 +80,7 @@ def main(argv: list[str] | None = None) -> int:
     from reflrl.heldout import evaluate
     from reflrl.recovery.critics import get_critic
     from reflrl.critic.rule import REVEAL_MODES
-    from reflrl.train.data import splits_from_config
-    from reflrl.train.setup import build_components, checkpoint_config, messages_fn
+    from reflrl.train.setup import checkpoint_components, messages_fn
 
     levels = [x.strip() for x in (a.reveal or ",".join(REVEAL_MODES)).split(",") if x.strip()]
     bad = [x for x in levels if x not in REVEAL_MODES]
@@ -89,12 +88,10 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"--reveal: unknown level(s) {', '.join(bad)} (levels: {', '.join(REVEAL_MODES)})")
     run = Path(a.run)
     try:
-        cfg = checkpoint_config(run, a.checkpoint, a.overrides)
+        cfg, splits, comp = checkpoint_components(run, a.checkpoint, a.overrides)
     except FileNotFoundError as e:
         p.error(str(e))
-    splits = splits_from_config(cfg.data)
     tasks = splits[a.split]
-    comp = build_components(cfg, splits["train"])
     mf = messages_fn(cfg)
     fmt = comp.rollout.fmt
     t0 = time.perf_counter()

@@ -62,17 +62,14 @@ def main(argv: list[str] | None = None) -> int:
     a = p.parse_args(argv)
 
     from reflrl.heldout import evaluate, sampled_correct
-    from reflrl.train.data import splits_from_config
-    from reflrl.train.setup import build_components, checkpoint_config, messages_fn
+    from reflrl.train.setup import checkpoint_components, messages_fn
 
     run = Path(a.run)
     try:
-        cfg = checkpoint_config(run, a.checkpoint, a.overrides)
+        cfg, splits, comp = checkpoint_components(run, a.checkpoint, a.overrides)
     except FileNotFoundError as e:
         p.error(str(e))
-    splits = splits_from_config(cfg.data)
     tasks = splits[a.split]
-    comp = build_components(cfg, splits["train"])
     mf = messages_fn(cfg)
     t0 = time.perf_counter()
     res = evaluate(comp.eval_engine, comp.tokenizer, tasks, mf, comp.rollout)

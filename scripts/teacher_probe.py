@@ -58,17 +58,14 @@ def main(argv: list[str] | None = None) -> int:
     from reflrl.heldout import evaluate
     from reflrl.recovery import get_critic
     from reflrl.recovery.distill import teacher_messages
-    from reflrl.train.data import splits_from_config
-    from reflrl.train.setup import answer_format, build_components, checkpoint_config, messages_fn
+    from reflrl.train.setup import answer_format, checkpoint_components, messages_fn
 
     run = Path(a.run)
     try:
-        cfg = checkpoint_config(run, a.checkpoint, a.overrides)
+        cfg, splits, comp = checkpoint_components(run, a.checkpoint, a.overrides)
     except FileNotFoundError as e:
         p.error(str(e))
-    splits = splits_from_config(cfg.data)
     tasks = splits["test"]
-    comp = build_components(cfg, splits["train"])
     mf, tok, model, fmt = messages_fn(cfg), comp.tokenizer, comp.model, answer_format(cfg)
     critic = get_critic("rule", reveal=a.reveal)
     end = [tok.eos_token_id] if tok.eos_token_id is not None else []

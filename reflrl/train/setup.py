@@ -145,7 +145,7 @@ def build_components(cfg: C.Config, train_tasks: Sequence[Any], *, say: Callable
 def checkpoint_config(run: str | Path, checkpoint: str, overrides: Sequence[str] = ()) -> C.Config:
     """A run folder's config pointed at one of its checkpoints (``model.init_from``), with faults off
     and ``overrides`` applied; sets torch's threads to ``train.threads`` as a run does. For the
-    scripts that study a checkpoint (scripts/rl_headroom.py, reflection_repairs.py, teacher_probe.py).
+    scripts that study a checkpoint (through :func:`checkpoint_components`).
     Raises FileNotFoundError naming the run's checkpoints when ``checkpoint`` is not one of them."""
     run = Path(run)
     ck = run / "checkpoints" / checkpoint
@@ -156,3 +156,16 @@ def checkpoint_config(run: str | Path, checkpoint: str, overrides: Sequence[str]
     if cfg.train.threads:  # as a run does (--set train.threads=1 beside another process)
         torch.set_num_threads(cfg.train.threads)
     return cfg
+
+
+def checkpoint_components(run: str | Path, checkpoint: str, overrides: Sequence[str] = ()
+                          ) -> tuple[C.Config, dict[str, list], Components]:
+    """(config, data splits, components) of a run folder's checkpoint, as :func:`checkpoint_config` sets it
+    up: what the scripts that study a checkpoint (scripts/rl_headroom.py, reflection_repairs.py,
+    teacher_probe.py, heldout_churn.py) evaluate and sample with. Raises FileNotFoundError as
+    :func:`checkpoint_config` does."""
+    from reflrl.train.data import splits_from_config
+
+    cfg = checkpoint_config(run, checkpoint, overrides)
+    splits = splits_from_config(cfg.data)
+    return cfg, splits, build_components(cfg, splits["train"])
