@@ -39,6 +39,16 @@ def configure_openmp(environ: MutableMapping[str, str] | None = None) -> str | N
     return WAIT_POLICY
 
 
+def fix_threads(threads: int | None) -> None:
+    """Set torch's CPU thread count for the whole process to ``threads`` (``train.threads``); None or 0
+    leaves torch's default (one per core). A run, and every script that mirrors one, calls this once
+    before any computation: the count never changes afterwards (module doc)."""
+    if threads:
+        import torch
+
+        torch.set_num_threads(int(threads))
+
+
 def describe() -> dict[str, object]:
     """The run's thread settings, for its summary."""
     import torch

@@ -39,12 +39,10 @@ def worker(overrides: list[str], steps: int, every: int, seed: int) -> dict:
     from reflrl.train.data import splits_from_config
     from reflrl.train.setup import answer_format, load_policy, messages_fn
     from reflrl.recovery import think_of
+    from reflrl.threads import fix_threads
 
     cfg = C.load_config(C.default_recipe(), [f"train.seed={seed}", f"warmup.steps={steps}", *overrides])
-    if cfg.train.threads:  # as a run does (a setting may pin it, e.g. train.threads=1 beside other work)
-        import torch
-
-        torch.set_num_threads(cfg.train.threads)
+    fix_threads(cfg.train.threads)  # as a run does (a setting may pin it, e.g. train.threads=1 beside other work)
     sp = splits_from_config(cfg.data)
     model, tok, precision, _ = load_policy(cfg, lambda m: print(m, file=sys.stderr))
     msgs = messages_fn(cfg)

@@ -50,6 +50,7 @@ from reflrl.envs.seeding import derive_seed
 from reflrl.progress import Progress
 from reflrl.recovery import RecoveryLedger, check_cpu_support, own_rollouts, qstar_trajectory, step_accounting
 from reflrl.runlog import RunLog, latest_checkpoint, load_checkpoint, refuse_existing_run
+from reflrl.threads import fix_threads
 
 from . import step as S
 from .batch import make_batch
@@ -80,8 +81,7 @@ class Trainer:
         self.progress_out = Progress(enabled=progress and not quiet, clock=self.elapsed, start=0.0,
                                      remaining_after=self._remaining_after)
         tr = cfg.train
-        if tr.threads:  # fixed for the run (reflrl.threads: why the count never changes mid-run)
-            torch.set_num_threads(tr.threads)
+        fix_threads(tr.threads)  # fixed for the run (reflrl.threads: why the count never changes mid-run)
         random.seed(tr.seed)
         np.random.seed(tr.seed)
         torch.manual_seed(tr.seed)

@@ -13,6 +13,7 @@ import torch
 
 from reflrl import config as C
 from reflrl.precision import DtypeChoice, resolve_dtype
+from reflrl.threads import fix_threads
 from reflrl.recovery import Variant, build_critic, think_of, variant_of
 from reflrl.rollout import RolloutSpec
 from reflrl.runlog import load_checkpoint
@@ -153,8 +154,7 @@ def checkpoint_config(run: str | Path, checkpoint: str, overrides: Sequence[str]
         have = ", ".join(sorted(x.name for x in (run / "checkpoints").glob("step_*"))) or "none"
         raise FileNotFoundError(f"no checkpoint {ck} (the run's checkpoints: {have})")
     cfg = C.load_config(run / "config.yaml", [f"model.init_from={ck}", "env.faults=", *overrides])
-    if cfg.train.threads:  # as a run does (--set train.threads=1 beside another process)
-        torch.set_num_threads(cfg.train.threads)
+    fix_threads(cfg.train.threads)  # as a run does (--set train.threads=1 beside another process)
     return cfg
 
 
