@@ -31,9 +31,13 @@ STEPS = 10
 
 
 def _start(run: Path) -> subprocess.Popen:
+    # A process killed with SIGKILL cannot remove its tool server's temporary sandbox folder: give it
+    # a TMPDIR inside the test's own folder, so the leftovers go with it instead of piling up in /tmp.
+    tmp = run.parent / "tmp"
+    tmp.mkdir(exist_ok=True)
     return subprocess.Popen([sys.executable, str(DRIVER), str(run), "--steps", str(STEPS)],
                             stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.PIPE)
+                            stderr=subprocess.PIPE, env={**os.environ, "TMPDIR": str(tmp)})
 
 
 def _kill_after(p: subprocess.Popen, delay: float, run: Path, log: list) -> None:
