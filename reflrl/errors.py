@@ -4,3 +4,8 @@ the config machinery (:class:`ConfigError` is re-exported by :mod:`reflrl.config
 
 class ConfigError(ValueError):
     """A bad config file, override or value; the message names the key path."""
+
+
+class DiskSpaceError(OSError):
+    """Not enough free disk space for what a run must write (its checkpoints); the message names the
+    folder, the bytes free and needed, and what to do. ``errno`` is ``ENOSPC``."""

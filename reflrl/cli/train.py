@@ -98,7 +98,8 @@ def _run_verl(args: argparse.Namespace) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
-    """The handler: exit status 0, 2 (configuration error) or 3 (the time budget cut a phase)."""
+    """The handler: exit status 0, 2 (configuration error), 3 (the time budget cut a phase) or 4 (not
+    enough disk space for the run's checkpoints)."""
     if args.help_config:
         print(C.config_help())
         return 0
@@ -116,10 +117,15 @@ def run(args: argparse.Namespace) -> int:
         src = args.resume or args.config or str(DEFAULT_CONFIG)
         print(C.dump_config(cfg, header=f"resolved config: {src}"), end="")
         return 0
-    from reflrl.budget import EXIT_BUDGET_CUT
+    from reflrl.budget import EXIT_BUDGET_CUT, EXIT_DISK_FULL
+    from reflrl.errors import DiskSpaceError
     from reflrl.train import format_summary, train
 
-    summary = train(cfg, run_dir, resume=resume, progress=not args.no_progress, quiet=args.quiet,
-                    report=not args.no_report)
+    try:
+        summary = train(cfg, run_dir, resume=resume, progress=not args.no_progress, quiet=args.quiet,
+                        report=not args.no_report)
+    except DiskSpaceError as e:  # before the run starts, or while a checkpoint is written
+        print(f"reflrl train: error: {e.strerror}", file=sys.stderr)
+        return EXIT_DISK_FULL
     print(format_summary(summary), flush=True)
     return EXIT_BUDGET_CUT if summary.get("budget_cuts") else 0

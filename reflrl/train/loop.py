@@ -46,6 +46,7 @@ from reflrl import config as C
 from reflrl import rollout as R
 from reflrl.algos import PreRolloutFilter, groups_to_request
 from reflrl.budget import budget_cut_text, cut_record
+from reflrl.errors import DiskSpaceError
 from reflrl.envs.seeding import derive_seed
 from reflrl.progress import Progress
 from reflrl.recovery import RecoveryLedger, check_cpu_support, own_rollouts, qstar_trajectory, step_accounting
@@ -56,7 +57,7 @@ from . import step as S
 from .batch import make_batch
 from .credit import blamed_fraction, trajectory_credit
 from .data import PromptSampler, splits_from_config
-from .setup import EngineFactory, answer_format, build_components, messages_fn
+from .setup import EngineFactory, answer_format, build_components, check_checkpoint_space, messages_fn
 from .summary import build_summary, ledger_totals
 from .update import dpo_update, policy_update
 from .warmup import run_warmup
@@ -115,6 +116,11 @@ class Trainer:
         self.engine, self.eval_engine, self.remote_engine = parts.engine, parts.eval_engine, parts.remote_engine
         self.variant, self.critic, self.envs, self.tool_server = parts.variant, parts.critic, parts.envs, parts.tool_server
         self.rollout_cfg, self.load_s = parts.rollout, parts.load_s
+        try:
+            check_checkpoint_space(cfg, run_dir, self.model, resume=resume)  # before minutes of work are lost
+        except DiskSpaceError:
+            parts.tool_server.shutdown()
+            raise
         self.eval_cfg = dataclasses.replace(self.rollout_cfg, temperature=0.0)  # greedy, same caps and early stop
         self.eval_batch = 64  # greedy evaluation: prompts decoded together (sorted by length)
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0

@@ -16,7 +16,7 @@ from reflrl.precision import DtypeChoice, resolve_dtype
 from reflrl.threads import fix_threads
 from reflrl.recovery import Variant, build_critic, think_of, variant_of
 from reflrl.rollout import RolloutSpec
-from reflrl.runlog import load_checkpoint
+from reflrl.runlog import check_disk_space, checkpoint_bytes, human_bytes, list_checkpoints, load_checkpoint
 
 EngineFactory = Callable[[torch.nn.Module, Any], Any]
 
@@ -32,6 +32,25 @@ def messages_fn(cfg: C.Config) -> Callable[[Any], list[dict]]:
 
     style, fmt, think = cfg.data.prompt_style, answer_format(cfg), think_of(cfg)
     return lambda task: build_messages(task, style=style, fmt=fmt, think=think)
+
+
+def check_checkpoint_space(cfg: C.Config, run_dir: str | Path, model: torch.nn.Module, *, resume: bool = False,
+                           disk_usage: Callable[[Path], Any] | None = None) -> int:
+    """Raise :class:`~reflrl.errors.DiskSpaceError` unless the run folder's disk can hold the checkpoints
+    the run keeps at once: ``train.keep_checkpoints`` plus the one being written, or fewer if the run
+    writes fewer (after the warm-up, every ``train.save_every`` RL steps, at the end), less those a
+    resumed run already has. Returns the free bytes."""
+    tr = cfg.train
+    saves = 2 + (tr.steps // tr.save_every if tr.save_every else 0)
+    held = min(tr.keep_checkpoints + 1, saves)
+    have = len(list_checkpoints(run_dir)) if resume and Path(run_dir).is_dir() else 0
+    per = checkpoint_bytes(model)
+    return check_disk_space(
+        run_dir, max(1, held - have) * per,
+        f"this run's checkpoints ({held} at a time of about {human_bytes(per)} each: "
+        f"train.keep_checkpoints={tr.keep_checkpoints} and the one being written)",
+        hint="free some space, choose another train.out_dir, or lower train.keep_checkpoints",
+        disk_usage=disk_usage)
 
 
 @dataclass
