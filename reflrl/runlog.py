@@ -63,6 +63,16 @@ def refuse_existing_run(path: str | Path) -> None:
             "or start a new one under another name (--name NAME or --set train.run_name=NAME)")
 
 
+def refuse_slimmed_resume(path: str | Path) -> None:
+    """Raise FileNotFoundError if ``path`` is a finished run whose checkpoints were removed
+    (:func:`slim_run_folder`): resuming it would start it over and overwrite its results."""
+    p = Path(path)
+    if (p / "summary.json").is_file() and not list_checkpoints(p):
+        raise FileNotFoundError(
+            f"run folder {p} is finished (summary.json) and keeps no checkpoint (removed by a sweep's "
+            "--keep-checkpoints): there is nothing to resume; start a new run under another name")
+
+
 def versions() -> dict[str, Any]:
     """Versions of what produced the run: python, torch, transformers, reflrl and the git sha (if any)."""
     import transformers
@@ -433,6 +443,43 @@ def list_checkpoints(run_dir: str | Path) -> list[Path]:
     cks = [p for p in d.iterdir() if p.is_dir() and _CKPT_RE.fullmatch(p.name)
            and (p / "state.json").is_file() and (p / "trainable.pt").is_file()]
     return sorted(cks, key=lambda p: int(p.name.split("_")[1]))
+
+
+KEEP_CHOICES = ("all", "model", "none")
+
+
+def slim_run_folder(run_dir: str | Path, keep: str) -> int:
+    """Reduce a FINISHED run's weights to ``keep`` (:data:`KEEP_CHOICES`); returns the bytes freed.
+
+    ``all`` keeps its checkpoints; ``model`` keeps only the last checkpoint's exported model, moved
+    to ``RUN/model/`` (it loads in transformers and ``reflrl eval --model RUN``), and deletes
+    ``checkpoints/`` (the state a resume needs: a finished run is never resumed); ``none`` deletes
+    ``checkpoints/`` (summary, metrics, events and report stay). Raises ValueError for another
+    ``keep`` or for a run folder without ``summary.json`` (not finished)."""
+    if keep not in KEEP_CHOICES:
+        raise ValueError(f"keep={keep!r}: expected one of {', '.join(KEEP_CHOICES)}")
+    run = Path(run_dir)
+    if keep == "all":
+        return 0
+    if not (run / "summary.json").is_file():
+        raise ValueError(f"{run}: not a finished run (no summary.json); its checkpoints are what --resume needs")
+    cks = run / CHECKPOINT_DIR
+    trash = cks.with_name(CHECKPOINT_DIR + ".del")  # renamed first: never a half-deleted checkpoints/
+    if trash.exists():  # left by a kill during an earlier call
+        shutil.rmtree(trash)
+    if not cks.is_dir():
+        return 0
+    freed = sum(f.stat().st_size for f in cks.rglob("*") if f.is_file())
+    last = latest_checkpoint(run)
+    if keep == "model" and last is not None and (last / "model" / "config.json").is_file():
+        dest = run / "model"
+        if dest.exists():
+            shutil.rmtree(dest)
+        (last / "model").rename(dest)  # same folder tree: a rename, not a copy
+        freed -= sum(f.stat().st_size for f in dest.rglob("*") if f.is_file())
+    cks.rename(trash)
+    shutil.rmtree(trash)
+    return freed
 
 
 def latest_checkpoint(run_dir: str | Path) -> Path | None:

@@ -144,3 +144,84 @@ def test_a_disk_that_fills_up_during_a_save_says_so_and_leaves_no_half_checkpoin
     assert f"reflrl train --resume {small_disk / 'run'}" in msg
     assert list((small_disk / "run" / "checkpoints").iterdir()) == []
     assert shutil.disk_usage(small_disk).free > 5_000_000  # the space is back
+
+
+# ----------------------------------------------------------------------------- a finished run's weights
+def _finished_run(tmp_path: Path):
+    _cfg, model, tok = _policy(tmp_path)
+    run = tmp_path / "run"
+    log = RunLog(run, None)
+    opt = _one_step(model)
+    log.save_checkpoint(0, model=model, tokenizer=tok, optimizer=opt, state={}, keep_last=2)
+    with torch.no_grad():
+        next(p for p in model.parameters() if p.requires_grad).add_(1.0)  # the final weights differ
+    log.save_checkpoint(1, model=model, tokenizer=tok, optimizer=opt, state={}, keep_last=2)
+    log.write_summary({"accuracy_after": 0.5})
+    log.close()
+    return run, model
+
+
+def test_slimming_a_finished_run_keeps_its_final_model_where_eval_finds_it(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    from reflrl.eval.backends import is_run_folder, run_checkpoint
+    from reflrl.runlog import slim_run_folder
+
+    run, model = _finished_run(tmp_path)
+    before = _folder_bytes(run / "checkpoints")
+    final_model_bytes = _folder_bytes(run / "checkpoints" / "step_000001" / "model")
+    freed = slim_run_folder(run, "model")
+    assert freed == before - final_model_bytes and freed > before / 2
+    assert not (run / "checkpoints").exists() and not (run / "checkpoints.del").exists()
+    assert (run / "summary.json").is_file() and (run / "metrics.jsonl").is_file()
+    assert is_run_folder(run) and run_checkpoint(run) == run / "model"
+    loaded = AutoModelForCausalLM.from_pretrained(run / "model", torch_dtype=torch.float32)
+    want = {n: p for n, p in model.named_parameters()}
+    got = dict(loaded.named_parameters())
+    assert want.keys() == got.keys() and all(torch.equal(want[n], got[n]) for n in want)  # the FINAL weights
+    assert slim_run_folder(run, "model") == 0  # again: nothing left to free
+
+
+def test_slimming_to_none_all_and_refusals(tmp_path):
+    from reflrl.eval.backends import run_checkpoint
+    from reflrl.runlog import slim_run_folder
+
+    run, _model = _finished_run(tmp_path)
+    n = len(list_checkpoints(run))
+    assert slim_run_folder(run, "all") == 0 and len(list_checkpoints(run)) == n == 2
+    with pytest.raises(ValueError, match="keep='most'"):
+        slim_run_folder(run, "most")
+    (run / "summary.json").unlink()
+    with pytest.raises(ValueError, match="not a finished run"):  # a resume needs them
+        slim_run_folder(run, "none")
+    assert len(list_checkpoints(run)) == 2
+    (run / "summary.json").write_text("{}")
+    assert slim_run_folder(run, "none") > 0
+    assert not (run / "checkpoints").exists() and not (run / "model").exists()
+    with pytest.raises(FileNotFoundError, match="keeps no weights"):
+        run_checkpoint(run)
+
+
+def test_resuming_a_slimmed_finished_run_is_refused_and_its_results_stay(tmp_path, capsys):
+    """Without the refusal, --resume of a finished run that lost its checkpoints would start it over
+    (RunLog cuts metrics.jsonl back to the last checkpoint's records: none) and overwrite its summary."""
+    from reflrl.cli import main
+    from reflrl.runlog import slim_run_folder
+
+    run, _model = _finished_run(tmp_path)
+    from reflrl import config as C
+
+    cfg = tiny_cfg(tmp_path)
+    C.save_config(cfg, run / "config.yaml")
+    (run / "metrics.jsonl").write_text('{"step": 1, "phase": "train", "reward_mean": 0.5}\n')
+    summary = (run / "summary.json").read_text()
+    slim_run_folder(run, "model")
+    assert main(["train", "--resume", str(run), "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert "is finished (summary.json) and keeps no checkpoint" in err and str(run) in err
+    from reflrl.train import train  # the Python API refuses too, before it loads anything
+
+    with pytest.raises(FileNotFoundError, match="nothing to resume"):
+        train(cfg, run, resume=True, progress=False, quiet=True, report=False)
+    assert (run / "summary.json").read_text() == summary
+    assert (run / "metrics.jsonl").read_text().count("\n") == 1

@@ -168,6 +168,9 @@ def test_sweep_killed_after_its_first_cell_finishes_the_rest_on_rerun(tmp_path):
     assert {c["faults"] for c in cells.values()} == {"none", "rate_limit=0.1"}
     for c in cells.values():
         s = json.loads((out / c["run_dir"] / "summary.json").read_text())
+        # a finished cell keeps its final model only (--keep-checkpoints model, the default)
+        assert not (out / c["run_dir"] / "checkpoints").exists()
+        assert (out / c["run_dir"] / "model" / "config.json").is_file()
         assert s["config"]["seed"] == c["seed"]
         assert (s["config"]["faults"] or "none") == c["faults"]
         assert s["config"]["variant"] == ("tool_rerl" if c["method"] == "tool_rerl" else "grpo")

@@ -46,6 +46,11 @@ def add_experiment_commands(subparsers: Any) -> None:
                         "the same command continues the same sweep)")
     f.add_argument("--jobs", type=int, default=1,
                    help="cells run at the same time (each is a training process; 1 on a small CPU)")
+    f.add_argument("--keep-checkpoints", default="model", choices=("all", "model", "none"),
+                   help="what a finished cell keeps of its weights: 'model' its final model (CELL/model/, "
+                        "0.34 GB with the default recipe in bfloat16; reflrl eval --model CELL_DIR loads it), "
+                        "'all' its checkpoints (1.3 GB), 'none' no weights (results, logs and reports are "
+                        "always kept)")
     f.add_argument("--no-report", action="store_true", help="do not write the sweep report at the end")
     f.add_argument("--no-cell-reports", action="store_true",
                    help="cells skip their own run report (saves a few seconds per cell; 'reflrl report "
@@ -88,7 +93,7 @@ def cmd_experiment_faults(args: argparse.Namespace) -> int:
                          overrides=tuple(args.overrides))
         out = Path(args.out) if args.out else spec.default_out()
         sweep = Sweep(spec, out, jobs=args.jobs, argv=sys.argv[1:], say=lambda m: print(m, flush=True),
-                      cell_reports=not args.no_cell_reports)
+                      cell_reports=not args.no_cell_reports, keep_checkpoints=args.keep_checkpoints)
         rc = sweep.run()
     except (SweepError, GridError) as e:
         return _err(str(e))

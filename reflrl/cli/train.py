@@ -41,7 +41,7 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
 
 def resolve_config(args: argparse.Namespace) -> tuple[C.Config, Path, bool]:
     """(config, run folder, resume?) from the parsed command line."""
-    from reflrl.runlog import refuse_existing_run
+    from reflrl.runlog import refuse_existing_run, refuse_slimmed_resume
 
     overrides = list(args.overrides)
     if args.faults is not None:
@@ -54,6 +54,10 @@ def resolve_config(args: argparse.Namespace) -> tuple[C.Config, Path, bool]:
         run_dir = Path(args.resume)
         if not (run_dir / "config.yaml").is_file():
             raise C.ConfigError(f"--resume {run_dir}: no config.yaml there (not a reflrl run folder)")
+        try:
+            refuse_slimmed_resume(run_dir)
+        except FileNotFoundError as e:
+            raise C.ConfigError(f"--resume: {e}") from None
         cfg = C.load_config(run_dir / "config.yaml", overrides)
         return cfg, run_dir, True
     if args.name:

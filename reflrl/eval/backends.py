@@ -225,22 +225,28 @@ class EndpointBackend:
 
 
 def is_run_folder(path: str | Path) -> bool:
-    """A ``reflrl train`` run folder (it has ``checkpoints/``), as opposed to a model folder."""
+    """A ``reflrl train`` run folder (it has ``checkpoints/``, or only its final ``model/`` as a finished
+    sweep cell keeps it), as opposed to a model folder."""
     p = Path(path).expanduser()
-    return p.is_dir() and (p / "checkpoints").is_dir() and not (p / "config.json").is_file()
+    return (p.is_dir() and not (p / "config.json").is_file()
+            and ((p / "checkpoints").is_dir() or (p / "model" / "config.json").is_file()))
 
 
 def run_checkpoint(run_dir: str | Path) -> Path:
-    """The model folder of a run: the latest ``checkpoints/step_*/model`` (or ``run_dir`` itself when it
-    is a Hugging Face model folder). FileNotFoundError names what was looked for."""
+    """The model folder of a run: the latest ``checkpoints/step_*/model``, else the final ``model/`` a
+    slimmed run keeps (:func:`reflrl.runlog.slim_run_folder`), or ``run_dir`` itself when it is a
+    Hugging Face model folder. FileNotFoundError names what was looked for."""
     run = Path(run_dir)
     if (run / "config.json").is_file():
         return run
     from reflrl.runlog import latest_checkpoint
 
     ck = latest_checkpoint(run)
+    if ck is None and (run / "model" / "config.json").is_file():
+        return run / "model"
     if ck is None:
-        raise FileNotFoundError(f"{run}: no checkpoints/step_*/ with state.json (is it a reflrl run folder?)")
+        raise FileNotFoundError(f"{run}: no checkpoints/step_*/ with state.json and no model/ "
+                                "(is it a reflrl run folder? a sweep run with --keep-checkpoints none keeps no weights)")
     model_dir = ck / "model"
     if not (model_dir / "config.json").is_file():
         raise FileNotFoundError(f"{ck}: checkpoint has no exported model/ folder (saved with export=False?)")

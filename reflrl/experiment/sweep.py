@@ -9,6 +9,9 @@ The sweep folder::
         cells/<cell id>/      one run folder per cell (config.yaml, metrics.jsonl, summary.json, ...)
         logs/<cell id>.log    the cell's ``reflrl train`` output, every attempt appended
         failed/<cell id>-attempt<N>/   the folder of an attempt that crashed (checkpoints dropped)
+
+A finished cell keeps only its final model (``cells/<cell id>/model/``, which ``reflrl eval --model
+CELL_DIR`` loads), its checkpoints deleted; ``keep_checkpoints`` ("all", "model", "none") chooses.
         report.html, report.md, plots/   written by ``reflrl report SWEEP`` (and at the sweep's end)
 
 Each cell runs ``python -m reflrl train`` in its own process, so a crash in one cell is recorded
@@ -301,11 +304,17 @@ class Sweep:
     """
 
     def __init__(self, spec: SweepSpec, out: Path, *, jobs: int = 1, python: str = sys.executable,
-                 say: Callable[[str], None] = print, argv: list[str] | None = None, cell_reports: bool = True):
+                 say: Callable[[str], None] = print, argv: list[str] | None = None, cell_reports: bool = True,
+                 keep_checkpoints: str = "model"):
+        from reflrl.runlog import KEEP_CHOICES
+
         if jobs < 1:
             raise SweepError(f"--jobs {jobs}: need at least 1")
+        if keep_checkpoints not in KEEP_CHOICES:
+            raise SweepError(f"--keep-checkpoints {keep_checkpoints}: expected one of {', '.join(KEEP_CHOICES)}")
         self.spec, self.out, self.jobs, self.python, self.say = spec, Path(out).resolve(), jobs, python, say
         self.cell_reports = cell_reports
+        self.keep_checkpoints = keep_checkpoints
         self.cells = plan_cells(spec)  # validates the grid
         self.recipes = {m: method_recipe(m, Path(spec.config) if spec.config else None) for m in spec.methods}
         self.manifest = Manifest(self.out / MANIFEST, spec, self.cells, extra={"argv": argv or []})
@@ -427,6 +436,7 @@ class Sweep:
         c.returncode, c.finished = rc, now()
         if rc in (0, EXIT_BUDGET_CUT) and self.is_done(c):
             c.status = "done"
+            self._slim(c)
             if rc == EXIT_BUDGET_CUT:  # finished, but a phase was cut: kept, and said in the manifest
                 c.error = "the time budget cut a phase of this cell (summary.json budget_cuts): not the recipe's result"
         elif rc < 0 or self._stopping:  # killed by a signal: resume next time
@@ -437,6 +447,16 @@ class Sweep:
             c.error = f"exit status {rc}" + (f" (no summary.json)" if rc == 0 else "") + ": " + " | ".join(tail)[-1500:]
         self.manifest.save()
         return c
+
+    def _slim(self, c: Cell) -> None:
+        """A finished cell keeps the weights ``--keep-checkpoints`` asks for (a sweep of tens of cells
+        would otherwise hold about 1.4 GB of checkpoints per cell with the default recipe)."""
+        from reflrl.runlog import slim_run_folder
+
+        try:
+            slim_run_folder(self.run_dir(c), self.keep_checkpoints)
+        except OSError as e:  # the cell's result is whole; only the clean-up failed: say it, go on
+            self.say(f"cell {c.id}: could not remove its checkpoints ({e}); the result is kept")
 
     # ---------------------------------------------------------------- the sweep
     def _describe(self, c: Cell) -> str:

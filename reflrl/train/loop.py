@@ -50,7 +50,7 @@ from reflrl.errors import DiskSpaceError
 from reflrl.envs.seeding import derive_seed
 from reflrl.progress import Progress
 from reflrl.recovery import RecoveryLedger, check_cpu_support, own_rollouts, qstar_trajectory, step_accounting
-from reflrl.runlog import RunLog, latest_checkpoint, load_checkpoint, refuse_existing_run
+from reflrl.runlog import RunLog, latest_checkpoint, load_checkpoint, refuse_existing_run, refuse_slimmed_resume
 from reflrl.threads import fix_threads
 
 from . import step as S
@@ -78,6 +78,8 @@ class Trainer:
         self.t_start = time.perf_counter()
         if not resume:
             refuse_existing_run(run_dir)  # before the model loads
+        else:
+            refuse_slimmed_resume(run_dir)  # before RunLog would cut its metrics back to no checkpoint
         # bars on a terminal, plain lines with elapsed time and ETA elsewhere (CI logs, nohup, pipes)
         self.progress_out = Progress(enabled=progress and not quiet, clock=self.elapsed, start=0.0,
                                      remaining_after=self._remaining_after)
