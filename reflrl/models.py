@@ -59,6 +59,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from .diskspace import check_disk_space, tensor_bytes
 from .paths import cache_root
 from .trainable import (LORA_TARGETS, apply_lora, apply_trainable, count_parameters,  # noqa: F401  (re-exported)
                         parse_trainable, trainable_parameters)
@@ -244,6 +245,9 @@ def _convert_embedded() -> Path:
         str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32, local_files_only=True
     )
     _apply_token_ids(model, tok)
+    check_disk_space(folder.parent, tensor_bytes(model) + (16 << 20),
+                     f"the embedded model, converted once to float32 ({folder})",
+                     hint="free some space, or set REFLRL_CACHE to a folder on a disk with room")
     with _atomic_dir(folder) as tmp:
         model.save_pretrained(tmp)
         tok.save_pretrained(tmp)

@@ -36,15 +36,14 @@ import shutil
 import subprocess
 import sys
 import time
-import traceback
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 import torch
 import yaml
 
-from reflrl.errors import DiskSpaceError
+from reflrl.diskspace import DiskSpaceError, disk_full, human_bytes, release_frames, tensor_bytes
 
 CHECKPOINT_DIR = "checkpoints"
 METRICS = "metrics.jsonl"
@@ -292,9 +291,9 @@ class RunLog:
                 export_model(model, tokenizer, tmp / "model")
         except Exception as e:  # noqa: BLE001 - torch.save and safetensors report a full disk in their own types
             size = checkpoint_bytes(model, export=export)
-            if not _disk_full(e, self.path, size):
+            if not disk_full(e, self.path, size):
                 raise
-            _release_frames(e)  # a frame of torch.save may hold the open, half-written file
+            release_frames(e)  # a frame of torch.save may hold the open, half-written file
             shutil.rmtree(tmp, ignore_errors=True)  # the half-written checkpoint holds what space is left
             free = shutil.disk_usage(self.path).free
             raise DiskSpaceError(errno.ENOSPC, (
@@ -364,65 +363,12 @@ def export_model(model: torch.nn.Module, tokenizer: Any, out: Path) -> None:
             hf_logging.enable_progress_bar()
 
 
-def _disk_full(e: BaseException | None, path: Path, size: int) -> bool:
-    """Did writing a checkpoint of ``size`` bytes under ``path`` fail with "no space left on device"?
-    An OSError says so by its errno, safetensors' error in its message; torch.save's RuntimeError does
-    not say it (torch 2.13: "unexpected pos ..."), so for it the disk's free space decides."""
-    while e is not None:
-        if isinstance(e, OSError) and e.errno == errno.ENOSPC or "No space left on device" in str(e):
-            return True
-        if isinstance(e, RuntimeError):
-            return shutil.disk_usage(path).free < size
-        e = e.__cause__ or e.__context__
-    return False
-
-
-def _release_frames(e: BaseException | None) -> None:
-    """Clear the local variables of the frames in ``e``'s traceback and in those of the exceptions it
-    was raised from, so that an error kept by a caller does not keep files open."""
-    seen: set[int] = set()
-    while e is not None and id(e) not in seen:
-        seen.add(id(e))
-        traceback.clear_frames(e.__traceback__)
-        e = e.__cause__ or e.__context__
-
-
-def human_bytes(n: float) -> str:
-    """``n`` bytes for a message: GB from 1 GB up, MB below."""
-    return f"{n / 1e9:.2f} GB" if n >= 1e9 else f"{n / 1e6:.0f} MB"
-
-
 def checkpoint_bytes(model: torch.nn.Module, *, export: bool = True) -> int:
     """About how many bytes one checkpoint of ``model`` takes on disk (:meth:`RunLog.save_checkpoint`):
     the trainable parameters, AdamW's two moments of each (the parameters' dtype), and with ``export``
     the whole model once more (``model/``; a tied embedding counted once). The tokenizer, RNG state and
     state.json are small and left out."""
-    seen: set[int] = set()
-    whole = trainable = 0
-    for p in model.parameters():
-        n = p.numel() * p.element_size()
-        if p.requires_grad:
-            trainable += n
-        if p.data_ptr() not in seen:
-            seen.add(p.data_ptr())
-            whole += n
-    return 3 * trainable + (whole if export else 0)
-
-
-def check_disk_space(path: str | Path, need_bytes: int, what: str, *, hint: str = "",
-                     disk_usage: Callable[[Path], Any] | None = None) -> int:
-    """Raise :class:`DiskSpaceError` if the disk that holds (or will hold) ``path`` has less than
-    ``need_bytes`` free; ``what`` says what needs them, ``hint`` what to do. Returns the free bytes.
-    ``disk_usage`` (default ``shutil.disk_usage``) is asked for ``path``'s nearest existing folder."""
-    where = Path(path).absolute()
-    while not where.exists() and where != where.parent:
-        where = where.parent
-    free = int((disk_usage or shutil.disk_usage)(where).free)
-    if free < need_bytes:
-        raise DiskSpaceError(errno.ENOSPC, f"not enough disk space for {what}: the disk of {path} has "
-                                           f"{human_bytes(free)} free, about {human_bytes(need_bytes)} are needed"
-                                           + (f"; {hint}" if hint else ""))
-    return free
+    return 3 * tensor_bytes(model, trainable_only=True) + (tensor_bytes(model) if export else 0)
 
 
 def _remove_checkpoint(ck: Path) -> None:

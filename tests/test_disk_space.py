@@ -13,8 +13,9 @@ import pytest
 import torch
 
 from doubles import tiny_cfg
+from reflrl.diskspace import check_disk_space
 from reflrl.errors import DiskSpaceError
-from reflrl.runlog import RunLog, check_disk_space, checkpoint_bytes, list_checkpoints
+from reflrl.runlog import RunLog, checkpoint_bytes, list_checkpoints
 from reflrl.train.setup import check_checkpoint_space, load_policy
 
 Usage = namedtuple("Usage", "total used free")
@@ -225,3 +226,21 @@ def test_resuming_a_slimmed_finished_run_is_refused_and_its_results_stay(tmp_pat
         train(cfg, run, resume=True, progress=False, quiet=True, report=False)
     assert (run / "summary.json").read_text() == summary
     assert (run / "metrics.jsonl").read_text().count("\n") == 1
+
+
+@pytest.mark.slow
+def test_converting_the_embedded_model_without_room_says_where_and_writes_nothing(tmp_path, monkeypatch):
+    """The embedded GGUF is converted once into the cache (0.5 GB); without room the error names the
+    folder and REFLRL_CACHE instead of a serialization error from deep inside safetensors."""
+    from reflrl import models as M
+
+    monkeypatch.setenv("REFLRL_CACHE", str(tmp_path / "cache"))
+    real = shutil.disk_usage
+    monkeypatch.setattr(shutil, "disk_usage", lambda p: real(p)._replace(free=100_000_000))  # 100 MB free
+    with pytest.raises(DiskSpaceError) as e:
+        M._convert_embedded()
+    msg = e.value.strerror
+    assert "the embedded model, converted once to float32" in msg and str(tmp_path / "cache") in msg
+    assert "100 MB free" in msg and "REFLRL_CACHE" in msg
+    assert not M.embedded_cache_dir().exists()
+    assert not list((tmp_path / "cache" / "models").glob(".tmp-*"))

@@ -111,6 +111,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
     from reflrl.eval.backends import Decoding, make_backend
     from reflrl.eval.bfcl import BfclUnavailable
     from reflrl.eval.run import EvalOptions, default_out_dir, run_eval
+    from reflrl.errors import DiskSpaceError
 
     try:
         if "bfcl" in args.targets:
@@ -134,6 +135,8 @@ def cmd_eval(args: argparse.Namespace) -> int:
         result = run_eval(backend, opts, out_dir=out_dir, log=lambda m: print(m, file=sys.stderr))
     except (DataError, ValueError, BfclUnavailable, FileNotFoundError) as e:
         return _fail(str(e))
+    except DiskSpaceError as e:  # e.g. no room to convert the embedded model once
+        return _fail(e.strerror)
     from reflrl.eval.tables import markdown_report
 
     print(markdown_report(result))

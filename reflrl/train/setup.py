@@ -16,7 +16,8 @@ from reflrl.precision import DtypeChoice, resolve_dtype
 from reflrl.threads import fix_threads
 from reflrl.recovery import Variant, build_critic, think_of, variant_of
 from reflrl.rollout import RolloutSpec
-from reflrl.runlog import check_disk_space, checkpoint_bytes, human_bytes, list_checkpoints, load_checkpoint
+from reflrl.diskspace import check_disk_space, human_bytes
+from reflrl.runlog import checkpoint_bytes, list_checkpoints, load_checkpoint
 
 EngineFactory = Callable[[torch.nn.Module, Any], Any]
 
