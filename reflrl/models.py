@@ -48,6 +48,7 @@ import contextlib
 import hashlib
 import importlib.util
 import json
+import math
 import os
 import shutil
 import tempfile
@@ -59,7 +60,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .diskspace import check_disk_space, tensor_bytes
+from .diskspace import check_disk_space
 from .paths import cache_root
 from .trainable import (LORA_TARGETS, apply_lora, apply_trainable, count_parameters,  # noqa: F401  (re-exported)
                         parse_trainable, trainable_parameters)
@@ -238,16 +239,16 @@ def _convert_embedded() -> Path:
     folder = embedded_cache_dir()
     if folder.is_dir():
         return folder
-    tok = _embedded_tokenizer()
     gguf = embedded_gguf_path()
+    check_disk_space(folder.parent, _gguf_float32_bytes(gguf) + (32 << 20),  # + tokenizer, config
+                     f"the embedded model, converted once to float32 ({folder})",
+                     hint="free some space, or set REFLRL_CACHE to a folder on a disk with room")
+    tok = _embedded_tokenizer()
     t0 = time.perf_counter()
     model = AutoModelForCausalLM.from_pretrained(
         str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32, local_files_only=True
     )
     _apply_token_ids(model, tok)
-    check_disk_space(folder.parent, tensor_bytes(model) + (16 << 20),
-                     f"the embedded model, converted once to float32 ({folder})",
-                     hint="free some space, or set REFLRL_CACHE to a folder on a disk with room")
     with _atomic_dir(folder) as tmp:
         model.save_pretrained(tmp)
         tok.save_pretrained(tmp)
@@ -261,6 +262,13 @@ def _convert_embedded() -> Path:
             )
         )
     return folder
+
+
+def _gguf_float32_bytes(path: Path) -> int:
+    """Bytes of a GGUF model's tensors once dequantized to float32, from its header (no tensor is read)."""
+    from gguf import GGUFReader
+
+    return 4 * sum(int(math.prod(int(d) for d in t.shape)) for t in GGUFReader(str(path)).tensors)
 
 
 def _apply_token_ids(model: nn.Module, tokenizer: Any) -> None:

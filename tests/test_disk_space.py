@@ -243,4 +243,5 @@ def test_converting_the_embedded_model_without_room_says_where_and_writes_nothin
     assert "the embedded model, converted once to float32" in msg and str(tmp_path / "cache") in msg
     assert "100 MB free" in msg and "REFLRL_CACHE" in msg
     assert not M.embedded_cache_dir().exists()
+    assert not (tmp_path / "cache" / "tokenizers").exists()  # refused from the GGUF's header, before any work
     assert not list((tmp_path / "cache" / "models").glob(".tmp-*"))
