@@ -7,5 +7,6 @@ class ConfigError(ValueError):
 
 
 class DiskSpaceError(OSError):
-    """Not enough free disk space for what a run must write (its checkpoints); the message names the
-    folder, the bytes free and needed, and what to do. ``errno`` is ``ENOSPC``."""
+    """Not enough free disk space for what must be written (a run's checkpoints, the embedded model's
+    conversion); the message names the folder, the bytes free and needed, and what to do. ``errno``
+    is ``ENOSPC``."""

@@ -86,7 +86,7 @@ def test_the_run_needs_room_for_the_checkpoints_it_holds_at_once(tmp_path, keep,
     per = checkpoint_bytes(model)
     room = lambda free: (lambda _p: Usage(10**12, 0, free))  # noqa: E731
     assert check_checkpoint_space(cfg, tmp_path / "run", model, disk_usage=room(held * per)) == held * per
-    with pytest.raises(DiskSpaceError, match=f"{held} at a time"):
+    with pytest.raises(DiskSpaceError, match=f"up to {held} at once"):
         check_checkpoint_space(cfg, tmp_path / "run", model, disk_usage=room(held * per - 1))
 
 

@@ -9,10 +9,10 @@ The sweep folder::
         cells/<cell id>/      one run folder per cell (config.yaml, metrics.jsonl, summary.json, ...)
         logs/<cell id>.log    the cell's ``reflrl train`` output, every attempt appended
         failed/<cell id>-attempt<N>/   the folder of an attempt that crashed (checkpoints dropped)
+        report.html, report.md, plots/   written by ``reflrl report SWEEP`` (and at the sweep's end)
 
 A finished cell keeps only its final model (``cells/<cell id>/model/``, which ``reflrl eval --model
 CELL_DIR`` loads), its checkpoints deleted; ``keep_checkpoints`` ("all", "model", "none") chooses.
-        report.html, report.md, plots/   written by ``reflrl report SWEEP`` (and at the sweep's end)
 
 Each cell runs ``python -m reflrl train`` in its own process, so a crash in one cell is recorded
 (status ``failed``, exit status, the log's tail) and the sweep goes on with the next.
@@ -450,7 +450,7 @@ class Sweep:
 
     def _slim(self, c: Cell) -> None:
         """A finished cell keeps the weights ``--keep-checkpoints`` asks for (a sweep of tens of cells
-        would otherwise hold about 1.4 GB of checkpoints per cell with the default recipe)."""
+        would otherwise hold about 1.3 GB of checkpoints per cell with the default recipe in bfloat16)."""
         from reflrl.runlog import slim_run_folder
 
         try:

@@ -48,8 +48,8 @@ def check_checkpoint_space(cfg: C.Config, run_dir: str | Path, model: torch.nn.M
     per = checkpoint_bytes(model)
     return check_disk_space(
         run_dir, max(1, held - have) * per,
-        f"this run's checkpoints ({held} at a time of about {human_bytes(per)} each: "
-        f"train.keep_checkpoints={tr.keep_checkpoints} and the one being written)",
+        f"this run's checkpoints (up to {held} at once, about {human_bytes(per)} each: "
+        f"train.keep_checkpoints={tr.keep_checkpoints} kept while the next is written)",
         hint="free some space, choose another train.out_dir, or lower train.keep_checkpoints",
         disk_usage=disk_usage)
 
