@@ -13,7 +13,8 @@ import torch
 
 from reflrl.errors import DiskSpaceError
 
-__all__ = ["DiskSpaceError", "check_disk_space", "disk_full", "human_bytes", "release_frames", "tensor_bytes"]
+__all__ = ["DiskSpaceError", "check_disk_space", "disk_full", "human_bytes", "release_frames", "tensor_bytes",
+           "tree_bytes"]
 
 
 def tensor_bytes(module: torch.nn.Module, *, trainable_only: bool = False) -> int:
@@ -26,6 +27,11 @@ def tensor_bytes(module: torch.nn.Module, *, trainable_only: bool = False) -> in
         seen.add(p.data_ptr())
         n += p.numel() * p.element_size()
     return n
+
+
+def tree_bytes(path: Path) -> int:
+    """Bytes of the files under ``path`` (a folder), as their sizes say."""
+    return sum(f.stat().st_size for f in Path(path).rglob("*") if f.is_file())
 
 
 def human_bytes(n: float) -> str:

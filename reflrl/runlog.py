@@ -43,7 +43,7 @@ import numpy as np
 import torch
 import yaml
 
-from reflrl.diskspace import DiskSpaceError, disk_full, human_bytes, release_frames, tensor_bytes
+from reflrl.diskspace import DiskSpaceError, disk_full, human_bytes, release_frames, tensor_bytes, tree_bytes
 
 CHECKPOINT_DIR = "checkpoints"
 METRICS = "metrics.jsonl"
@@ -415,14 +415,14 @@ def slim_run_folder(run_dir: str | Path, keep: str) -> int:
         shutil.rmtree(trash)
     if not cks.is_dir():
         return 0
-    freed = sum(f.stat().st_size for f in cks.rglob("*") if f.is_file())
+    freed = tree_bytes(cks)
     last = latest_checkpoint(run)
     if keep == "model" and last is not None and (last / "model" / "config.json").is_file():
         dest = run / "model"
         if dest.exists():
             shutil.rmtree(dest)
         (last / "model").rename(dest)  # same folder tree: a rename, not a copy
-        freed -= sum(f.stat().st_size for f in dest.rglob("*") if f.is_file())
+        freed -= tree_bytes(dest)
     cks.rename(trash)
     shutil.rmtree(trash)
     return freed

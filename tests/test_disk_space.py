@@ -13,16 +13,12 @@ import pytest
 import torch
 
 from doubles import tiny_cfg
-from reflrl.diskspace import check_disk_space
+from reflrl.diskspace import check_disk_space, tree_bytes
 from reflrl.errors import DiskSpaceError
 from reflrl.runlog import RunLog, checkpoint_bytes, list_checkpoints
 from reflrl.train.setup import check_checkpoint_space, load_policy
 
 Usage = namedtuple("Usage", "total used free")
-
-
-def _folder_bytes(p: Path) -> int:
-    return sum(f.stat().st_size for f in p.rglob("*") if f.is_file())
 
 
 def _policy(tmp_path: Path, **over):
@@ -47,8 +43,8 @@ def test_the_estimate_matches_a_written_checkpoint(tmp_path, over):
     _cfg, model, tok = _policy(tmp_path, **over)
     opt = _one_step(model)
     ck = RunLog(tmp_path / "run", None).save_checkpoint(0, model=model, tokenizer=tok, optimizer=opt, state={})
-    est, real = checkpoint_bytes(model), _folder_bytes(ck)
-    tok_bytes = _folder_bytes(ck / "model") - sum(f.stat().st_size for f in (ck / "model").glob("*.safetensors"))
+    est, real = checkpoint_bytes(model), tree_bytes(ck)
+    tok_bytes = tree_bytes(ck / "model") - sum(f.stat().st_size for f in (ck / "model").glob("*.safetensors"))
     # the estimate leaves out the tokenizer files, RNG state and state.json; the tensors it counts
     assert 0.9 < est / (real - tok_bytes) < 1.1, (est, real, tok_bytes)
     # and it is not the trivial answer: a frozen model has no optimizer state and no trainable copy
@@ -169,8 +165,8 @@ def test_slimming_a_finished_run_keeps_its_final_model_where_eval_finds_it(tmp_p
     from reflrl.runlog import slim_run_folder
 
     run, model = _finished_run(tmp_path)
-    before = _folder_bytes(run / "checkpoints")
-    final_model_bytes = _folder_bytes(run / "checkpoints" / "step_000001" / "model")
+    before = tree_bytes(run / "checkpoints")
+    final_model_bytes = tree_bytes(run / "checkpoints" / "step_000001" / "model")
     freed = slim_run_folder(run, "model")
     assert freed == before - final_model_bytes and freed > before / 2
     assert not (run / "checkpoints").exists() and not (run / "checkpoints.del").exists()

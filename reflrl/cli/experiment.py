@@ -46,6 +46,7 @@ def add_experiment_commands(subparsers: Any) -> None:
                         "the same command continues the same sweep)")
     f.add_argument("--jobs", type=int, default=1,
                    help="cells run at the same time (each is a training process; 1 on a small CPU)")
+    # the choices of reflrl.runlog.KEEP_CHOICES, written out: building the parser imports no torch
     f.add_argument("--keep-checkpoints", default="model", choices=("all", "model", "none"),
                    help="what a finished cell keeps of its weights: 'model' its final model (CELL/model/, "
                         "0.34 GB with the default recipe in bfloat16; reflrl eval --model CELL_DIR loads it), "
