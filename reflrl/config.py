@@ -212,6 +212,7 @@ class TrainConfig:
     seed: int = _f(0, "seed of sampling, data order and model init")
     out_dir: str = _f("runs", "parent folder of run folders")
     run_name: str | None = _f(None, "run folder name; null = generated from time and seed")
+    device: str = _f("auto", "where the model, rollouts, log-probs and update run: 'auto' (cuda when torch sees a CUDA device, else cpu) | 'cpu' | 'cuda' (the first CUDA device; model.dtype auto is bfloat16 there); reflrl.device")
     threads: int | None = _f(None, "torch CPU threads, fixed for the run; null = torch's default (one per core; the reflrl command makes waiting OpenMP threads sleep, so a busy machine slows a run down in proportion instead of collapsing: reflrl.threads)")
 
 
@@ -517,6 +518,7 @@ def validate(cfg: Config) -> Config:
     need(tr.time_budget_min is None or tr.time_budget_min > 0,
          f"train.time_budget_min: must be > 0 or null, got {tr.time_budget_min}")
     need(tr.threads is None or tr.threads >= 1, f"train.threads: must be >= 1 or null, got {tr.threads}")
+    _choice(e, "train.device", tr.device, ("auto", "cpu", "cuda"))
     if tr.run_name is not None:
         need(tr.run_name not in ("", ".", "..") and "/" not in tr.run_name and "\\" not in tr.run_name,
              f"train.run_name: must be a plain folder name, got {tr.run_name!r}")

@@ -114,6 +114,9 @@ def run(args: argparse.Namespace) -> int:
         from reflrl.recovery import check_cpu_support
 
         check_cpu_support(cfg)  # e.g. reflection.variant='ppo': exit 2 with the reason, before loading anything
+        from reflrl.device import check_device_support, resolve_device
+
+        check_device_support(cfg, resolve_device(cfg.train.device))  # train.device=cuda without a GPU: exit 2
     except (C.ConfigError, ValueError) as e:
         print(f"reflrl train: error: {e}", file=sys.stderr)
         return 2

@@ -56,7 +56,8 @@ def sample_next(
     # Inverse-CDF sampling: one uniform per row against the cumulative distribution. Same law as
     # torch.multinomial, about 10x cheaper over a 49,152-token vocabulary on the CPU.
     cdf = probs.cumsum(dim=-1)
-    u = torch.rand((probs.shape[0], 1), generator=generator, dtype=cdf.dtype) * cdf[:, -1:]
+    # drawn on the CPU generator whatever the device: the same seed gives the same draws on CPU and GPU
+    u = torch.rand((probs.shape[0], 1), generator=generator, dtype=cdf.dtype).to(cdf.device) * cdf[:, -1:]
     tok = torch.searchsorted(cdf, u, right=True).clamp_(max=probs.shape[-1] - 1)
     # a zero-probability token can't be drawn: step past exact ties at the boundary
     tok = torch.where(probs.gather(-1, tok) > 0, tok, (probs > 0).float().argmax(-1, keepdim=True))
@@ -85,6 +86,11 @@ class TransformersEngine:
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
         self.eos_id = tokenizer.eos_token_id
         self.last_stats = GenerateStats()
+
+    @property
+    def device(self) -> torch.device:
+        """The model's device (``train.device``): every tensor the engine makes goes there."""
+        return next(self.model.parameters()).device
 
     def update_weights(self, model: nn.Module) -> None:
         """Sample from ``model`` from now on (the same object is shared, so usually a no-op)."""
@@ -158,6 +164,7 @@ class TransformersEngine:
         trunk = self.trunk_cache if growable(self.model.config) else None
         depth = trunk.check() if trunk is not None else 0
         parts, hs = [], torch.empty(0)
+        dev = self.device
         for idx in chunks:
             cw = max(len(prompts[i]) for i in idx)
             ids = torch.full((len(idx), cw), self.pad_id, dtype=torch.long)
@@ -165,6 +172,7 @@ class TransformersEngine:
             for r, i in enumerate(idx):
                 ids[r, cw - len(prompts[i]):] = torch.tensor(prompts[i], dtype=torch.long)
                 mask[r, cw - len(prompts[i]):] = 1
+            ids, mask = ids.to(dev), mask.to(dev)  # the model's device (train.device)
             pos = (mask.cumsum(-1) - 1).clamp(min=0)
             cache = growing_cache(self.model.config)
             chunk_prompts = [prompts[i] for i in idx]
@@ -189,7 +197,7 @@ class TransformersEngine:
                 return h, cache
             if hs.numel() == 0:
                 hs = h.new_empty((len(prompts), h.shape[-1]))
-            hs[torch.tensor(idx)] = h
+            hs[torch.tensor(idx, device=h.device)] = h
             parts.append((idx, cache))
         return hs, merge_left_padded(parts, len(prompts), width)
 
@@ -214,6 +222,7 @@ class TransformersEngine:
         mask = torch.zeros((num, width), dtype=torch.long)
         for i, p in enumerate(prompts):  # left padding
             mask[i, width - len(p) :] = 1
+        mask = mask.to(self.device)
         st.prompt_tokens += int(mask.sum())
         h, cache = self._prefill(decoder, prompts, width)
         if n > 1:  # one prefill per prompt, copied to its n samples
@@ -222,8 +231,8 @@ class TransformersEngine:
             h = h.repeat_interleave(n, dim=0)
         rows = num * n
         next_pos = mask.sum(-1)  # [R] position of the next token
-        active = torch.arange(rows)  # original row of each live batch row
-        stop = torch.tensor(sorted(set(stop_ids)), dtype=torch.long)
+        active = torch.arange(rows, device=mask.device)  # original row of each live batch row
+        stop = torch.tensor(sorted(set(stop_ids)), dtype=torch.long, device=mask.device)
         toks: list[list[int]] = [[] for _ in range(rows)]
         lps: list[list[float]] = [[] for _ in range(rows)]
         finish: list[FinishReason] = ["length"] * rows
@@ -249,7 +258,7 @@ class TransformersEngine:
                         continue
                 if len(toks[r]) >= row_cap[r]:
                     flags[j] = True  # finish stays "length"
-            done = torch.tensor(flags, dtype=torch.bool)
+            done = torch.tensor(flags, dtype=torch.bool, device=mask.device)
             if step == max_new - 1:
                 break
             if bool(done.any()):
@@ -258,7 +267,7 @@ class TransformersEngine:
                     break
                 cache.batch_select_indices(keep)
                 mask, next_pos, active, tok = mask[keep], next_pos[keep], active[keep], tok[keep]
-            mask = torch.cat([mask, torch.ones((mask.shape[0], 1), dtype=mask.dtype)], dim=1)
+            mask = torch.cat([mask, torch.ones((mask.shape[0], 1), dtype=mask.dtype, device=mask.device)], dim=1)
             h = decoder(
                 input_ids=tok[:, None],
                 attention_mask=mask,

@@ -53,6 +53,13 @@ class UpdateBatch:
                                                          self.engine_logprobs, self.advantages)),
                            pad_id=self.pad_id, repaired=None if self.repaired is None else self.repaired[ix])
 
+    def to(self, device: torch.device | str) -> "UpdateBatch":
+        """The same batch with its tensors on ``device`` (the model's, ``train.device``)."""
+        t = [x.to(device) for x in (self.owner, self.resp_ids, self.resp_attn, self.response_mask,
+                                    self.engine_logprobs, self.advantages)]
+        return UpdateBatch(self.prompts, *t, pad_id=self.pad_id,
+                           repaired=None if self.repaired is None else self.repaired.to(device))
+
     def full(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Right-padded full sequences: (input_ids, attention_mask, response_mask), each [B, L], with
         the response mask on the action tokens (the layout of ``reflrl.logprobs.sequence_logprobs``)."""
@@ -81,7 +88,7 @@ class UpdateBatch:
 
     def from_full(self, x: torch.Tensor) -> torch.Tensor:
         """Map a [B, L] tensor laid out like :meth:`full` back to the [B, R] response layout."""
-        out = torch.zeros(self.resp_ids.shape, dtype=x.dtype)
+        out = torch.zeros(self.resp_ids.shape, dtype=x.dtype, device=x.device)
         for i, o in enumerate(self.owner.tolist()):
             P, Rn = len(self.prompts[o]), int(self.resp_attn[i].sum())
             out[i, :Rn] = x[i, P: P + Rn]
@@ -159,13 +166,14 @@ def batch_logprobs(model: torch.nn.Module, mb: UpdateBatch, temperature: float =
     from reflrl.logprobs import head_of, sequence_logprobs, token_logprobs_from_hidden
 
     if not share_prompt:
-        ids, attn, resp = mb.full()
+        dev = next(model.parameters()).device
+        ids, attn, resp = (t.to(dev) for t in mb.full())
         return mb.from_full(sequence_logprobs(model, ids, attn, resp, temperature))
     _decoder, weight, bias = head_of(model)
     pred, rows, cols = response_hidden(model, mb)
     lp = token_logprobs_from_hidden(pred, mb.resp_ids[rows, cols], weight, bias, temperature=temperature)
     B, Rn = mb.resp_ids.shape
-    out = torch.zeros((B, Rn), dtype=torch.float32)
+    out = torch.zeros((B, Rn), dtype=torch.float32, device=lp.device)
     return out.index_put((rows, cols), lp)
 
 
@@ -185,6 +193,8 @@ def response_hidden(model: torch.nn.Module, mb: UpdateBatch) -> tuple[torch.Tens
     for g, p in enumerate(mb.prompts):  # left padding: every prompt ends at column P-1
         p_ids[g, P - len(p):] = torch.tensor(p, dtype=torch.long)
         p_mask[g, P - len(p):] = 1
+    dev = mb.resp_ids.device  # the model's device: policy_update moves each micro-batch there
+    p_ids, p_mask = p_ids.to(dev), p_mask.to(dev)
     cache = DynamicCache(config=model.config)
     h_p = decoder(input_ids=p_ids, attention_mask=p_mask, position_ids=(p_mask.cumsum(-1) - 1).clamp(min=0),
                   past_key_values=cache, use_cache=True).last_hidden_state  # [G, P, H]
@@ -192,7 +202,7 @@ def response_hidden(model: torch.nn.Module, mb: UpdateBatch) -> tuple[torch.Tens
     cache.batch_select_indices(owner)  # each rollout gets (a view of) its prompt's keys/values
     B, Rn = mb.resp_ids.shape
     full_mask = torch.cat([p_mask[owner], mb.resp_attn], dim=1)
-    pos = p_mask.sum(-1)[owner][:, None] + torch.arange(Rn)[None, :]
+    pos = p_mask.sum(-1)[owner][:, None] + torch.arange(Rn, device=dev)[None, :]
     h_r = decoder(input_ids=mb.resp_ids, attention_mask=full_mask, position_ids=pos, past_key_values=cache,
                   use_cache=True).last_hidden_state  # [B, R, H]
     # the hidden state predicting response token t: the prompt's last position for t = 0, else h_r[t-1]

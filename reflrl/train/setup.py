@@ -12,7 +12,8 @@ from typing import Any, Callable, Sequence
 import torch
 
 from reflrl import config as C
-from reflrl.precision import DtypeChoice, resolve_dtype
+from reflrl.device import check_device_support, resolve_device, resolve_precision
+from reflrl.precision import DtypeChoice
 from reflrl.threads import fix_threads
 from reflrl.recovery import Variant, build_critic, think_of, variant_of
 from reflrl.rollout import RolloutSpec
@@ -83,14 +84,18 @@ def load_policy(cfg: C.Config, say: Callable[[str], None]) -> tuple[torch.nn.Mod
     hf_logging.disable_progress_bar()  # our own bars only
     t0 = time.perf_counter()
     m = cfg.model
-    precision = resolve_dtype(m.dtype)  # 'auto': bfloat16 only where the CPU computes it natively
-    say(precision.log_line())
+    device = resolve_device(cfg.train.device)  # ConfigError: train.device=cuda where torch sees no GPU
+    check_device_support(cfg, device)
+    # 'auto': on the CPU bfloat16 only where it computes it natively; on CUDA bfloat16 where supported
+    precision = resolve_precision(m.dtype, device)
+    say(precision.log_line() + (f" on {device}" if device.type != "cpu" else ""))
     if precision.warning:
         print(f"[reflrl] warning: {precision.warning}", file=sys.stderr, flush=True)
     # the torch dtype, not its name: load_model would resolve and announce 'bfloat16' a second time
     model, tok = load_model(m.name, dtype=getattr(torch, precision.dtype), trainable=m.trainable, lora_r=m.lora_r,
                             lora_alpha=m.lora_alpha, lora_dropout=m.lora_dropout, seed=cfg.train.seed,
                             trainable_dtype=m.trainable_dtype)
+    model.to(device)  # a no-op on the CPU; the trainable/frozen dtypes are kept
     if m.init_from:  # e.g. RL variants that share one warm-up (scripts/paper_table.py --warm-start)
         load_checkpoint(Path(m.init_from).expanduser(), model=model, optimizer=None, restore_rng=False)
     return model, tok, precision, time.perf_counter() - t0

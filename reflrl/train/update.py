@@ -41,7 +41,8 @@ def policy_update(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batc
     loss_fn = get_policy_loss_fn("tool_rerl" if importance is not None else cfg.policy_loss)
     rerl_parts: list[dict[str, float]] = []
     params = [p for p in model.parameters() if p.requires_grad]
-    mbs = micro_batches(batch, cfg.micro_batch_size) if batch is not None else []
+    dev = next(model.parameters()).device  # train.device: micro-batches go where the model is
+    mbs = [mb.to(dev) for mb in micro_batches(batch, cfg.micro_batch_size)] if batch is not None else []
     total_tokens = float(batch.response_mask.sum()) if batch is not None else 0.0
     n_seq = float((batch.response_mask.sum(-1) > 0).sum()) if batch is not None else 0.0
     sd_tokens = distill.n_tokens if distill is not None else 0
@@ -66,7 +67,7 @@ def policy_update(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batc
         for j, mb in enumerate(mbs):
             lp = batch_logprobs(model, mb, temperature, share_prompt)
             old_lp = old[j] if old[j] is not None else lp.detach()
-            rep = mb.repaired if mb.repaired is not None else torch.zeros(len(mb), dtype=torch.bool)
+            rep = mb.repaired if mb.repaired is not None else torch.zeros(len(mb), dtype=torch.bool, device=dev)
             extra: dict[str, Any] = {}
             if importance is not None:
                 old_lp = torch.where(rep[:, None], mb.engine_logprobs, old_lp)
@@ -137,7 +138,7 @@ def dpo_update(model: Any, optimizer: Any, ref_model: Any, pairs: Sequence[tuple
     for s in range(0, P, size):
         chunk = pairs[s: s + size]
         trajs = [c for c, _ in chunk] + [r for _, r in chunk]
-        batch = make_batch(trajs, [1.0] * len(trajs), pad_id)
+        batch = make_batch(trajs, [1.0] * len(trajs), pad_id).to(next(model.parameters()).device)
         seq = lambda lp: (lp * batch.response_mask.float()).sum(-1)  # noqa: E731
         lp = seq(batch_logprobs(model, batch, temp))
         with torch.no_grad():
