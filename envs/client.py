@@ -145,25 +145,27 @@ def classify_response(status: int, headers: httpx.Headers | dict, body: bytes,
     ToolClientError for a client bug.
 
     returns: the tool's ``returns`` JSON schema (or a jsonschema validator of it), if known."""
+    said = {"code": _error_type(body), "server_message": _error_message(body)} if status >= 400 else {}
     if status == 429:
         ra = parse_retry_after(headers.get("retry-after"))
         raise RateLimited("429 Too Many Requests", status=status, detail=f"retry_after={ra}",
-                          retry_after=ra)
+                          retry_after=ra, **said)
     if status == 504 or status == 408:
         raise ToolTimeout(f"HTTP {status}: {_error_message(body)}", status=status,
-                          detail=str(status))
+                          detail=str(status), **said)
     if status == 500 and _error_type(body) == "tool_bug":
-        raise ToolBug(f"tool bug: {_error_message(body)}", status=status, detail="tool_bug")
+        raise ToolBug(f"tool bug: {_error_message(body)}", status=status, detail="tool_bug", **said)
     if status >= 500:
         raise ServerError(f"HTTP {status}: {_error_message(body)}", status=status,
-                          detail=str(status))
+                          detail=str(status), **said)
     if status == 403:
         raise Banned(f"403 Forbidden: {_error_message(body)}", status=status,
-                     detail=_error_type(body) or "403")
+                     detail=_error_type(body) or "403", **said)
     if status >= 400:
         etype = _error_type(body)
         if status == 404 and etype == "file_missing":
-            raise InvalidFile(f"404: {_error_message(body)}", status=status, detail="file_missing")
+            raise InvalidFile(f"404: {_error_message(body)}", status=status, detail="file_missing",
+                              **said)
         if status == 404 and etype == "unknown_episode" or status == 400:
             raise ToolClientError(f"HTTP {status}: {_error_message(body)}")
         raise _POLICY_ERRORS.get(etype, PolicyError)(
@@ -377,11 +379,17 @@ class ToolClient:
     async def open_episode(self, episode_id: str, *, seed: int = 0,
                            faults: FaultPlan | str | None = None, fault_seed: int | None = None,
                            tools: list[str] | None = None,
-                           initial_config: dict | None = None) -> dict:
+                           initial_config: dict | None = None,
+                           enforce_retry_after: bool = False) -> dict:
+        """Open an episode on the server. ``enforce_retry_after``: the server refuses a call made
+        before an earlier 429's Retry-After has passed with 429 again, as a real server does (off:
+        every attempt is an independent draw of the fault plan)."""
         plan = FaultPlan.coerce(faults)
         body = {"episode_id": episode_id, "seed": seed, "faults": str(plan),
                 "fault_seed": seed if fault_seed is None else fault_seed, "tools": tools,
                 "initial_config": initial_config}
+        if enforce_retry_after:
+            body["enforce_retry_after"] = True
         r = await self.http.post("/v1/episodes", json=body, timeout=self.control_timeout)
         if r.status_code != 201:
             raise ToolClientError(f"open_episode {episode_id!r}: HTTP {r.status_code}: "

@@ -30,17 +30,21 @@ Like httpx's exception hierarchy, one class per thing a client can see, grouped 
 
 Every ToolCallError carries what the client saw: ``status`` (HTTP status, None for a transport
 error), ``detail`` (the short specifics the ledger records: "503", "retry_after=2.0",
-"ReadTimeout", "invalid_arguments", ...), ``retry_after`` (seconds, RateLimited only) and its
+"ReadTimeout", "invalid_arguments", ...), ``retry_after`` (seconds, RateLimited only), ``code`` and
+``server_message`` (the error body's type and message, when the server sent one) and its
 ``triage`` and ``kind``: the observed ``FaultEvent`` (reflrl.faults.ledger) the client records for
-that attempt takes all four from it (a slow answer is not an error: an answer slower than the
+that attempt takes triage, kind, status and detail from it (a slow answer is not an error: an answer slower than the
 client's threshold, error answers included, is recorded with kind "latency"). ``str(error)`` is
-the message a model is shown.
+the short message; :meth:`ToolCallError.observation` the line an API's caller sees (status, reason,
+the server's message and error code, Retry-After), which is what a policy is shown when a fault comes
+back to it (``fault_exposure="policy"`` of the envs).
 
 The kind names and which kinds are retried live once, in ``reflrl.faults.kinds.KINDS``; this
 module maps each kind to its class (``FAULTS``) and reads ``retryable`` from there.
 """
 from __future__ import annotations
 
+from http import HTTPStatus
 from typing import ClassVar
 
 from reflrl.faults.kinds import KINDS
@@ -57,11 +61,36 @@ class ToolCallError(Exception):
     kind: ClassVar[str | None] = None
 
     def __init__(self, message: str, *, status: int | None = None, detail: str = "",
-                 retry_after: float | None = None) -> None:
+                 retry_after: float | None = None, code: str | None = None,
+                 server_message: str | None = None) -> None:
         super().__init__(message)
         self.status = status
         self.detail = detail
         self.retry_after = retry_after
+        self.code = code
+        self.server_message = server_message
+
+    def observation(self) -> str:
+        """The failure as an API's caller sees it, one line: ``HTTP 429 Too Many Requests: too many
+        requests (rate_limited); Retry-After: 2``; ``HTTP 200 OK: response body is not valid JSON``
+        for an unusable 2xx answer; ``no HTTP answer: ReadTimeout: timed out`` for a transport
+        error. The error code is the error body's ``type``; Retry-After is shown when the server
+        sent one."""
+        if self.status is None:
+            text = f"no HTTP answer: {self}"
+        else:
+            try:
+                phrase = HTTPStatus(self.status).phrase
+            except ValueError:
+                phrase = ""
+            msg = self.server_message or str(self)
+            text = f"HTTP {self.status}{' ' + phrase if phrase else ''}: {msg}"
+            if self.code:
+                text += f" ({self.code})"
+        if self.retry_after is not None:
+            ra = self.retry_after
+            text += f"; Retry-After: {int(ra) if float(ra).is_integer() else ra:g}"
+        return text
 
     def __repr__(self) -> str:
         return (f"{type(self).__name__}({str(self)!r}, status={self.status!r}, "

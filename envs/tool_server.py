@@ -5,7 +5,9 @@ or 500 ``tool_bug`` when a tool's handler crashed):
 
 - ``GET  /v1/tools[?detail=1]`` -> ``{"tools": [schema, ...]}`` (detail adds "domain", "returns")
 - ``POST /v1/episodes`` ``{"episode_id", "seed", "faults", "fault_seed", "tools",
-  "initial_config"}``
+  "initial_config", "enforce_retry_after"}`` (``enforce_retry_after``: true = a call made before an
+  earlier 429's Retry-After has passed is refused with 429 again, as a real server does; false, the
+  default, = every attempt is an independent draw of the fault plan)
   -> 201 ``{"episode_id", "tools": [names], "faults": canonical spec}``; 409 if it exists; 400 on a
   body that is not JSON; 422 on a bad field (unknown field, episode id outside the safe alphabet of
   ``reflrl.faults.coords``, bad fault spec, ...); 503 ``too_many_episodes`` past the limit.
@@ -58,7 +60,8 @@ from .clock import SystemClock
 from .limits import BadJSON, RequestGuard, ServerLimits, clip, json_problem, parse_json_body
 from .tools.base import ToolContext, ToolError, ToolSpec
 
-EPISODE_FIELDS = ("episode_id", "seed", "faults", "fault_seed", "tools", "initial_config")
+EPISODE_FIELDS = ("episode_id", "seed", "faults", "fault_seed", "tools", "initial_config",
+                  "enforce_retry_after")
 MAX_SEED = 1 << 63
 
 
@@ -94,6 +97,8 @@ class Episode:
     tools: frozenset[str]
     ctx: ToolContext
     banned: set[str] = field(default_factory=set)  # client identities banned (ip_ban)
+    enforce_retry_after: bool = False               # refuse calls inside a Retry-After window
+    windows: dict = field(default_factory=dict)     # (identity, tool) -> end of its Retry-After
 
 
 class ToolServer:
@@ -183,7 +188,8 @@ class ToolServer:
         ep = self.episodes.get(episode_id)
         if ep is None:
             return None
-        return FaultSite(ep.plan, ep.fault_seed, ep.banned, tool in self._file_tools)
+        return FaultSite(ep.plan, ep.fault_seed, ep.banned, tool in self._file_tools,
+                         ep.windows if ep.enforce_retry_after else None)
 
     # ---- errors -----------------------------------------------------------------------------
     def _error(self, status: int, kind: str, message: str) -> JSONResponse:
@@ -263,6 +269,9 @@ class ToolServer:
         initial_config = body.get("initial_config")
         if initial_config is not None and not isinstance(initial_config, dict):
             return self._error(422, "bad_episode", "initial_config must be a JSON object or null")
+        enforce = body.get("enforce_retry_after", False)
+        if not isinstance(enforce, bool):
+            return self._error(422, "bad_episode", "enforce_retry_after must be true or false")
         lim = self.limits
         with self._lock:
             if eid in self.episodes:
@@ -278,7 +287,8 @@ class ToolServer:
                               sandbox_bytes=lim.sandbox_bytes, sandbox_files=lim.sandbox_files)
             if initial_config is not None:
                 ctx.state["initial_config"] = initial_config
-            self.episodes[eid] = Episode(eid, seed, plan, fault_seed, frozenset(names), ctx)
+            self.episodes[eid] = Episode(eid, seed, plan, fault_seed, frozenset(names), ctx,
+                                         enforce_retry_after=enforce)
         return JSONResponse({"episode_id": eid, "tools": list(names), "faults": str(plan)},
                             status_code=201)
 

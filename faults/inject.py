@@ -6,7 +6,10 @@ naming the header, see ``reflrl.faults.coords``), asks ``decide`` (a pure functi
 fault seed and those coordinates) for a fault, records what it injects in the server's Ledger,
 and makes the client see it exactly as a real HTTP client would:
 
-- pre-dispatch (the tool does not run): rate_limit (429 + Retry-After), server_error (500/502/503),
+- pre-dispatch (the tool does not run): rate_limit (429 + Retry-After; on a site with Retry-After
+  windows, as on a real server, a call of that tool by that client identity before Retry-After has
+  passed is refused with 429 again, with the time still to wait, recorded with cause "window"),
+  server_error (500/502/503),
   ip_ban (403, then every later attempt of that client identity in the episode gets 403 too,
   recorded with cause "ban"), timeout (stall until the client's read timeout fires), connection
   (TCP reset).
@@ -24,7 +27,8 @@ JSON body the result that schema_drift alters.
 Connection-level effects go through a *net control* found in ``scope["extensions"]["reflrl.net"]``:
 the uvicorn protocol in ``reflrl.envs.loopback`` provides one that really resets / closes the socket;
 the in-process transport in ``reflrl.envs.client`` provides one that makes httpx raise the same
-exception types without sleeping. Without a net control (another ASGI server) connection faults
+exception types without sleeping, and whose ``clock`` (the client's) is the time the Retry-After window is
+kept on, so an in-process server and its client share one virtual time. Without a net control (another ASGI server) connection faults
 raise ``ConnectionResetError`` in the app and truncation closes the body early.
 """
 from __future__ import annotations
@@ -69,6 +73,9 @@ class FaultSite:
     fault_seed: int
     banned: set[str] = field(default_factory=set)
     file_tool: bool = False
+    # Retry-After windows: (client identity, tool) -> the time before which calls get 429 again;
+    # None = none are kept (every attempt is an independent draw of the plan)
+    windows: dict[tuple[str, str], float] | None = None
 
 
 Lookup = Callable[[str, str], "FaultSite | None"]
@@ -121,6 +128,13 @@ class FaultInjector:
         if ident in site.banned:
             record("ip_ban", 403, f"standing ban of client {ident}", cause="ban")
             return await _send_json(send, 403, _err("ip_banned", f"client {ident} is banned"))
+        now = getattr(net, "clock", self.clock).monotonic()
+        until = site.windows.get((ident, tool)) if site.windows is not None else None
+        if until is not None and now < until - 1e-9:
+            ra = max(1, math.ceil(until - now - 1e-9))
+            record("rate_limit", 429, f"retry_after={ra}", cause="window")
+            return await _send_json(send, 429, _err("rate_limited", "too many requests"),
+                                    extra=[(b"retry-after", str(ra).encode())])
 
         d = decide(site.plan, site.fault_seed, episode, step, call, attempt)
         if d is None or (d.kind == "invalid_file" and not site.file_tool):
@@ -130,6 +144,8 @@ class FaultInjector:
         # ---- pre-dispatch faults: the tool never runs --------------------------------------
         if k == "rate_limit":
             ra = max(0, math.ceil(d.param - 1e-9))
+            if ra and site.windows is not None:
+                site.windows[(ident, tool)] = now + ra
             record(k, 429, f"retry_after={ra}")
             return await _send_json(send, 429, _err("rate_limited", "too many requests"),
                                     extra=[(b"retry-after", str(ra).encode())])

@@ -32,6 +32,12 @@ class FaultKind:
     applies_to:    "any" or "files" (only file tools: domain "files" or a bfcl file system).
     observed_as:   client-side classifications that count as a faithful observation of this kind
                    in ``Ledger.reconcile`` ("ok" = undetectable by transport: "undetected").
+    policy_can_act: under ``fault_exposure="policy"`` (the fault comes back to the policy as the
+                   tool's answer): whether an action of the policy can still get the answer, so
+                   that not taking it is the policy's failure (the reward of a wrong answer); False:
+                   no action available in the episode can, so the episode is masked (never
+                   penalised).
+    policy_rule:   that rule in words (``reflrl faults list``, docs/faults.md).
     """
 
     name: str
@@ -43,6 +49,8 @@ class FaultKind:
     stage: str
     applies_to: str = "any"
     observed_as: tuple[str, ...] = ()
+    policy_can_act: bool = True
+    policy_rule: str = ""
 
     @property
     def takes_param(self) -> bool:
@@ -53,42 +61,54 @@ _K = FaultKind
 KINDS: dict[str, FaultKind] = {k.name: k for k in [
     _K("rate_limit", "retry_after", "duration", 1.0,
        "HTTP 429 with a Retry-After header (whole seconds, rounded up from the parameter)",
-       True, PRE_DISPATCH, observed_as=("rate_limit",)),
+       True, PRE_DISPATCH, observed_as=("rate_limit",),
+       policy_rule="act: call again once Retry-After has passed (each assistant turn advances the "
+                   "env's clock by env.turn_seconds); a call before that is refused with 429 again"),
     _K("server_error", None, None, None,
        "HTTP 500, 502 or 503 (chosen deterministically per attempt) with a JSON error body",
-       True, PRE_DISPATCH, observed_as=("server_error",)),
+       True, PRE_DISPATCH, observed_as=("server_error",),
+       policy_rule="act: call again (each attempt is a fresh draw)"),
     _K("timeout", "stall", "duration", 30.0,
        "no answer: the server stalls for the parameter, so the client's read timeout fires "
        "(httpx.ReadTimeout); a client with a longer timeout gets 504",
-       True, PRE_DISPATCH, observed_as=("timeout",)),
+       True, PRE_DISPATCH, observed_as=("timeout",),
+       policy_rule="act: call again"),
     _K("connection", None, None, None,
        "the TCP connection is reset (RST) after the request is sent: httpx.ReadError "
        "(ConnectError is classified the same way)",
-       True, PRE_DISPATCH, observed_as=("connection",)),
+       True, PRE_DISPATCH, observed_as=("connection",),
+       policy_rule="act: call again"),
     _K("truncated", None, None, None,
        "headers announce Content-Length N, fewer bytes arrive, then the connection closes: "
        "httpx.RemoteProtocolError; the tool DID run",
-       True, POST_DISPATCH, observed_as=("truncated",)),
+       True, POST_DISPATCH, observed_as=("truncated",),
+       policy_rule="act: call again (the tool ran; its answer was lost)"),
     _K("malformed", None, None, None,
        "HTTP 200, Content-Type application/json, body that is not valid JSON; the tool DID run",
-       True, POST_DISPATCH, observed_as=("malformed",)),
+       True, POST_DISPATCH, observed_as=("malformed",),
+       policy_rule="act: call again"),
     _K("ip_ban", None, None, None,
        "HTTP 403 (error type ip_banned) that persists for the rest of the episode for this client "
        "identity (X-Reflrl-Client), as when an abuse detector trips after a burst; an identity "
        "change ('IP change') lifts it",
-       True, PRE_DISPATCH, observed_as=("ip_ban",)),
+       True, PRE_DISPATCH, observed_as=("ip_ban",), policy_can_act=False,
+       policy_rule="masked: the ban holds for the episode's client identity, which the policy cannot "
+                   "change, and no other tool serves the call"),
     _K("invalid_file", None, None, None,
        "file tools only: HTTP 200 whose file content is corrupt (NUL bytes / U+FFFD) or HTTP 404 "
        "error type file_missing for a file that exists; other tools are unaffected",
-       True, POST_DISPATCH, applies_to="files", observed_as=("invalid_file",)),
+       True, POST_DISPATCH, applies_to="files", observed_as=("invalid_file",),
+       policy_rule="act: call again (the storage error is transient)"),
     _K("latency", "delay", "duration", 0.5,
        "a correct answer that arrives after the parameter's delay (a read timeout fires "
        "if the delay exceeds it)",
-       False, POST_DISPATCH, observed_as=("latency", "ok", "timeout")),
+       False, POST_DISPATCH, observed_as=("latency", "ok", "timeout"),
+       policy_rule="nothing to act on: the answer arrives (past the read timeout it is a timeout)"),
     _K("schema_drift", None, None, None,
        "HTTP 200 whose result has one field renamed or missing; detectable only against the "
        "tool's 'returns' schema, otherwise it looks like valid data",
-       True, POST_DISPATCH, observed_as=("schema_drift", "ok")),
+       True, POST_DISPATCH, observed_as=("schema_drift", "ok"),
+       policy_rule="act: call again when the client detects it; undetected, it is data"),
 ]}
 
 KIND_NAMES: tuple[str, ...] = tuple(KINDS)
@@ -103,7 +123,8 @@ def is_file_tool(domain: str | None) -> bool:
 
 
 def kinds_rows() -> list[dict[str, str]]:
-    """One row per kind: kind, param (name=default unit), retried, client sees."""
+    """One row per kind: kind, param (name=default unit), retried, applies to, client sees, and
+    policy (the triage rule under ``env.fault_exposure=policy``)."""
     rows = []
     for k in KINDS.values():
         if k.param is None:
@@ -116,6 +137,7 @@ def kinds_rows() -> list[dict[str, str]]:
             "retried": "yes" if k.retryable else "no",
             "applies to": k.applies_to,
             "client sees": k.client_sees,
+            "policy": k.policy_rule,
         })
     return rows
 
@@ -136,6 +158,18 @@ def format_kinds_table(width: int = 110) -> str:
         lines.append("  ".join(r[c].ljust(widths[c]) for c in cols) + "  " + wrapped[0])
         for more in wrapped[1:]:
             lines.append(" " * lead + more)
+    lines.append("")
+    lines.extend(textwrap.wrap("Under env.fault_exposure=policy a fault the client does not absorb comes back "
+                               "to the policy as the tool's answer, and the episode goes on. Per kind:", width))
+    kw = max(len(r["kind"]) for r in rows)
+    for r in rows:
+        wrapped = textwrap.wrap(r["policy"], max(30, width - kw - 4)) or [""]
+        lines.append(f"  {r['kind'].ljust(kw)}  {wrapped[0]}")
+        lines.extend(" " * (kw + 4) + more for more in wrapped[1:])
+    lines.extend(textwrap.wrap(
+        "A fault the policy could have acted on and did not: the reward of a wrong answer. A fault met on the "
+        "episode's last allowed turn, or one no action can handle: masked, never penalised.", width,
+        initial_indent="  ", subsequent_indent="  "))
     lines.append("")
     lines.append("Spec grammar: kind=prob[:param][,kind=prob[:param]...]  e.g. "
                  "rate_limit=0.1,timeout=0.05,latency=0.2:300ms")

@@ -54,7 +54,8 @@ class FaultEvent:
              than the client's slow threshold, otherwise None.
     tool:    tool name called.  status: HTTP status if any.  detail: human-readable specifics
              (e.g. "503", "retry_after=1", "reset", "renamed temp->temp_v2", "ReadTimeout").
-    cause:   injected only: "draw" (this attempt's decision) or "ban" (a standing ip ban).
+    cause:   injected only: "draw" (this attempt's decision), "ban" (a standing ip ban) or "window"
+             (a call before an earlier 429's Retry-After had passed).
     """
 
     episode: str
