@@ -21,6 +21,29 @@ environment-caused failures are not the policy's errors): the reward depends onl
 parsed calls against the gold calls; a fault that retries did not recover sets
 ``info["masked"] = True`` so the trainer drops the rollout from the loss.
 
+Policy-visible faults (``fault_exposure="policy"``): the client's attempts per call default to 1
+and a fault it does not absorb comes back to the policy as the tool's answer, in the form a real API
+gives it (:func:`fault_observation`: status, reason, the server's message and error code, and the
+Retry-After it sent)::
+
+    {"name": "get_weather", "error": "HTTP 429 Too Many Requests: too many requests (rate_limited); Retry-After: 1", "kind": "rate_limit"}
+
+and the episode goes on: the single-turn env then takes further assistant messages while the last
+one met such a fault (up to ``max_steps``), so the policy can call again, call another tool, or stop
+(a message without calls). Time: each assistant message after the first advances the env's virtual
+clock by ``turn_seconds`` (the time a model takes to read the answer and write the next message), and
+the server refuses a call made before an earlier 429's Retry-After has passed with 429 again, as a
+real server does; so calling again on the next turn works when Retry-After <= ``turn_seconds``, and
+otherwise after more turns. No wall time is spent (with a remote server and the system clock,
+the server's own time decides). The client does not change its identity after a ban. What the episode
+counts as the answer: the calls that got an answer, in every step (a repeat of a call that already
+got its answer is not counted twice). Triage per fault kind (``reflrl.faults.kinds``,
+``FaultKind.policy_can_act``): a fault the policy could have acted on (call again) and did not is the
+policy's failure: the reward is that of the wrong answer it gave, and ``info["fault_caused"]`` says
+the answer would have been right had the faulted calls been answered (``info["open_faults"]`` lists
+them, for a critic); a fault no action could handle (an ip_ban, which lasts the episode, or a fault
+met on the episode's last allowed message) masks the episode: never penalised.
+
 Reproducibility: the episode's data seed, fault seed and episode id derive from (env seed,
 episode counter); ``reset(seed=s)`` restarts the counter, so the same seed and fault plan replay
 the same tasks, the same fault events and the same observations.
@@ -51,6 +74,7 @@ from gymnasium import spaces
 from .types import ParseResult, Task, ToolCall
 
 SINGLE_TURN_ID = "reflrl/ToolCall-v0"
+FAULT_EXPOSURES = ("client", "policy")
 MULTI_TURN_ID = "reflrl/ToolCallMultiTurn-v0"
 
 # Characters ``ChatText.sample`` draws from: printable ASCII, whitespace and a few non-ASCII
@@ -151,6 +175,12 @@ class _Episode:
     turn_calls: list[ToolCall] = dataclasses.field(default_factory=list)
     turn_format_ok: bool = True
     masked: bool = False          # an env fault was not recovered (sticky for the episode)
+    # fault_exposure="policy": faults the policy was shown (dicts; "handled" once the call got an
+    # answer in a later step) and the calls of this turn that got an answer
+    shown_faults: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+    answered: list[ToolCall] = dataclasses.field(default_factory=list)
+    last_turn_calls: list[ToolCall] = dataclasses.field(default_factory=list)  # the last ended turn's
+    last_turn_format_ok: bool = True
     billed_calls: int = 0
     turn_rewards: list[float] = dataclasses.field(default_factory=list)
     turn_correct: list[bool] = dataclasses.field(default_factory=list)
@@ -192,7 +222,14 @@ class ToolCallEnv(gym.Env[str, str]):
             no for multi-turn, where stateful backends need BFCL's in-order execution).
         server_url: None = an in-process ASGI tool server (fast); a URL = a real server started
             with ``reflrl tools serve``.
-        retry: a ``RetryPolicy`` or a dict of its fields (attempt budget, backoff, cap, jitter).
+        retry: a ``RetryPolicy`` or a dict of its fields (attempt budget, backoff, cap, jitter);
+            None = the client's defaults (``fault_exposure="policy"``: one attempt per call, no
+            identity change after a ban).
+        fault_exposure: ``"client"`` (the client retries faults; one it gives up on masks the
+            episode) or ``"policy"`` (a fault the client does not absorb comes back to the policy as
+            the tool's answer and the episode goes on; module doc).
+        turn_seconds: under ``fault_exposure="policy"``, virtual seconds each assistant message
+            after the first costs on the env's clock (what lets a Retry-After pass).
         timeout: the client's read timeout in seconds.
         clock: the clock of client waits and server stalls: ``"virtual"`` (a VirtualClock: latency,
             Retry-After and backoff waits cost no wall time, elapsed times stay exact and
@@ -239,6 +276,8 @@ class ToolCallEnv(gym.Env[str, str]):
         concurrent_calls: bool | None = None,
         server_url: str | None = None,
         retry: Any = None,
+        fault_exposure: str = "client",
+        turn_seconds: float = 2.0,
         timeout: float | None = None,
         clock: Any = None,
         client: Any = None,
@@ -273,6 +312,12 @@ class ToolCallEnv(gym.Env[str, str]):
         self._reward_fn = _get_reward(reward)
         self._parse = _get_parser(parser)
         _check_prompt_style(prompt_style)
+        if fault_exposure not in FAULT_EXPOSURES:
+            raise ValueError(f"fault_exposure={fault_exposure!r}: expected one of {', '.join(FAULT_EXPOSURES)}")
+        if not float(turn_seconds) >= 0:
+            raise ValueError(f"turn_seconds={turn_seconds!r}: must be >= 0")
+        self.fault_exposure = fault_exposure
+        self.turn_seconds = float(turn_seconds)
         self.fault_seed = fault_seed
         self.max_steps = max_steps
         self.max_steps_per_turn = int(max_steps_per_turn)
@@ -312,6 +357,11 @@ class ToolCallEnv(gym.Env[str, str]):
     def episode(self) -> _Episode | None:
         """The current episode's state (None before the first reset)."""
         return self._episode
+
+    @property
+    def policy_sees_faults(self) -> bool:
+        """``fault_exposure == "policy"``: faults the client does not absorb reach the policy."""
+        return self.fault_exposure == "policy"
 
     @property
     def episode_id(self) -> str | None:
@@ -384,7 +434,8 @@ class ToolCallEnv(gym.Env[str, str]):
         try:
             await client.open_episode(
                 episode_id, seed=data_seed, faults=self.fault_plan, fault_seed=fault_seed,
-                tools=[t["name"] for t in task.tools] or None, initial_config=task.initial_config)
+                tools=[t["name"] for t in task.tools] or None, initial_config=task.initial_config,
+                enforce_retry_after=self.policy_sees_faults)
         except Exception as e:
             if "HTTP 409" in str(e):
                 raise RuntimeError(
@@ -419,13 +470,20 @@ class ToolCallEnv(gym.Env[str, str]):
               status, detail, triage, retried, recovered};
           triage: per call "ok" | "env_fault" (retries gave up) | "policy_error" | "tool_bug"
               (the tool crashed on valid arguments: neither the policy's error nor a fault);
-          env_fault_treatment: "none" | "retried-recovered" | "masked";
+          env_fault_treatment: "none" | "retried-recovered" | "to-policy" (a fault came back to
+              the policy, fault_exposure="policy") | "masked";
           masked: an env fault was not recovered, or a tool crashed, in this episode (sticky):
               the trainer drops the rollout from the loss; the reward is still what the calls
               deserve against the gold;
           reward_parts; correct (exact match with format; multi-turn: every turn, at the end);
           billed_calls (attempts this step); episode_billed_calls; skipped_calls; messages (the
           whole conversation); turn (user turn of this step); turn_ended; turn_rewards.
+          With fault_exposure="policy" also: fault_exposure; shown_faults (this step's faults the
+          policy was shown: step, call_index, name, arguments, kind, status, retry_after_s, code,
+          attempts, observation, policy_can_act, handled); open_faults (the episode's shown faults
+          whose call has not got an answer since); fault_caused (at the end: the answer is wrong
+          but would have been right had the open faults' calls been answered, and the episode is
+          not masked: the policy could have called again and did not).
         """
         ep = self._episode
         if ep is None:
@@ -439,6 +497,11 @@ class ToolCallEnv(gym.Env[str, str]):
         parse = _safe_parse(self._parse, action)
         step_index = ep.step
         ep.step += 1
+        policy = self.policy_sees_faults
+        if policy and step_index > 0:  # the model read the answers and wrote this message
+            advance = getattr(client.clock, "advance", None)
+            if advance is not None:
+                advance(self.turn_seconds)
         ep.messages.append(_assistant_message(action))
         calls = list(parse.calls) if parse.ok else []
         run, skipped = calls[: self.max_calls_per_step], calls[self.max_calls_per_step:]
@@ -452,7 +515,7 @@ class ToolCallEnv(gym.Env[str, str]):
         else:
             outcomes = [await one(i, c) for i, c in enumerate(run)]
         for c, o in zip(run, outcomes):
-            ep.messages.append(_tool_message(c, o, self.max_tool_chars))
+            ep.messages.append(_tool_message(c, o, self.max_tool_chars, shown=policy))
         for c in skipped:
             ep.messages.append(_tool_message(c, None, self.max_tool_chars, note=(
                 f"not executed: more than {self.max_calls_per_step} calls in one message")))
@@ -462,9 +525,21 @@ class ToolCallEnv(gym.Env[str, str]):
                         for ev in _fault_event_dicts(i, c.name, o)]
         billed = sum(int(getattr(o, "attempts", 1)) for o in outcomes)
         ep.billed_calls += billed
-        gave_up = any(t in ("env_fault", "tool_bug") for t in triage)
+        limit = (self.max_steps if self.max_steps is not None
+                 else self.max_steps_per_turn * ep.n_user_turns)
+        shown_now: list[dict[str, Any]] = []
+        if policy:
+            answered = self._note_shown(ep, step_index, run, outcomes, shown_now)
+            # a fault no action can handle, or one met with no message left to act on: masked
+            unhandleable = [f for f in shown_now if not f["policy_can_act"] or ep.step >= limit]
+            gave_up = "tool_bug" in triage or bool(unhandleable)
+        else:
+            answered = calls
+            gave_up = any(t in ("env_fault", "tool_bug") for t in triage)
         if gave_up:
             treatment = "masked"
+        elif shown_now:
+            treatment = "to-policy"
         elif fault_events:
             treatment = "retried-recovered"
         else:
@@ -477,25 +552,26 @@ class ToolCallEnv(gym.Env[str, str]):
         reward = 0.0
         parts: dict[str, Any] = {}
         correct = None
-        if not self.multi_turn:
+        if not self.multi_turn and not policy:
             reward, parts, correct = self._score(parse.ok, calls, ep.task, 0)
             terminated = True
             turn_ended = True
         else:
-            ep.turn_calls.extend(calls)
+            ep.turn_calls.extend(answered)
             ep.turn_format_ok = ep.turn_format_ok and parse.ok
-            continues = parse.ok and bool(calls)
-            limit = (self.max_steps if self.max_steps is not None
-                     else self.max_steps_per_turn * ep.n_user_turns)
+            # multi-turn: a message with calls continues the turn; single-turn (policy-visible
+            # faults): only a message that met a fault the policy may still act on does
+            continues = parse.ok and bool(calls) and (self.multi_turn or bool(shown_now))
             if not continues or ep.step >= limit:
                 # the turn ends: the assistant answered without calls, or the step budget ran out
                 turn_score, parts, turn_correct = self._score(
                     ep.turn_format_ok, ep.turn_calls, ep.task, ep.turn)
                 ep.turn_rewards.append(turn_score)
                 ep.turn_correct.append(turn_correct)
+                ep.last_turn_calls, ep.last_turn_format_ok = list(ep.turn_calls), ep.turn_format_ok
                 turn_ended = True
                 ep.turn += 1
-                ep.turn_calls, ep.turn_format_ok = [], True
+                ep.turn_calls, ep.turn_format_ok, ep.answered = [], True, []
                 if continues:  # the step budget ran out in the middle of a turn
                     truncated = True
                 elif ep.turn >= ep.n_user_turns:
@@ -535,9 +611,59 @@ class ToolCallEnv(gym.Env[str, str]):
             "turn_ended": turn_ended,
             "turn_rewards": list(ep.turn_rewards),
         }
+        if policy:
+            info["fault_exposure"] = "policy"
+            info["shown_faults"] = copy.deepcopy(shown_now)
+            info["open_faults"] = [copy.deepcopy(f) for f in ep.shown_faults if not f["handled"]]
+            info["fault_caused"] = bool(
+                ep.done and not correct and not ep.masked and info["open_faults"]
+                and self._would_be_right(ep, turn_index, info["open_faults"]))
         if self.render_mode == "human":
             print(self._observation())
         return self._observation(), float(reward), terminated, truncated, info
+
+    def _note_shown(self, ep: _Episode, step_index: int, run: list[ToolCall], outcomes: list[Any],
+                    shown_now: list[dict[str, Any]]) -> list[ToolCall]:
+        """Policy-visible faults: record this step's faults on the episode (appended to
+        ``shown_now`` too), mark earlier ones handled when their call got an answer now, and return
+        the calls that count toward the answer (those that got an answer, less repeats of a call
+        that already got one in an earlier step of the turn)."""
+        from reflrl.faults.kinds import KINDS
+
+        counted: list[ToolCall] = []
+        before = list(ep.answered)
+        for i, (c, o) in enumerate(zip(run, outcomes)):
+            if o.triage == "env_fault":
+                fault = o.fault
+                kind = KINDS.get(str(o.fault_kind))
+                f = {"step": step_index, "call_index": i, "name": c.name,
+                     "arguments": copy.deepcopy(dict(c.arguments)), "kind": o.fault_kind,
+                     "status": o.status if o.status is not None else getattr(fault, "status", None),
+                     "retry_after_s": getattr(fault, "retry_after", None),
+                     "code": getattr(fault, "code", None), "attempts": int(o.attempts),
+                     "observation": _fault_text(o), "policy_can_act": bool(kind and kind.policy_can_act),
+                     "handled": False}
+                ep.shown_faults.append(f)
+                shown_now.append(f)
+                continue
+            key = _call_key(c)
+            for f in ep.shown_faults:
+                if not f["handled"] and f["step"] < step_index and _call_key(ToolCall(f["name"], f["arguments"])) == key:
+                    f["handled"] = True
+            if any(_call_key(b) == key for b in before):
+                continue  # the answer was already there: calling again is not a second call
+            counted.append(c)
+            ep.answered.append(c)
+        return counted
+
+    def _would_be_right(self, ep: _Episode, turn: int, open_faults: list[dict[str, Any]]) -> bool:
+        """Whether the turn's answer would have been right had the open faults' calls been answered
+        (the failure is then the fault's, and acting on it was the policy's to do)."""
+        if self.multi_turn or not ep.last_turn_format_ok:
+            return False  # multi-turn answers are scored per turn (not attributed); a bad format is the policy's
+        calls = list(ep.last_turn_calls) + [ToolCall(f["name"], f["arguments"]) for f in open_faults]
+        _r, _p, ok = self._score(True, calls, ep.task, turn)
+        return ok
 
     def _score(self, format_ok: bool, calls: list[ToolCall], task: Task, turn: int):
         """(reward, parts, correct) of the calls of one turn against the turn's gold calls."""
@@ -771,14 +897,42 @@ def _assistant_message(text: str) -> dict[str, Any]:
     return {"role": "assistant", "content": text}
 
 
-def _tool_message(call: ToolCall, outcome: Any, max_chars: int, note: str | None = None) -> dict[str, Any]:
-    """The tool observation (role "tool") the model sees for one call."""
+def _call_key(c: ToolCall) -> tuple[str, Any]:
+    """A call's identity for "the same call again": its name and normalised arguments."""
+    from .rewards import normalize_value
+
+    return (c.name, normalize_value(dict(c.arguments)))
+
+
+def _fault_text(outcome: Any) -> str:
+    """The failure of a call as an API's caller sees it (``ToolCallError.observation``)."""
+    fault = getattr(outcome, "fault", None)
+    if fault is not None and hasattr(fault, "observation"):
+        return fault.observation()
+    return str(getattr(outcome, "error", None) or "failed")
+
+
+def fault_observation(call_name: str, outcome: Any, max_chars: int = 2000) -> str:
+    """The tool message content a policy is shown for a call the client gave up on, under
+    ``fault_exposure="policy"``: ``{"name", "error": <status, reason, message, code, Retry-After>,
+    "kind": <fault kind>}`` (``reflrl.envs.prompts.render_tool_error``; module doc)."""
+    from . import prompts
+
+    return prompts.render_tool_error(call_name, _fault_text(outcome), outcome.fault_kind, max_chars)
+
+
+def _tool_message(call: ToolCall, outcome: Any, max_chars: int, note: str | None = None,
+                  shown: bool = False) -> dict[str, Any]:
+    """The tool observation (role "tool") the model sees for one call (``shown``: an env fault is
+    rendered as the API gave it, :func:`fault_observation`)."""
     from . import prompts
 
     if outcome is None:
         content = prompts.render_tool_error(call.name, note or "not executed", "not_executed", max_chars)
     elif outcome.ok:
         content = prompts.render_tool_result(call.name, outcome.result, max_chars)
+    elif shown and outcome.triage == "env_fault":
+        content = fault_observation(call.name, outcome, max_chars)
     else:
         kind = outcome.fault_kind if outcome.triage == "env_fault" else outcome.triage
         content = prompts.render_tool_error(call.name, str(outcome.error or "failed"), kind, max_chars)
@@ -840,7 +994,9 @@ def _make_client(env: ToolCallEnv):
     env._clock = clock
     kwargs: dict[str, Any] = {"ledger": env.ledger, "clock": clock}
     if env._retry is not None:
-        kwargs["retry"] = _coerce_retry(env._retry)
+        kwargs["retry"] = _coerce_retry(env._retry, env.policy_sees_faults)
+    elif env.policy_sees_faults:
+        kwargs["retry"] = _coerce_retry({}, True)
     if env._timeout is not None:
         kwargs["timeout"] = env._timeout
     if env.server_url:
@@ -856,11 +1012,15 @@ def _make_client(env: ToolCallEnv):
     return ToolClient.in_process(env._app, **kwargs)
 
 
-def _coerce_retry(retry: Any):
+def _coerce_retry(retry: Any, policy_sees_faults: bool = False):
+    """A RetryPolicy from one or a dict of its fields; with policy-visible faults a dict's missing
+    fields default to one attempt per call and no identity change after a ban."""
     from .client import RetryPolicy
 
     if isinstance(retry, RetryPolicy):
         return retry
     if isinstance(retry, dict):
+        if policy_sees_faults:
+            retry = {"max_attempts": 1, "rotate_identity_on_ban": False, **retry}
         return RetryPolicy(**retry)
     raise TypeError(f"retry must be a RetryPolicy or a dict of its fields, got {type(retry).__name__}")

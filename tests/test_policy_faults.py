@@ -1,0 +1,239 @@
+"""Faults the policy sees (``fault_exposure="policy"``): the observation each fault kind gives, the
+episode that goes on, Retry-After on the env's virtual clock, and the triage (act or masked)."""
+from __future__ import annotations
+
+import json
+import re
+
+import gymnasium
+import pytest
+
+import reflrl.envs
+from reflrl.envs.loopback import ServerThread
+from reflrl.envs.tool_env import gold_actions
+from reflrl.envs.tool_server import create_app
+from reflrl.envs.tools.catalog import build_catalog
+from reflrl.envs.types import Task, ToolCall
+from reflrl.faults.kinds import KINDS, format_kinds_table
+
+CAT = build_catalog()
+
+
+def _schemas(*names):
+    return [CAT[n].schema() for n in names]
+
+
+WEATHER = Task("w1", "What's the weather in Paris?", _schemas("get_current_weather", "get_stock_quote"),
+               [[ToolCall("get_current_weather", {"city": "Paris"})]])
+PARALLEL = Task("p1", "Weather in Rome and in Oslo.", _schemas("get_current_weather"),
+                [[ToolCall("get_current_weather", {"city": "Rome"}),
+                  ToolCall("get_current_weather", {"city": "Oslo"})]], kind="parallel")
+FILE = Task("f1", "Show me notes.txt.", _schemas("read_file", "list_files"),
+            [[ToolCall("read_file", {"path": "notes.txt"})]])
+
+# what the policy is shown for each kind (the error line of the tool message; module doc of tool_env)
+SHOWN = {
+    "rate_limit": r"HTTP 429 Too Many Requests: too many requests \(rate_limited\); Retry-After: \d+",
+    "server_error": r"HTTP 50[023] [A-Za-z ]+: upstream error 50[023] \(server_error\)",
+    "timeout": r"no HTTP answer: ReadTimeout: .+",
+    "connection": r"no HTTP answer: ReadError: .*[Rr]eset.*",
+    "truncated": r"no HTTP answer: RemoteProtocolError: .+",
+    "malformed": r"HTTP 200 OK: response (body is not valid JSON|JSON has no 'result')",
+    "ip_ban": r"HTTP 403 Forbidden: client \S+ is banned \(ip_banned\)",
+    "invalid_file": r"(HTTP 404 Not Found: .+ \(file_missing\)|HTTP 200 OK: file content is corrupt.*)",
+    "schema_drift": r"HTTP 200 OK: result does not match the tool's schema: .+",
+}
+
+
+def _env(task: Task, faults: str, **kw):
+    kw.setdefault("fault_exposure", "policy")
+    kw.setdefault("timeout", 1.0)
+    return gymnasium.make(reflrl.envs.SINGLE_TURN_ID, dataset=[task], faults=faults, **kw).unwrapped
+
+
+def _tool_msgs(info) -> list[dict]:
+    msgs = info["messages"]
+    last = max(i for i, m in enumerate(msgs) if m["role"] == "assistant")
+    return [json.loads(m["content"]) for m in msgs[last + 1:] if m["role"] == "tool"]
+
+
+@pytest.mark.parametrize("kind", sorted(SHOWN))
+def test_every_fault_kind_reaches_the_policy_as_the_documented_observation(kind):
+    task = FILE if KINDS[kind].applies_to == "files" else WEATHER
+    env = _env(task, f"{kind}=1.0")
+    try:
+        _obs, info = env.reset(seed=3)
+        _obs, reward, term, trunc, info = env.step(gold_actions(task)[0])
+        [shown] = _tool_msgs(info)
+        assert shown["name"] == task.gold[0][0].name and shown["kind"] == kind
+        assert re.fullmatch(SHOWN[kind], shown["error"]), shown["error"]
+        assert ("Retry-After" in shown["error"]) == (kind == "rate_limit")
+        assert info["billed_calls"] == 1  # one attempt per call: the fault is the policy's to act on
+        [f] = info["shown_faults"]
+        assert f["kind"] == kind and f["observation"] == shown["error"] and not f["handled"]
+        assert f["policy_can_act"] == KINDS[kind].policy_can_act
+        assert reward == 0.0 and not info["correct"]
+        if KINDS[kind].policy_can_act:   # the episode goes on: the policy may call again
+            assert not term and not trunc and not info["masked"]
+            assert info["env_fault_treatment"] == "to-policy"
+        else:                            # no action can handle it: masked, never penalised
+            assert info["masked"] and info["env_fault_treatment"] == "masked"
+    finally:
+        env.close()
+
+
+def test_latency_reaches_the_policy_as_the_answer():
+    env = _env(WEATHER, "latency=1.0:300ms")
+    try:
+        env.reset(seed=0)
+        _obs, reward, term, _trunc, info = env.step(gold_actions(WEATHER)[0])
+        assert term and reward == 1.0 and info["correct"] and not info["shown_faults"]
+        assert "result" in _tool_msgs(info)[0]
+    finally:
+        env.close()
+
+
+def _first_faulted_seed(task: Task, faults: str, **kw) -> int:
+    """A seed whose first gold answer meets a fault on its first call (the fault draw is seeded)."""
+    for seed in range(200):
+        env = _env(task, faults, **kw)
+        try:
+            env.reset(seed=seed)
+            _o, _r, _t, _tr, info = env.step(gold_actions(task)[0])
+            if info["shown_faults"] and info["shown_faults"][0]["call_index"] == 0:
+                return seed
+        finally:
+            env.close()
+    raise AssertionError("no seed with a fault")
+
+
+def test_a_call_before_retry_after_gets_429_again_and_one_after_it_is_served():
+    # Retry-After 3 s; each further message costs 1 s of virtual time
+    seed = _first_faulted_seed(WEATHER, "rate_limit=0.3:3s", turn_seconds=1.0)
+    env = _env(WEATHER, "rate_limit=0.3:3s", turn_seconds=1.0)
+    try:
+        env.reset(seed=seed)
+        gold = gold_actions(WEATHER)[0]
+        _o, _r, _t, _tr, info = env.step(gold)
+        assert info["shown_faults"][0]["retry_after_s"] == 3
+        clock = env._client.clock
+        t0 = clock.monotonic()
+        seen = []
+        for _ in range(6):
+            _o, reward, term, _tr, info = env.step(gold)
+            seen.append((clock.monotonic() - t0, info["shown_faults"][0]["retry_after_s"]
+                         if info["shown_faults"] else None))
+            if term:
+                break
+        # 1 s and 2 s after the 429: refused again, told the time still to wait
+        assert seen[0] == (1.0, 2) and seen[1] == (2.0, 1)
+        assert term and reward == 1.0 and info["correct"] and not info["masked"]
+        causes = {e.step: (e.cause, e.detail) for e in env.ledger.injected(env.episode_id)}
+        assert causes[1] == ("window", "retry_after=2") and causes[2] == ("window", "retry_after=1")
+        assert causes.get(3, ("draw",))[0] == "draw"  # at 3 s the window is over: the plan's own draw
+        assert env.ledger.reconcile(env.episode_id).exact
+    finally:
+        env.close()
+
+
+def test_retry_after_is_kept_on_a_real_loopback_server(tmp_path):
+    """Over a real socket the server's own clock keeps the window: calling again at once is refused."""
+    with ServerThread(create_app(sandbox_root=tmp_path)) as srv:
+        env = _env(WEATHER, "rate_limit=0.3:30s", server_url=srv.url)
+        try:
+            for seed in range(200):
+                env.reset(seed=seed)
+                _o, _r, term, _tr, info = env.step(gold_actions(WEATHER)[0])
+                if info["shown_faults"]:
+                    break
+            [shown] = _tool_msgs(info)
+            assert re.fullmatch(r"HTTP 429 Too Many Requests: .*; Retry-After: 30", shown["error"])
+            _o, _r, term, _tr, info = env.step(gold_actions(WEATHER)[0])  # at once: inside the window
+            [again] = _tool_msgs(info)
+            assert again["kind"] == "rate_limit" and not term
+            assert int(again["error"].rsplit(": ", 1)[1]) in (29, 30)
+        finally:
+            env.close()
+
+
+def test_stopping_after_a_fault_is_the_policys_failure_and_calling_the_failed_one_again_recovers():
+    seed = _first_faulted_seed(PARALLEL, "server_error=0.3")
+    gold = gold_actions(PARALLEL)[0]
+    env = _env(PARALLEL, "server_error=0.3")
+    try:
+        env.reset(seed=seed)
+        _o, _r, term, _tr, info = env.step(gold)
+        assert not term
+        failed = [f for f in info["shown_faults"]]
+        _o, reward, term, _tr, info = env.step("Sorry, the weather service is down.")
+        assert term and reward == 0.0 and not info["masked"]
+        assert info["fault_caused"] and [f["name"] for f in info["open_faults"]] == [f["name"] for f in failed]
+        # the same episode again; this time the policy calls only the failed call(s) again
+        env.reset(seed=seed)
+        env.step(gold)
+        from reflrl.envs.parsing import format_calls
+        retry = format_calls([ToolCall(f["name"], f["arguments"]) for f in failed], "hermes")
+        for _ in range(4):
+            _o, reward, term, _tr, info = env.step(retry)
+            if term:
+                break
+        assert term and reward == 1.0 and info["correct"] and not info["fault_caused"] and not info["open_faults"]
+    finally:
+        env.close()
+
+
+def test_a_wrong_answer_with_a_fault_is_a_policy_error_not_fault_caused():
+    seed = _first_faulted_seed(WEATHER, "server_error=0.3")
+    env = _env(WEATHER, "server_error=0.3")
+    try:
+        env.reset(seed=seed)
+        env.step(gold_actions(WEATHER)[0])
+        from reflrl.envs.parsing import format_calls
+        _o, reward, term, _tr, info = env.step(format_calls([ToolCall("get_stock_quote", {"symbol": "X"})]))
+        if not term:  # the wrong call met a fault too: stop
+            _o, reward, term, _tr, info = env.step("Done.")
+        assert term and reward == 0.0 and not info["masked"] and not info["fault_caused"]
+    finally:
+        env.close()
+
+
+def test_ip_ban_no_action_can_handle_stays_masked_and_a_fault_on_the_last_message_too():
+    gold = gold_actions(WEATHER)[0]
+    env = _env(WEATHER, "ip_ban=1.0", max_steps=3)
+    try:
+        env.reset(seed=0)
+        _o, reward, _term, _tr, info = env.step(gold)
+        assert info["masked"] and reward == 0.0
+        _o, reward, _term, _tr, info = env.step(gold)   # the ban holds: the client keeps its identity
+        assert info["masked"] and _tool_msgs(info)[0]["kind"] == "ip_ban"
+    finally:
+        env.close()
+    env = _env(WEATHER, "server_error=1.0", max_steps=2)
+    try:
+        env.reset(seed=0)
+        _o, _r, term, trunc, info = env.step(gold)
+        assert not term and not trunc and not info["masked"]
+        _o, reward, term, trunc, info = env.step(gold)  # the last allowed message meets a fault too
+        assert trunc and info["masked"] and not info["fault_caused"]
+    finally:
+        env.close()
+
+
+def test_client_exposure_is_unchanged_and_bad_names_are_refused():
+    env = _env(WEATHER, "rate_limit=1.0", fault_exposure="client")
+    try:
+        env.reset(seed=0)
+        _o, _r, term, _tr, info = env.step(gold_actions(WEATHER)[0])
+        assert term and info["masked"] and "shown_faults" not in info and info["billed_calls"] > 1
+    finally:
+        env.close()
+    with pytest.raises(ValueError, match="fault_exposure"):
+        _env(WEATHER, "", fault_exposure="model")
+
+
+def test_faults_list_states_each_kinds_rule():
+    table = format_kinds_table()
+    for k in KINDS.values():
+        assert k.policy_rule and k.policy_rule.split(":")[0] in ("act", "masked", "nothing to act on")
+        assert k.name in table
+    assert "masked: the ban holds" in table and "refused with 429 again" in table
