@@ -83,6 +83,7 @@ class RetryConfig:
 
     max_attempts: int = _f(4, "attempts per tool call (1 = no retry); each attempt is billed as a call")
     budget_s: float = _f(30.0, "give up retrying a call after this many seconds in total")
+    policy_max_attempts: int = _f(1, "attempts per tool call when env.fault_exposure='policy' (1 = every fault the tool gives reaches the policy; more = the client retries first)")
 
 
 @dataclass
@@ -96,6 +97,9 @@ class EnvConfig:
     parser: str = _f("hermes", "tool-call parser: 'hermes' | 'pythonic' | 'react' | 'auto'")
     max_steps: int | None = _f(None, "assistant messages per episode before truncation; null = env default")
     retry: RetryConfig = _f(RetryConfig, "retry policy of the tool client")
+    fault_exposure: str = _f("client", "who meets a fault the tool client does not absorb: 'client' (its retries; a fault they give up on masks the rollout, never penalised) | 'policy' (it comes back to the policy as the tool's answer - HTTP status, error code, message, Retry-After - and the episode goes on, so the policy may call again, call another tool or stop; a fault it could have acted on and did not is a wrong answer, one no action can handle stays masked: `reflrl faults list`; attempts per call: env.retry.policy_max_attempts)")
+    turn_seconds: float = _f(2.0, "fault_exposure='policy': virtual seconds on the env's clock that each assistant message after the first costs (no wall time); a call made before a 429's Retry-After has passed is refused with 429 again")
+    eval_fault_seed: int = _f(1234, "seed of the faults the held-out evaluations meet (env.faults): fixed, so every checkpoint of a run meets the same faults")
     concurrency: int = _f(8, "episodes stepped concurrently (1 = one at a time)")
 
 
@@ -424,6 +428,9 @@ def validate(cfg: Config) -> Config:
     _choice(e, "env.parser", v.parser, PARSERS)
     need(v.max_steps is None or v.max_steps >= 1, f"env.max_steps: must be >= 1 or null, got {v.max_steps}")
     need(v.retry.max_attempts >= 1, f"env.retry.max_attempts: must be >= 1, got {v.retry.max_attempts}")
+    need(v.retry.policy_max_attempts >= 1, f"env.retry.policy_max_attempts: must be >= 1, got {v.retry.policy_max_attempts}")
+    _choice(e, "env.fault_exposure", v.fault_exposure, ("client", "policy"))
+    need(v.turn_seconds >= 0, f"env.turn_seconds: must be >= 0, got {v.turn_seconds}")
     need(v.retry.budget_s > 0, f"env.retry.budget_s: must be > 0, got {v.retry.budget_s}")
     need(v.concurrency >= 1, f"env.concurrency: must be >= 1, got {v.concurrency}")
 

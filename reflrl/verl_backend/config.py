@@ -195,6 +195,12 @@ def verl_keys(cfg: Config, s: VerlSettings) -> dict[str, Any]:
     if a.credit != "sequence":
         raise ConfigError(f"algo.credit={a.credit}: the verl backend gives every token its sequence advantage "
                           "('sequence'); per-call credit is a CPU-trainer option")
+    if cfg.env.fault_exposure != "client":
+        # env.turn_seconds and env.retry.policy_max_attempts only act with 'policy'; env.eval_fault_seed
+        # seeds the CPU trainer's held-out evaluation (verl validates on its own val files): not needed
+        raise ConfigError(f"env.fault_exposure={cfg.env.fault_exposure!r}: the verl agent loop lets the tool client "
+                          "retry and masks what it gives up on ('client'); faults the policy sees are a CPU-trainer "
+                          "option")
     if cfg.train.log_rollouts:
         raise ConfigError("train.log_rollouts=true: on the verl backend use verl's own rollout dump, the verl "
                           "override trainer.rollout_data_dir=DIR")
