@@ -16,11 +16,14 @@ template + the next assistant header) are tokenized separately and appended with
 trained tokens are on-policy and observations get no gradient.
 
 Env faults that the env could not recover (``masked``) leave the trajectory out of the loss: they are
-never turned into a negative reward.
+never turned into a negative reward. With faults the policy sees (``env.fault_exposure="policy"``) a
+single-turn episode goes on after a fault: those trajectories continue as multi-turn ones (the tool's
+error as the observation, then the policy's next answer) until the env ends the episode.
 """
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
 import math
 import time
@@ -85,6 +88,8 @@ class Trajectory:
     group:         index of the task in the batch (GRPO group).
     added:         a reflection repair that joined its group beside the failure it repairs (Tool-ReRL,
                    ``reflection.group="add"``), rather than taking its place.
+    seed:          the env seed its episode was reset with (``reset(seed=...)`` with the same task
+                   replays the episode: the same tool answers and faults for the same actions).
     """
 
     task: Task
@@ -105,6 +110,7 @@ class Trajectory:
     repair: Any = None
     original: Any = None
     added: bool = False
+    seed: int | None = None
 
     @property
     def last(self) -> StepRecord | None:
@@ -363,17 +369,19 @@ async def arollout(engine: Any, tokenizer: Any, envs: Sequence[Any], tasks: Sequ
         if not msgs:
             raise KeyError("env reset info has no 'messages' to render with the chat template")
         messages.append(list(msgs))
-        trajs.append(Trajectory(task=tasks[k // n], group=k // n, prompt_ids=render_prompt(tokenizer, msgs)))
+        trajs.append(Trajectory(task=tasks[k // n], group=k // n, prompt_ids=render_prompt(tokenizer, msgs),
+                                seed=seed + k))
     if cfg.max_turns <= 1:
-        await _single_turn(engine, tokenizer, envs, trajs, cfg, t, seed)
+        await _single_turn(engine, tokenizer, envs, trajs, cfg, t, seed, messages)
     else:
         await _multi_turn(engine, tokenizer, envs, trajs, messages, cfg, t, seed)
     return trajs
 
 
 async def _single_turn(engine, tokenizer, envs, trajs: list[Trajectory], cfg: RolloutSpec,
-                       t: dict[str, float], seed: int) -> None:
-    """All B×n samples in one engine call, then all env steps concurrently."""
+                       t: dict[str, float], seed: int, messages: list[list[dict]] | None = None) -> None:
+    """All B×n samples in one engine call, then all env steps concurrently; episodes the env goes on
+    with (a fault the policy sees) continue turn by turn (:func:`_multi_turn`) until the env ends them."""
     t0 = time.perf_counter()
     groups = sorted({tr.group for tr in trajs})
     firsts = {g: next(tr for tr in trajs if tr.group == g) for g in groups}
@@ -400,18 +408,26 @@ async def _single_turn(engine, tokenizer, envs, trajs: list[Trajectory], cfg: Ro
     t["env_s"] += time.perf_counter() - t0
     for tr, (_obs, reward, _term, _trunc, info) in zip(trajs, results):
         record_step(tr, reward, info)
+    going = [k for k, (_o, _r, term, trunc, _i) in enumerate(results)
+             if not (term or trunc or trajs[k].masked or trajs[k].truncated)]
+    if going and messages is not None:
+        ready = [k for k in going if _observe(tokenizer, trajs[k], messages, k, results[k][4], texts[k],
+                                               [i for i, m in zip(trajs[k].response_ids, trajs[k].loss_mask) if m])]
+        await _multi_turn(engine, tokenizer, envs, trajs, messages, dataclasses.replace(cfg, max_turns=1 << 30),
+                          t, seed + 1, ready=ready)
 
 
 async def _multi_turn(engine, tokenizer, envs, trajs: list[Trajectory], messages: list[list[dict]],
-                      cfg: RolloutSpec, t: dict[str, float], seed: int) -> None:
+                      cfg: RolloutSpec, t: dict[str, float], seed: int, ready: list[int] | None = None) -> None:
     """Alternate batched generation of the ready trajectories with concurrent env steps.
 
     Loop: generate for every ready trajectory in one batch (in a worker thread, so in-flight tool
     calls keep progressing on the event loop); start an env step for each; then wait until at least
     one env step finishes and collect every finished one; those not done become ready again.
+    ``ready``: the trajectories to go on with (default: all).
     """
     loop = asyncio.get_running_loop()
-    ready: list[int] = list(range(len(trajs)))
+    ready = list(range(len(trajs))) if ready is None else list(ready)
     pending: dict[asyncio.Future, tuple[int, str, list[int]]] = {}
     rounds = 0
     while ready or pending:
@@ -458,17 +474,26 @@ async def _multi_turn(engine, tokenizer, envs, trajs: list[Trajectory], messages
             if term or trunc or tr.masked or tr.turns >= cfg.max_turns or tr.truncated:
                 tr.truncated = tr.truncated or (bool(trunc) and not term)
                 continue
-            new_msgs = list(info.get("messages") or [])
-            before = messages[k]
-            after = new_msgs[len(before) + 1:] if len(new_msgs) > len(before) + 1 else []
-            if not after:
-                continue  # the env added nothing to answer: the episode is over
-            action_text = new_msgs[len(before)].get("content", text) if len(new_msgs) > len(before) else text
-            sampled = tokenizer.decode(ids, skip_special_tokens=False)
-            obs = observation_text(tokenizer, before, action_text, after, sampled)
-            tr.append_observation(tokenizer(obs, add_special_tokens=False)["input_ids"])
-            messages[k] = new_msgs
-            ready.append(k)
+            if _observe(tokenizer, tr, messages, k, info, text, ids):
+                ready.append(k)
+
+
+def _observe(tokenizer, tr: Trajectory, messages: list[list[dict]], k: int, info: dict[str, Any], text: str,
+             ids: list[int]) -> bool:
+    """Append what the env answered to action ``ids`` (tool messages, maybe a new user turn, and the next
+    assistant header) to ``tr`` as observation tokens, and move ``messages[k]`` on; False when the env
+    added nothing to answer (the episode is over)."""
+    new_msgs = list(info.get("messages") or [])
+    before = messages[k]
+    after = new_msgs[len(before) + 1:] if len(new_msgs) > len(before) + 1 else []
+    if not after:
+        return False
+    action_text = new_msgs[len(before)].get("content", text) if len(new_msgs) > len(before) else text
+    sampled = tokenizer.decode(ids, skip_special_tokens=False)
+    obs = observation_text(tokenizer, before, action_text, after, sampled)
+    tr.append_observation(tokenizer(obs, add_special_tokens=False)["input_ids"])
+    messages[k] = new_msgs
+    return True
 
 
 def _fits(tr: Trajectory, cfg: RolloutSpec) -> bool:

@@ -175,3 +175,21 @@ def test_retried_faults_are_recovered_not_masked(tok, tasks):
     assert not any(t.masked for t in trajs)
     assert all(t.reward == 1.0 for t in trajs)
     assert sum(len(t.fault_events) for t in trajs) > 0
+
+
+# ------------------------------------------------------------------- faults the policy sees
+def test_policy_visible_fault_continues_the_single_turn_episode(tok, tasks):
+    """env.fault_exposure='policy': after a fault the episode goes on; the policy's next answer (the
+    same call again) is sampled after the tool's error, which is an observation (loss mask 0)."""
+    eng = ScriptedEngine(tok, lambda text, j: gold_text(next(t for t in tasks if t.query in text)))
+    envs = make_envs(12, tasks, faults="server_error=0.5", fault_exposure="policy")
+    trajs = run(R.arollout(eng, tok, envs, tasks[:6], 2, R.RolloutSpec(max_new_tokens=96), seed=1))
+    again = [t for t in trajs if t.turns > 1]
+    assert again, "some first answers must meet a fault at 50%"
+    for t in again:
+        assert '"kind": "server_error"' in tok.decode(t.response_ids) and 0 in t.loss_mask
+        assert t.steps[0].env_fault_treatment == "to-policy" and not t.masked
+        assert len(t.steps) == t.turns and t.seed is not None
+    # calling again until the call is answered gets every episode right
+    assert all(t.correct and t.reward == 1.0 for t in trajs if not t.masked)
+    assert len(eng.calls) > 1

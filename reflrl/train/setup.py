@@ -125,20 +125,26 @@ def remote_engine(cfg: C.Config, tokenizer: Any) -> Any:
                       tokenizer=tokenizer, max_concurrency=max(1, cfg.env.concurrency))
 
 
-def make_envs(cfg: C.Config, tasks: Sequence[Any], count: int) -> tuple[list[Any], Any]:
+def make_envs(cfg: C.Config, tasks: Sequence[Any], count: int, *, prefix: str = "w",
+              fault_seed: int | None = -1) -> tuple[list[Any], Any]:
     """``count`` tool environments over one in-process tool server (returned too: closing it deletes
-    its file sandboxes)."""
+    its file sandboxes). ``prefix`` names their episodes; ``fault_seed`` -1 = ``env.fault_seed`` (None:
+    each episode's faults follow its reset seed, as the held-out evaluation wants)."""
     import gymnasium as gym
 
     import reflrl.envs  # noqa: F401  (registers the env ids)
     from reflrl.envs.tool_server import create_app
 
     e = cfg.env
+    policy = e.fault_exposure == "policy"
+    retry = {"max_attempts": e.retry.policy_max_attempts if policy else e.retry.max_attempts,
+             "budget_s": e.retry.budget_s}
     app = create_app()
-    envs = [gym.make(e.id, dataset=list(tasks), faults=e.faults or None, fault_seed=e.fault_seed,
+    envs = [gym.make(e.id, dataset=list(tasks), faults=e.faults or None,
+                     fault_seed=e.fault_seed if fault_seed == -1 else fault_seed,
                      seed=cfg.train.seed + k, reward=e.reward, parser=e.parser, prompt_style=cfg.data.prompt_style,
-                     max_steps=e.max_steps, retry={"max_attempts": e.retry.max_attempts, "budget_s": e.retry.budget_s},
-                     app=app, episode_prefix=f"w{k}", think=think_of(cfg)).unwrapped
+                     max_steps=e.max_steps, retry=retry, fault_exposure=e.fault_exposure,
+                     turn_seconds=e.turn_seconds, app=app, episode_prefix=f"{prefix}{k}", think=think_of(cfg)).unwrapped
             for k in range(count)]
     return envs, app.server
 
