@@ -99,11 +99,11 @@ def smoke_trainer_class() -> type:
     return SmokeTrainer
 
 
-def run_config(model_dir: Path, device: str, steps: int, out_dir: Path, max_new_tokens: int) -> Any:
+def run_config(model_dir: Path, device: str, steps: int, out_dir: Path, max_new_tokens: int, trainable: str) -> Any:
     from reflrl.config import load_config
 
     return load_config(None, [
-        f"model.name={model_dir}", "model.dtype=auto", "model.trainable=all",
+        f"model.name={model_dir}", "model.dtype=auto", f"model.trainable={trainable}",
         "data.source=synthetic", "data.n_train=8", "data.n_val=0", "data.n_test=4", "data.kinds=single,parallel",
         "env.faults=", "env.concurrency=8",
         "rollout.n=4", "rollout.batch_prompts=2", f"rollout.max_new_tokens={max_new_tokens}",
@@ -152,6 +152,8 @@ def main(argv: list[str] | None = None) -> int:
                         "(default on the CPU)")
     p.add_argument("--steps", type=int, default=2, help="RL steps (default 2)")
     p.add_argument("--max-new-tokens", type=int, default=32)
+    p.add_argument("--trainable", help="model.trainable (default top_layers:<half the layers>: the frozen bottom "
+                                       "in the device's precision, the trained top in float32, as the default recipe)")
     p.add_argument("--assets", help="folder with the embedded model's config.json and tokenizer (default: "
                                     "read from the installed embedded model)")
     p.add_argument("--export-assets", metavar="DIR", help="write the assets folder and exit")
@@ -182,7 +184,9 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.perf_counter()
     model_dir, n_params = build_model(assets, size, out / "model")
     build_s = time.perf_counter() - t0
-    cfg = run_config(model_dir, a.device, a.steps, out, a.max_new_tokens)
+    layers = json.loads((model_dir / "config.json").read_text())["num_hidden_layers"]
+    trainable = a.trainable or f"top_layers:{max(1, layers // 2)}"
+    cfg = run_config(model_dir, a.device, a.steps, out, a.max_new_tokens, trainable)
     gpu = torch.cuda.get_device_name(dev) if dev.type == "cuda" else None
     print(f"gpu_smoke: device {dev}{f' ({gpu})' if gpu else ''}, torch {torch.__version__}, model {size} "
           f"({n_params / 1e6:.1f} M parameters, random)", flush=True)
@@ -199,7 +203,8 @@ def main(argv: list[str] | None = None) -> int:
     recs = [json.loads(x) for x in (out / "run" / "metrics.jsonl").read_text().splitlines() if x.strip()]
     steps = [r for r in recs if "time_step_s" in r]
     checks: dict[str, Any] = {"steps_logged": len(steps) == a.steps, "model_device": trained.get("device"),
-                              "every_step_updated": bool(steps) and all(r.get("update_skipped") == 0.0 for r in steps)}
+                              "every_step_updated": bool(steps) and all(r.get("update_skipped") == 0.0 for r in steps),
+                              "param_dtypes": sorted({str(p.dtype).replace("torch.", "") for p in model.parameters()})}
     for key in ("loss", "reward_mean", "grad_norm"):
         vals = [r.get(key) for r in steps]
         checks[f"{key}_finite"] = bool(vals) and all(_finite(v) for v in vals)
@@ -212,8 +217,8 @@ def main(argv: list[str] | None = None) -> int:
               f"tokens {r.get('update_tokens')}", flush=True)
     ok = all(v for k, v in checks.items() if k.endswith("_finite") or k in ("steps_logged", "on_device", "every_step_updated")) and ck["ok"]
     figures = {"ok": ok, "device": str(dev), "gpu": gpu, "torch": torch.__version__, "size": size,
-               "precision": summary.get("precision", {}).get("dtype") if isinstance(summary.get("precision"), dict)
-               else summary.get("precision"), "build_s": round(build_s, 2), "train_s": round(run_s, 2),
+               "parameters": n_params, "trainable": trainable,
+               "precision": trainer.precision.log_line(), "build_s": round(build_s, 2), "train_s": round(run_s, 2),
                "step_s": [round(r["time_step_s"], 3) for r in steps],
                "rollout_s": [round(r.get("time_rollout_s", 0.0), 3) for r in steps],
                "update_s": [round(r.get("time_update_s", 0.0), 3) for r in steps],

@@ -15,6 +15,7 @@ from reflrl.eval import bfcl as B
 from reflrl.eval.backends import Decoding, apply_template
 from reflrl.eval.compare import compare, format_comparison, welch
 from reflrl.eval.run import EvalOptions, drive, run_eval
+from reflrl.eval.data import DataError
 
 DATA = Path(__file__).resolve().parent / "fixtures" / "benchmarks"
 
@@ -228,7 +229,7 @@ def test_run_checkpoint_resolution(tmp_path):
     from reflrl.eval.backends import run_checkpoint
 
     run = tmp_path / "run"
-    with pytest.raises(FileNotFoundError, match="no checkpoints"):
+    with pytest.raises(DataError, match="no checkpoints"):
         run_checkpoint(run)
     for step in (5, 12):
         ck = run / "checkpoints" / f"step_{step:06d}"

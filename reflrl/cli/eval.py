@@ -8,7 +8,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-EXIT_USAGE = 2
+from reflrl.errors import UserError
+
 BENCH_CHOICES = ("rotbench", "taskbench", "bfcl", "sealtools")
 
 
@@ -80,63 +81,46 @@ def _split(s: str | None) -> list[str] | None:
     return [x.strip() for x in s.split(",") if x.strip()] if s else None
 
 
-def _fail(msg: str) -> int:
-    print(f"reflrl: error: {msg}", file=sys.stderr)
-    return EXIT_USAGE
-
-
 def cmd_eval(args: argparse.Namespace) -> int:
-    from reflrl.eval.data import DataError
-
     if args.targets[0] == "compare":
         if len(args.targets) != 3:
-            return _fail("usage: reflrl eval compare RUN_A RUN_B")
+            raise UserError("usage: reflrl eval compare RUN_A RUN_B")
         from reflrl.eval.compare import compare, format_comparison, load_result
 
-        try:
-            c = compare(load_result(args.targets[1]), load_result(args.targets[2]))
-        except DataError as e:
-            return _fail(str(e))
+        c = compare(load_result(args.targets[1]), load_result(args.targets[2]))
         print(format_comparison(c))
         return 0
     bad = [t for t in args.targets if t not in BENCH_CHOICES]
     if bad:
-        return _fail(f"unknown benchmark(s) {bad}; choose from {', '.join(BENCH_CHOICES)} (or 'compare')")
+        raise UserError(f"unknown benchmark(s) {bad}; choose from {', '.join(BENCH_CHOICES)} (or 'compare')")
     if args.seeds < 1:
-        return _fail("--seeds must be at least 1")
+        raise UserError("--seeds must be at least 1")
     if args.limit is not None and args.limit < 1:
-        return _fail("--limit must be at least 1")
+        raise UserError("--limit must be at least 1")
     if sum(x is not None for x in (args.endpoint, args.run)) > 1 or (args.run and args.model):
-        return _fail("give exactly one of --model NAME, --endpoint URL --model NAME, --run RUN_DIR")
+        raise UserError("give exactly one of --model NAME, --endpoint URL --model NAME, --run RUN_DIR")
     from reflrl.eval.backends import Decoding, make_backend
-    from reflrl.eval.bfcl import BfclUnavailable
     from reflrl.eval.run import EvalOptions, default_out_dir, run_eval
-    from reflrl.errors import DiskSpaceError
 
-    try:
-        if "bfcl" in args.targets:
-            from reflrl.eval.bfcl import resolve_categories
+    if "bfcl" in args.targets:
+        from reflrl.eval.bfcl import resolve_categories
 
-            resolve_categories(args.categories)  # fail on a typo before loading the model
-        opts = EvalOptions(
-            benchmarks=list(dict.fromkeys(args.targets)),
-            data_dir=Path(args.data_dir) if args.data_dir else None, limit=args.limit,
-            seeds=list(range(args.seeds)),
-            decoding=Decoding(args.temperature, args.top_p, args.max_new_tokens), template=args.template,
-            keep_thinking=args.keep_thinking, max_steps=args.max_steps, categories=_split(args.categories),
-            levels=_split(args.levels), domains=_split(args.domains))
-        need_data = [b for b in opts.benchmarks if b != "bfcl"]
-        if need_data and opts.data_dir is None:
-            return _fail(f"{', '.join(need_data)} need --data-dir (or $REFLRL_BENCH_DATA)")
-        backend = make_backend(model=args.model, endpoint=args.endpoint, run=args.run, dtype=args.dtype,
-                               batch_size=args.batch_size, api_key=args.api_key, concurrency=args.concurrency,
-                               threads=args.threads)
-        out_dir = Path(args.out) if args.out else default_out_dir(args.model or args.run or "model")
-        result = run_eval(backend, opts, out_dir=out_dir, log=lambda m: print(m, file=sys.stderr))
-    except (DataError, ValueError, BfclUnavailable, FileNotFoundError) as e:
-        return _fail(str(e))
-    except DiskSpaceError as e:  # e.g. no room to convert the embedded model once
-        return _fail(e.strerror)
+        resolve_categories(args.categories)  # fail on a typo before loading the model
+    opts = EvalOptions(
+        benchmarks=list(dict.fromkeys(args.targets)),
+        data_dir=Path(args.data_dir) if args.data_dir else None, limit=args.limit,
+        seeds=list(range(args.seeds)),
+        decoding=Decoding(args.temperature, args.top_p, args.max_new_tokens), template=args.template,
+        keep_thinking=args.keep_thinking, max_steps=args.max_steps, categories=_split(args.categories),
+        levels=_split(args.levels), domains=_split(args.domains))
+    need_data = [b for b in opts.benchmarks if b != "bfcl"]
+    if need_data and opts.data_dir is None:
+        raise UserError(f"{', '.join(need_data)} need --data-dir (or $REFLRL_BENCH_DATA)")
+    backend = make_backend(model=args.model, endpoint=args.endpoint, run=args.run, dtype=args.dtype,
+                           batch_size=args.batch_size, api_key=args.api_key, concurrency=args.concurrency,
+                           threads=args.threads)
+    out_dir = Path(args.out) if args.out else default_out_dir(args.model or args.run or "model")
+    result = run_eval(backend, opts, out_dir=out_dir, log=lambda m: print(m, file=sys.stderr))
     from reflrl.eval.tables import markdown_report
 
     print(markdown_report(result))
@@ -150,7 +134,7 @@ def cmd_download(args: argparse.Namespace) -> int:
 
     try:
         download_rotbench(args.dest, args.base_url)
-    except (DataError, OSError) as e:
-        return _fail(str(e))
+    except OSError as e:  # the destination cannot be written
+        raise DataError(f"--dest {args.dest}: {e}") from None
     return 0
 

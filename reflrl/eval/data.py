@@ -6,8 +6,10 @@ import json
 from pathlib import Path
 from typing import Any
 
+from reflrl.errors import UserError
 
-class DataError(ValueError):
+
+class DataError(UserError, ValueError):
     """A benchmark data file is missing or malformed; the message names the file (and record)."""
 
 

@@ -248,7 +248,7 @@ def run_eval(backend: Backend, opts: EvalOptions, out_dir: Path | None = None,
     ``out_dir`` (when given) and return the results dict."""
     for b in opts.benchmarks:
         if b not in MAKERS:
-            raise ValueError(f"unknown benchmark {b!r}; expected some of {', '.join(BENCHMARKS)}")
+            raise DataError(f"unknown benchmark {b!r}; expected some of {', '.join(BENCHMARKS)}")
     seeds = list(opts.seeds)
     notes = []
     if opts.decoding.greedy and len(seeds) > 1:
