@@ -139,6 +139,19 @@ def json_error(status: int, kind: str, message: str) -> tuple[int, list, bytes]:
                     (b"content-length", str(len(body)).encode())], body
 
 
+def target_problem(scope) -> str | None:
+    """Why a request's target is not one this server answers, or None. Served: origin form
+    (``/path?query``). Refused: absolute form (``GET http://host/x``, what a client sends to a server
+    it was told is its forward proxy) and asterisk form (``OPTIONS *``)."""
+    raw = scope.get("raw_path") or scope.get("path", "").encode("latin-1", "replace")
+    if raw.startswith(b"/"):
+        return None
+    if raw == b"*":
+        return "request target '*' (asterisk form): this server answers requests for a path, e.g. GET /x"
+    return (f"request target {clip_repr(raw.decode('latin-1'))} is in absolute form, as a client sends it to a "
+            "forward proxy; this server answers origin-form targets (a path, e.g. GET /x)")
+
+
 class RequestGuard:
     """ASGI middleware: reads each request body in full before the app sees it, within
     ``max_body_bytes`` (413) and ``body_timeout_s`` (408), then replays it to the app. Later
@@ -151,6 +164,9 @@ class RequestGuard:
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
+        problem = target_problem(scope)
+        if problem is not None:
+            return await _reply(send, *json_error(400, "bad_request_target", problem))
         lim = self.limits
         declared = None
         for k, v in scope["headers"]:

@@ -327,6 +327,9 @@ PARSERS: dict[str, Callable[[str], ParseResult]] = {
 """Parser registry: format name -> ``parser(text) -> ParseResult`` (``"auto"`` is handled by
 :func:`parse`). Parsers in here may raise; always go through :func:`parse`."""
 
+PARSER_NAMES: tuple[str, ...] = (*PARSERS, "auto")
+"""The formats :func:`parse` accepts (``env.parser``): every registered parser, and ``"auto"``."""
+
 
 def _safe(parser: Callable[[str], ParseResult], text: str) -> ParseResult:
     try:

@@ -46,9 +46,11 @@ from urllib.parse import parse_qs, quote, urlsplit
 import httpx
 
 from reflrl.faults import FaultInjector, FaultPlan, FaultSite, FaultSpecError, Ledger
+from reflrl.faults.coords import CoordError
 from reflrl.faults.inject import Coords, _err, _send_json, header_coords
 
 from .clock import SystemClock
+from .limits import target_problem
 
 CONTROL_PREFIX = "/_reflrl/"
 DEFAULT_PORT = 8078
@@ -117,6 +119,12 @@ class FaultProxy:
             return await self._lifespan(receive, send)
         if scope["type"] != "http":
             return None  # websockets are not proxied
+        problem = target_problem(scope)
+        if problem is not None:  # e.g. a client that uses this reverse proxy as its forward proxy
+            self.stats["bad_request"] += 1
+            return await _send_json(send, 400, _err("bad_request_target", (
+                f"{problem}. This is a reverse proxy in front of {self.upstream}: send it the path "
+                "(GET /x), not a full URL")))
         if scope["path"].startswith(CONTROL_PREFIX):
             return await self._control(scope, send)
         self.stats["requests"] += 1
@@ -127,9 +135,14 @@ class FaultProxy:
                 "payload_too_large", f"request body over the proxy's limit of "
                                      f"{self.max_body_bytes} bytes"),
                                     extra=[(b"connection", b"close")])
+        try:
+            coords = self._coords(scope, body)
+        except CoordError as e:  # a malformed X-Reflrl-* header: named, as the tool server names it
+            self.stats["bad_request"] += 1
+            return await _send_json(send, 400, _err("bad_header", str(e)))
         scope = dict(scope)
         ext = dict(scope.get("extensions") or {})
-        ext[_REQUEST] = {"body": body, "coords": self._coords(scope, body)}
+        ext[_REQUEST] = {"body": body, "coords": coords}
         scope["extensions"] = ext
         return await self.injector(scope, _replay(body, receive), send)
 
@@ -182,6 +195,10 @@ class FaultProxy:
         http = await self._client()
         try:
             req = http.build_request(scope["method"], url, headers=headers, content=body)
+        except httpx.InvalidURL as e:  # a path httpx will not send on, named instead of a 500
+            self.stats["bad_request"] += 1
+            return await _send_json(send, 400, _err("bad_request_target", f"cannot forward {url!r}: {e}"))
+        try:
             resp = await http.send(req, stream=True)
             try:
                 parts, n = [], 0

@@ -11,8 +11,9 @@ from __future__ import annotations
 
 from typing import Any
 
-EXIT_BUDGET_CUT = 3  # `reflrl train` exit status when the time guard cut a phase (the summary is still written)
-EXIT_DISK_FULL = 4  # `reflrl train` exit status when the run folder's disk cannot hold its checkpoints
+from reflrl.errors import IncompleteRun
+
+EXIT_BUDGET_CUT = IncompleteRun.exit_code  # `reflrl train` exit status when the time guard cut a phase
 
 
 def cut_record(phase: str, done: int, planned: int, *, elapsed_s: float, budget_min: float | None,

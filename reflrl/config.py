@@ -2,10 +2,11 @@
 
 Every hyperparameter is declared once, below, with its default and a one-line help text
 (``_f(default, "help")``); :func:`config_help` lists them all and :func:`save_config` writes
-them as comments into a run folder's ``config.yaml``. Defaults are the code's defaults; the
-default recipe lives in ``configs/default.yaml`` (:func:`default_recipe`, shipped in the package).
+them as comments into a run folder's ``config.yaml``. The defaults declared here ARE the default
+recipe (what ``reflrl train`` runs with no arguments, ``load_config(None)``); every YAML recipe in
+``configs/`` is an overlay that lists only the keys it changes (``configs/default.yaml`` changes none).
 
-    cfg = load_config("configs/default.yaml", ["algo.clip_high=0.3", "env.faults=rate_limit=0.1"])
+    cfg = load_config(None, ["algo.clip_high=0.3", "env.faults=rate_limit=0.1"])
     save_config(cfg, run_dir / "config.yaml")      # reloads to an equal Config
 
 Overrides are ``section.key=value`` (nested: ``env.retry.max_attempts=5``). Only the FIRST
@@ -18,8 +19,10 @@ fields, which take the text as it is (``model.name=1e-5`` is the string "1e-5"; 
 Unknown keys, wrong types and out-of-range values raise :class:`ConfigError` naming the
 key path, what was expected and what was given (with a did-you-mean for typos).
 
-This module imports no torch when it is imported (the CLI imports it cheaply); validating a config
-asks the registries of algorithms, samplers, variants, critics and engines for the names they know.
+This module imports no torch when it is imported (the CLI imports it cheaply). Validation is a set of
+small named checks per section (:func:`validate`, :func:`check_trainer`); names are checked against the
+registries that hold them (:data:`reflrl.registry.DIRECTORY`), so this module imports none of the
+modules that implement them.
 """
 
 from __future__ import annotations
@@ -31,7 +34,7 @@ import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Union
+from typing import Any, Callable, Iterator, Union
 
 import yaml
 
@@ -54,7 +57,7 @@ class ModelConfig:
 
     name: str = _f("smollm2-135m-instruct", "registry name ('smollm2-135m-instruct', 'tiny-random'), HF id or local path")
     dtype: str = _f("auto", "weights/compute dtype on the CPU: 'auto' (bfloat16 only where the CPU computes it natively, else float32; reflrl.precision) | 'float32' | 'bfloat16'")
-    trainable: str = _f("top_layers:6", "what trains: 'all' | 'none' | 'lora' | 'top_layers:K' (the top K decoder layers + head)")
+    trainable: str = _f("top_layers:12", "what trains: 'all' | 'none' | 'lora' | 'top_layers:K' (the top K decoder layers + head)")
     trainable_dtype: str | None = _f("float32", "dtype of the trainable parameters (float32 master weights); null = same as dtype")
     lora_r: int = _f(16, "LoRA rank (trainable='lora')")
     lora_alpha: int | None = _f(None, "LoRA alpha; null = 2 * lora_r")
@@ -69,9 +72,9 @@ class DataConfig:
     source: str = _f("synthetic", "'synthetic' (generated tasks) or a loader name ('toolace', 'xlam', 'hammer', 'file')")
     path: str | None = _f(None, "local file for file-based sources (null for synthetic)")
     fmt: str | None = _f(None, "format of `path` ('jsonl', 'json', ...); null = guess from the file")
-    n_train: int = _f(256, "number of training tasks")
-    n_val: int = _f(32, "number of validation tasks (periodic evaluation; 0 = none)")
-    n_test: int = _f(100, "number of held-out test tasks (accuracy before/after)")
+    n_train: int = _f(512, "number of training tasks")
+    n_val: int = _f(16, "number of validation tasks (periodic evaluation; 0 = none)")
+    n_test: int = _f(48, "number of held-out test tasks (accuracy before/after)")
     kinds: list[str] = _f(["single", "parallel"], "task kinds kept: single, parallel, multiple, multi_turn, ...")
     seed: int = _f(0, "seed of the dataset generator / shuffling (fixed so splits stay stable)")
     prompt_style: str = _f("compact", "how tools are listed in the system prompt: 'compact' (one line per tool) | 'json' (full schemas)")
@@ -100,7 +103,7 @@ class EnvConfig:
     fault_exposure: str = _f("client", "who meets a fault the tool client does not absorb: 'client' (its retries; a fault they give up on masks the rollout, never penalised) | 'policy' (it comes back to the policy as the tool's answer - HTTP status, error code, message, Retry-After - and the episode goes on, so the policy may call again, call another tool or stop; a fault it could have acted on and did not is a wrong answer, one no action can handle stays masked: `reflrl faults list`; attempts per call: env.retry.policy_max_attempts)")
     turn_seconds: float = _f(2.0, "fault_exposure='policy': virtual seconds on the env's clock that each assistant message after the first costs (no wall time); a call made before a 429's Retry-After has passed is refused with 429 again")
     eval_fault_seed: int = _f(1234, "seed of the faults the held-out evaluations meet (env.faults): fixed, so every checkpoint of a run meets the same faults")
-    concurrency: int = _f(8, "episodes stepped concurrently (1 = one at a time)")
+    concurrency: int = _f(16, "episodes stepped concurrently (1 = one at a time)")
 
 
 @dataclass
@@ -108,11 +111,11 @@ class RolloutConfig:
     """Sampling of rollouts (see reflrl.rollout)."""
 
     n: int = _f(8, "rollouts per prompt (the GRPO group size)")
-    batch_prompts: int = _f(8, "prompts per training step")
-    temperature: float = _f(1.0, "sampling temperature")
+    batch_prompts: int = _f(2, "prompts per training step")
+    temperature: float = _f(0.7, "sampling temperature")
     top_p: float = _f(1.0, "nucleus sampling threshold (1.0 = off)")
-    max_new_tokens: int = _f(64, "new tokens per assistant turn at most (every task)")
-    answer_cap: float | None = _f(None, "per-task token cap sized to the gold answer: ceil(answer_cap x the gold answer's tokens) + 16 (+ 128 with a <think> block), at most max_new_tokens; rollouts, reflection retries and evaluation alike; null = max_new_tokens for every task")
+    max_new_tokens: int = _f(256, "new tokens per assistant turn at most (every task)")
+    answer_cap: float | None = _f(1.5, "per-task token cap sized to the gold answer: ceil(answer_cap x the gold answer's tokens) + 16 (+ 128 with a <think> block), at most max_new_tokens; rollouts, reflection retries and evaluation alike; null = max_new_tokens for every task")
     stop_at_complete: bool = _f(True, "stop an answer as soon as it is complete: the end of the turn, or the end of its tool-call block(s) when other text follows (hermes format; reflrl.envs.parsing.answer_complete)")
     max_turns: int = _f(1, "assistant turns per episode (multi-turn envs)")
     max_total_tokens: int = _f(1024, "prompt + response token cap for multi-turn episodes")
@@ -140,32 +143,31 @@ class AlgoConfig:
     entropy_coef: float = _f(0.0, "entropy bonus weight (0 = off, as the efficiency paper)")
     value_coef: float = _f(0.5, "critic loss weight (advantage='gae')")
     value_clip: float | None = _f(0.2, "critic value clip range (advantage='gae'); null = off")
-    lr: float = _f(1e-5, "policy learning rate (AdamW)")
+    lr: float = _f(5e-5, "policy learning rate (AdamW)")
     weight_decay: float = _f(0.0, "AdamW weight decay")
     grad_clip: float = _f(1.0, "max global grad norm (0 = no clipping)")
     epochs_per_batch: int = _f(1, "optimisation passes over each rollout batch (1 = on-policy)")
     micro_batch_size: int = _f(8, "sequences per forward/backward (gradient accumulation over the batch)")
     credit: str = _f("sequence", "which tokens a negative advantage applies to: 'sequence' (every token of the answer, GRPO as written) | 'call' (only the tool-call blocks that match no gold call, and the end of the turn when calls are missing; hermes single-turn answers, else every token: reflrl.train.credit)")
-    self_distill: float = _f(0.0, "weight of self-distillation (SDPO, 'Reinforcement Learning via Self-Distillation', arXiv:2601.20802): every failed rollout is re-scored by the policy itself under a teacher prompt holding the critic's analysis of it (reflection.critic / reflection.reveal) and a correct answer of its group when there is one, and the policy on the original prompt is pulled toward that teacher (self_distill_mode), so all-wrong groups still give a signal; 0 = off (reflrl.train.distill). Measured on this repository's recipe (bfloat16, 3 seeds): every mode lowered held-out accuracy more than GRPO alone (README), so it is off")
+    self_distill: float = _f(0.0, "weight of self-distillation (SDPO, 'Reinforcement Learning via Self-Distillation', arXiv:2601.20802): every failed rollout is re-scored by the policy itself under a teacher prompt holding the critic's analysis of it (reflection.critic / reflection.reveal) and a correct answer of its group when there is one, and the policy on the original prompt is pulled toward that teacher (self_distill_mode), so all-wrong groups still give a signal; 0 = off (reflrl.train.distill)")
     self_distill_mode: str = _f("topk", "how the self-teacher's predictions are distilled: 'topk' (forward KL(teacher || policy) on the teacher's top-k tokens at every action token of a failed rollout, plus a tail bucket: pulls the policy toward the tokens the teacher prefers, sampled or not) | 'sampled_token' (SDPO's default: the per-token advantage log pi_teacher - log pi on the sampled tokens only)")
     self_distill_topk: int = _f(20, "'topk' self-distillation: teacher tokens per position")
-    self_distill_span: str = _f("all", "'topk' self-distillation: which action tokens of a failed rollout are distilled: 'all' | 'first_divergence' (up to and including the first token whose teacher top-1 differs from the sampled token, after which the teacher scores a prefix it already rejects; measured worse, README)")
-    self_distill_teacher: str = _f("frozen", "whose weights the self-teacher uses: 'frozen' (the policy as RL started, or as a resumed run restarted: SDPO's 'base' teacher; a copy of the model in memory) | 'live' (the current policy: measured unstable here, the training reward fell from 0.81 to 0 in 8 steps on one seed)")
+    self_distill_span: str = _f("all", "'topk' self-distillation: which action tokens of a failed rollout are distilled: 'all' | 'first_divergence' (up to and including the first token whose teacher top-1 differs from the sampled token, after which the teacher scores a prefix it already rejects)")
+    self_distill_teacher: str = _f("frozen", "whose weights the self-teacher uses: 'frozen' (the policy as RL started, or as a resumed run restarted: SDPO's 'base' teacher; a copy of the model in memory) | 'live' (the current policy as it trains)")
     self_distill_clip: float = _f(5.0, "'sampled_token' self-distillation: clamp of the per-token advantage (|teacher - student log-prob| at most this)")
     negative_weight: float = _f(1.0, "scale of the negative advantages after the group normalisation: 1 = GRPO as written; < 1 leans on the correct samples (positive sample reinforcement, which raises pass@1 fastest; 0 = only them), > 1 on the wrong ones (W-REINFORCE up-weights the negatives for pass@k): 'The Surprising Effectiveness of Negative Reinforcement in LLM Reasoning', arXiv:2506.01347, sec. 3-4")
     downsample_m: int = _f(0, "max-variance down-sampling (efficiency paper, arXiv:2606.00135, sec. 4.2): train on m of n rollouts; 0 = off")
-    prefilter_k: int = _f(0, "online pre-rollout filter (efficiency paper, arXiv:2606.00135, sec. 4.1): skip prompts all-correct for k epochs; 0 = off")
-    dynamic_sampling: bool = _f(False, "DAPO dynamic sampling: drop zero-variance groups and refill the batch")
-    max_refill_rounds: int = _f(3, "dynamic sampling: extra sampling rounds per step at most")
+    prefilter_k: int = _f(1, "online pre-rollout filter (efficiency paper, arXiv:2606.00135, sec. 4.1): skip prompts all-correct for k epochs; 0 = off")
 
 
 @dataclass
 class SamplingConfig:
     """Prompt-level dynamic sampling and the DSCL curriculum (reflrl.algos.dscl)."""
 
-    sampler: str = _f("none", "group filter after rollouts: 'none' | 'dapo' (drop zero-variance groups) | 'smv' (max variance) | 'smr' (mean reward band) | 'rds' (DSCL sec. 4.2)")
+    sampler: str = _f("none", "group filter after rollouts: 'none' | 'dapo' (DAPO dynamic sampling: drop the groups whose rewards are all equal; with refill=true the batch is refilled) | 'smv' (max variance) | 'smr' (mean reward band) | 'rds' (DSCL sec. 4.2)")
     warmup_gate: bool = _f(True, "the sampler acts only after the format stage converged (DSCL sec. 6.4, Table 3); false = from the first step")
     refill: bool = _f(False, "sample more prompts to refill the batch after filtering, as DAPO does (DSCL trains on the kept part only)")
+    max_refill_rounds: int = _f(3, "refill: extra sampling rounds per step at most")
     t_mean: float = _f(0.5, "RDS mean threshold t_mean (DSCL Table 4): M < t_mean is 'hard' (b)")
     t_var: float = _f(0.1, "RDS variance threshold t_var (DSCL Table 4) on V_current and V_history")
     unit_scale: bool = _f(False, "compare t_mean/t_var with rewards mapped to [0, 1] instead of the raw reward (DSCL appendix A.2 implies raw)")
@@ -192,10 +194,10 @@ class WarmupConfig:
 
     enabled: Union[str, bool] = _f("auto", "'auto' (run when the format rate < threshold) | true | false")
     format_rate_threshold: float = _f(0.5, "auto: warm up when fewer than this share of probe samples parse")
-    probe_n: int = _f(16, "tasks sampled (at the rollout temperature) to measure the format rate; 0 = use the greedy answers of the held-out evaluation before (no extra generation)")
+    probe_n: int = _f(0, "tasks sampled (at the rollout temperature) to measure the format rate; 0 = use the greedy answers of the held-out evaluation before (no extra generation)")
     steps: int = _f(60, "SFT optimiser steps")
-    lr: float = _f(5e-5, "SFT learning rate")
-    batch_size: int = _f(8, "SFT examples per step")
+    lr: float = _f(5e-4, "SFT learning rate")
+    batch_size: int = _f(4, "SFT examples per step")
     time_budget_min: float | None = _f(None, "guard: cut the warm-up after this many minutes (reported as a cut: the result is then not the recipe's); null = no limit")
     eval_after: bool = _f(True, "evaluate the held-out split right after the warm-up, so the summary tells the warm-up's gain from RL's (one more evaluation)")
     reflection_share: float = _f(0.0, "reflection practice: this share of the warm-up's examples (on top of the plain ones) are q* -> the gold call, q* holding a mistaken first attempt and the critic's analysis of it, so a small policy learns to act on a critique (reflrl.recovery.practice); 0 = off")
@@ -205,9 +207,9 @@ class WarmupConfig:
 class TrainConfig:
     """The run: length, evaluation, checkpoints, logging."""
 
-    steps: int = _f(40, "RL training steps")
-    time_budget_min: float | None = _f(30.0, "guard on the whole run's minutes: a phase it would overrun (warm-up, RL) is cut, the final evaluation still runs, and the run says loudly that its result is not the recipe's (summary 'budget_cut', exit status 3); null = no limit")
-    rl_minutes: float | None = _f(None, "equal-time stopping rule (scripts/paper_table.py --rl-minutes): start no RL step that would end after this many minutes of RL steps (by the last steps' mean), train.steps staying the ceiling; the steps done then depend on the machine's speed and load, and the summary and printed result say so (stop_reason 'rl_minutes'); null = off")
+    steps: int = _f(8, "RL training steps")
+    time_budget_min: float | None = _f(60.0, "guard on the whole run's minutes: a phase it would overrun (warm-up, RL) is cut, the final evaluation still runs, and the run says loudly that its result is not the recipe's (summary 'budget_cut', exit status 3); null = no limit")
+    rl_minutes: float | None = _f(None, "equal-time stopping rule: start no RL step that would end after this many minutes of RL steps (by the last steps' mean), train.steps staying the ceiling; the steps done then depend on the machine's speed and load, and the summary and printed result say so (stop_reason 'rl_minutes'); null = off")
     eval_every: int = _f(0, "evaluate on the validation split every N steps (0 = only before/after)")
     save_every: int = _f(10, "checkpoint every N steps (0 = only at the end)")
     keep_checkpoints: int = _f(2, "checkpoints kept in the run folder (older ones are pruned)")
@@ -225,17 +227,17 @@ class ReflectionConfig:
     """Tool-ReRL's reflection-recovery loop and the paper's baselines (reflrl.recovery;
     Tool-ReRL sec. 3.2-3.3, Table 1, Table 2)."""
 
-    variant: str = _f("grpo", "method by name (Tool-ReRL Table 1/2): 'grpo' (no reflection) | 'ppo' (needs a value head: verl backend only) | 'cot' (thought then call) | 'ref' (repaired trajectories trained as on-policy, no correction) | 'cot_is' (own thought in q*, importance-weighted) | 'external' / 'external_is' (reasoning from the critic endpoint, without / with the weight) | 'tool_rerl' (critic reflection + eq. 2) | 'dpo' (DPO on failure/repair pairs)")
+    variant: str = _f("tool_rerl", "method by name (Tool-ReRL Table 1/2): 'grpo' (no reflection) | 'ppo' (needs a value head: verl backend only) | 'cot' (thought then call) | 'ref' (repaired trajectories trained as on-policy, no correction) | 'cot_is' (own thought in q*, importance-weighted) | 'external' / 'external_is' (reasoning from the critic endpoint, without / with the weight) | 'tool_rerl' (critic reflection + eq. 2) | 'dpo' (DPO on failure/repair pairs)")
     critic: str = _f("rule", "frozen critic for 'ref', 'tool_rerl', 'dpo': 'rule' (embedded, no model) | 'llm' (critic_base_url) | 'policy' (the policy itself)")
     critic_base_url: str | None = _f(None, "OpenAI-compatible endpoint of the 'llm' critic and the 'external*' variants, e.g. http://127.0.0.1:8000/v1 (python -m reflrl.chat_server)")
     critic_model: str = _f("default", "model name the critic endpoint serves")
     critic_timeout_s: float = _f(60.0, "per-request timeout of the critic endpoint (seconds)")
     reveal: str = _f("query", "rule critic: how much of an expected value the analysis gives away: 'none' | 'query' (the request's span that holds it) | 'value' (the expected values) | 'call' (value + the whole expected answer) | 'answer' (the same, written in the policy's answer format)")
-    max_attempts: int = _f(2, "retries sampled under q* per failed trajectory, stopping at the first positive (Definition 1 ii)")
-    max_per_step: int = _f(0, "at most this many failed trajectories reflected on per step (env faults first); 0 = all")
+    max_attempts: int = _f(1, "retries sampled under q* per failed trajectory, stopping at the first positive (Definition 1 ii)")
+    max_per_step: int = _f(4, "at most this many failed trajectories reflected on per step (env faults first); 0 = all")
     reflect_on: str = _f("failure", "which failures are reflected on: 'failure' (env faults and policy errors) | 'env_fault' (only env faults)")
     mode: str = _f("replace", "how q* is rendered: 'replace' (the user message becomes appendix C's retry prompt) | 'append' (attempt + retry prompt appended)")
-    group: str = _f("replace", "how a repair enters its GRPO group: 'replace' (tau* takes the failed rollout's place, as the paper's transformed trajectory) | 'add' (tau* joins the group beside the failure, which keeps its negative advantage)")
+    group: str = _f("add", "how a repair enters its GRPO group: 'replace' (tau* takes the failed rollout's place, as the paper's transformed trajectory) | 'add' (tau* joins the group beside the failure, which keeps its negative advantage)")
     think: bool | None = _f(None, "ask for a <think> block before the calls; null = the variant's default (true for cot and cot_is)")
     train_on_qstar: bool = _f(False, "also train each repair under its retry prompt q* (on-policy there, with the repair's advantage), beside the repair on q with eq. 2's weight: the paper trains on q only; for a small policy this keeps it acting on critiques during RL (reflrl.recovery.qstar_trajectory)")
     level: str = _f("sequence", "importance ratio level (reflrl.algos.importance): 'sequence' (eq. 2) | 'token' | 'sequence_mean'")
@@ -256,15 +258,6 @@ class Config:
     warmup: WarmupConfig = _f(WarmupConfig, "supervised warm-up")
     train: TrainConfig = _f(TrainConfig, "run control")
     reflection: ReflectionConfig = _f(ReflectionConfig, "reflection-recovery (Tool-ReRL) and its baselines")
-
-
-# ---------------------------------------------------------------------------------- choices
-DTYPES = ("float32", "bfloat16")
-MODEL_DTYPES = ("auto", *DTYPES)  # reflrl.precision.DTYPE_NAMES
-PARSERS = ("hermes", "pythonic", "react", "auto")
-PROMPT_STYLES = ("compact", "json")
-LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
-KL_ESTIMATORS = ("k1", "kl", "abs", "k2", "mse", "k3", "low_var_kl")
 
 
 # ---------------------------------------------------------------------------------- type checks
@@ -360,201 +353,302 @@ def _build(cls: type, data: Any, where: str) -> Any:
 
 
 # ---------------------------------------------------------------------------------- validation
-def _choice(errors: list[str], path: str, value: Any, choices: tuple | list) -> None:
-    if value not in choices:
-        close = difflib.get_close_matches(str(value), [str(c) for c in choices], n=1)
-        hint = f" (did you mean {close[0]!r}?)" if close else ""
-        errors.append(f"{path}: {value!r} is not one of {', '.join(map(str, choices))}{hint}")
+# Every rule a config must satisfy is one small named check below, registered for its section with
+# @_check(section); validate() runs them all and reports every problem at once. A check yields one
+# message per problem. Names chosen from a registry (algorithms, samplers, variants, critics, engines,
+# parsers, ...) are checked against that registry (reflrl.registry.names), never against a list
+# written out here. The checks marked trainer=True are the CPU trainer's own limits: a config that
+# fails them is still valid for the verl backend; check_trainer() runs them (reflrl train, Trainer).
+Problems = Iterator[str]
+_CHECKS: list[tuple[str, Callable[["Config"], Problems]]] = []
+_TRAINER_CHECKS: list[tuple[str, Callable[["Config"], Problems]]] = []
+
+
+def _check(section: str, *, trainer: bool = False) -> Callable:
+    """Register a check of ``section`` (``trainer=True``: a limit of the CPU trainer only)."""
+    def add(fn: Callable[["Config"], Problems]) -> Callable[["Config"], Problems]:
+        (_TRAINER_CHECKS if trainer else _CHECKS).append((section, fn))
+        return fn
+    return add
 
 
 def registered(kind: str) -> list[str]:
-    """The names a registry knows (``reflrl.registry.Registry``), so names registered by a plugin are
-    accepted too; ``reveal``: the rule critic's disclosure levels, from the module that implements them. Imported when a config is validated, not when this module is (no torch at import)."""
-    if kind in ("advantage", "policy_loss"):
-        from reflrl.algos.registry import ADVANTAGES, POLICY_LOSSES
+    """The names of ``kind`` a config may choose (``reflrl.registry.DIRECTORY``: advantage, policy_loss,
+    sampler, variant, critic, engine, reveal, parser, ...), names registered by a plugin included.
+    Imports the registry's module when called, not when this module is imported (no torch at import)."""
+    from reflrl.registry import names
 
-        return (ADVANTAGES if kind == "advantage" else POLICY_LOSSES).names()
-    if kind == "sampler":
-        from reflrl.algos.dscl.samplers import SAMPLERS_REGISTRY
-
-        return SAMPLERS_REGISTRY.names()
-    if kind == "variant":
-        from reflrl.recovery.variants import VARIANTS
-
-        return VARIANTS.names()
-    if kind == "critic":
-        from reflrl.recovery.critics import CRITICS
-
-        return CRITICS.names()
-    if kind == "engine":
-        from reflrl.engines import ENGINES
-
-        return ENGINES.names()
-    if kind == "reveal":  # the rule critic's disclosure levels, defined where they are implemented
-        from reflrl.critic.rule import REVEAL_MODES
-
-        return list(REVEAL_MODES)
-    raise ValueError(f"no registry of {kind!r}")
+    return names(kind)
 
 
-def validate(cfg: Config) -> Config:
-    """Check value ranges and choices across the config; raise one ConfigError listing all problems."""
-    e: list[str] = []
+def _one_of(path: str, value: Any, kind_or_choices: str | tuple) -> Problems:
+    """A problem unless ``value`` is a registered name of ``kind`` (or one of the given choices)."""
+    choices = registered(kind_or_choices) if isinstance(kind_or_choices, str) else list(kind_or_choices)
+    if value not in choices:
+        close = difflib.get_close_matches(str(value), [str(c) for c in choices], n=1)
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        yield f"{path}: {value!r} is not one of {', '.join(map(str, choices))}{hint}"
 
-    def need(cond: bool, msg: str) -> None:
-        if not cond:
-            e.append(msg)
 
+def _at_least(section: Any, prefix: str, low: float, *names: str, strict: bool = False) -> Problems:
+    """``prefix.name >= low`` (``> low`` with strict) for each name."""
+    for name in names:
+        v = getattr(section, name)
+        if v < low or (strict and v == low):
+            yield f"{prefix}.{name}: must be {'>' if strict else '>='} {low:g}, got {v}"
+
+
+def _in_unit(section: Any, prefix: str, *names: str) -> Problems:
+    for name in names:
+        v = getattr(section, name)
+        if not 0 <= v <= 1:
+            yield f"{prefix}.{name}: must be in [0, 1], got {v}"
+
+
+@_check("model")
+def _model(cfg: "Config") -> Problems:
     m = cfg.model
-    _choice(e, "model.dtype", m.dtype, MODEL_DTYPES)
+    yield from _one_of("model.dtype", m.dtype, "dtype")
     if m.trainable_dtype is not None:
-        _choice(e, "model.trainable_dtype", m.trainable_dtype, DTYPES)
+        yield from _one_of("model.trainable_dtype", m.trainable_dtype, tuple(d for d in registered("dtype") if d != "auto"))
     t = m.trainable
     if t not in ("all", "none", "lora"):
         k = t.split(":", 1)[1] if t.startswith("top_layers:") else ""
-        need(k.isdigit() and int(k) >= 1,
-             f"model.trainable: {t!r} is not 'all', 'none', 'lora' or 'top_layers:K' with K >= 1")
-    need(m.lora_r >= 1, f"model.lora_r: must be >= 1, got {m.lora_r}")
-    need(0.0 <= m.lora_dropout < 1.0, f"model.lora_dropout: must be in [0, 1), got {m.lora_dropout}")
+        if not (k.isdigit() and int(k) >= 1):
+            yield f"model.trainable: {t!r} is not 'all', 'none', 'lora' or 'top_layers:K' with K >= 1"
+    yield from _at_least(m, "model", 1, "lora_r")
+    if not 0.0 <= m.lora_dropout < 1.0:
+        yield f"model.lora_dropout: must be in [0, 1), got {m.lora_dropout}"
+    if m.init_from is not None and not (Path(str(m.init_from)).expanduser() / "trainable.pt").is_file():
+        yield (f"model.init_from: {m.init_from} is not a reflrl checkpoint folder (no trainable.pt; "
+               "expected RUN/checkpoints/step_N)")
 
+
+@_check("data")
+def _data(cfg: "Config") -> Problems:
     d = cfg.data
-    for name in ("n_train", "n_val", "n_test"):
-        need(getattr(d, name) >= 0, f"data.{name}: must be >= 0, got {getattr(d, name)}")
-    need(d.n_train >= 1, f"data.n_train: must be >= 1, got {d.n_train}")
-    need(bool(d.kinds), "data.kinds: must list at least one task kind")
-    _choice(e, "data.prompt_style", d.prompt_style, PROMPT_STYLES)
+    yield from _at_least(d, "data", 1, "n_train")
+    yield from _at_least(d, "data", 0, "n_val", "n_test")
+    if not d.kinds:
+        yield "data.kinds: must list at least one task kind"
+    yield from _one_of("data.prompt_style", d.prompt_style, "prompt_style")
 
+
+@_check("env")
+def _env(cfg: "Config") -> Problems:
     v = cfg.env
-    _choice(e, "env.parser", v.parser, PARSERS)
-    need(v.max_steps is None or v.max_steps >= 1, f"env.max_steps: must be >= 1 or null, got {v.max_steps}")
-    need(v.retry.max_attempts >= 1, f"env.retry.max_attempts: must be >= 1, got {v.retry.max_attempts}")
-    need(v.retry.policy_max_attempts >= 1, f"env.retry.policy_max_attempts: must be >= 1, got {v.retry.policy_max_attempts}")
-    _choice(e, "env.fault_exposure", v.fault_exposure, ("client", "policy"))
-    need(v.turn_seconds >= 0, f"env.turn_seconds: must be >= 0, got {v.turn_seconds}")
-    need(v.retry.budget_s > 0, f"env.retry.budget_s: must be > 0, got {v.retry.budget_s}")
-    need(v.concurrency >= 1, f"env.concurrency: must be >= 1, got {v.concurrency}")
+    yield from _one_of("env.parser", v.parser, "parser")
+    if v.max_steps is not None and v.max_steps < 1:
+        yield f"env.max_steps: must be >= 1 or null, got {v.max_steps}"
+    yield from _at_least(v.retry, "env.retry", 1, "max_attempts", "policy_max_attempts")
+    yield from _one_of("env.fault_exposure", v.fault_exposure, ("client", "policy"))
+    yield from _at_least(v, "env", 0, "turn_seconds")
+    yield from _at_least(v.retry, "env.retry", 0, "budget_s", strict=True)
+    yield from _at_least(v, "env", 1, "concurrency")
 
+
+@_check("rollout")
+def _rollout(cfg: "Config") -> Problems:
     r = cfg.rollout
-    need(r.n >= 1, f"rollout.n: must be >= 1, got {r.n}")
-    need(r.batch_prompts >= 1, f"rollout.batch_prompts: must be >= 1, got {r.batch_prompts}")
-    need(r.temperature > 0, f"rollout.temperature: must be > 0, got {r.temperature}")
-    need(0 < r.top_p <= 1, f"rollout.top_p: must be in (0, 1], got {r.top_p}")
-    need(r.max_new_tokens >= 1, f"rollout.max_new_tokens: must be >= 1, got {r.max_new_tokens}")
-    need(r.max_turns >= 1, f"rollout.max_turns: must be >= 1, got {r.max_turns}")
-    need(r.answer_cap is None or r.answer_cap >= 1.0,
-         f"rollout.answer_cap: must be >= 1 (a multiple of the gold answer's length) or null, got {r.answer_cap}")
-    _choice(e, "rollout.engine", r.engine, registered("engine"))
+    yield from _at_least(r, "rollout", 1, "n", "batch_prompts", "max_new_tokens", "max_turns")
+    yield from _at_least(r, "rollout", 0, "temperature", strict=True)
+    if not 0 < r.top_p <= 1:
+        yield f"rollout.top_p: must be in (0, 1], got {r.top_p}"
+    if r.answer_cap is not None and r.answer_cap < 1.0:
+        yield f"rollout.answer_cap: must be >= 1 (a multiple of the gold answer's length) or null, got {r.answer_cap}"
+    if r.max_total_tokens < r.max_new_tokens:
+        yield f"rollout.max_total_tokens: must be >= rollout.max_new_tokens ({r.max_new_tokens}), got {r.max_total_tokens}"
+
+
+@_check("rollout")
+def _rollout_engine(cfg: "Config") -> Problems:
+    r = cfg.rollout
+    yield from _one_of("rollout.engine", r.engine, "engine")
     if r.engine == "openai":
-        need(bool(r.engine_base_url), "rollout.engine_base_url: rollout.engine='openai' needs the server's URL, "
-             "e.g. http://127.0.0.1:8000/v1")
-        need(r.engine_off_policy, "rollout.engine='openai': the server samples from its own weights and the "
-             "trainer cannot sync the updated policy to it (an OpenAI-compatible API has no weight upload), so "
-             "every rollout after the first update is off-policy and uncorrected; set "
-             "rollout.engine_off_policy=true to train that way anyway, or use rollout.engine='transformers' "
-             "or rollout.engine='vllm' (on-policy, weights pushed after every update; GPU))")
-    need(r.max_total_tokens >= r.max_new_tokens,
-         f"rollout.max_total_tokens: must be >= rollout.max_new_tokens ({r.max_new_tokens}), got {r.max_total_tokens}")
+        if not r.engine_base_url:
+            yield "rollout.engine_base_url: rollout.engine='openai' needs the server's URL, e.g. http://127.0.0.1:8000/v1"
+        if not r.engine_off_policy:
+            yield ("rollout.engine='openai': the server samples from its own weights and the trainer cannot sync "
+                   "the updated policy to it (an OpenAI-compatible API has no weight upload), so every rollout "
+                   "after the first update is off-policy and uncorrected; set rollout.engine_off_policy=true to "
+                   "train that way anyway, or use rollout.engine='transformers' or rollout.engine='vllm' "
+                   "(on-policy, weights pushed after every update; GPU))")
 
+
+@_check("algo")
+def _algo_names(cfg: "Config") -> Problems:
     a = cfg.algo
-    _choice(e, "algo.advantage", a.advantage, registered("advantage"))
-    _choice(e, "algo.policy_loss", a.policy_loss, registered("policy_loss"))
-    _choice(e, "algo.loss_agg", a.loss_agg, LOSS_AGG_MODES)
-    _choice(e, "algo.kl_estimator", a.kl_estimator, KL_ESTIMATORS)
-    _choice(e, "algo.credit", a.credit, ("sequence", "call"))
-    _choice(e, "algo.self_distill_mode", a.self_distill_mode, ("topk", "sampled_token"))
-    _choice(e, "algo.self_distill_teacher", a.self_distill_teacher, ("frozen", "live"))
-    need(a.self_distill == 0 or cfg.reflection.variant != "dpo",
-         f"algo.self_distill={a.self_distill}: the 'dpo' variant trains DPO pairs only; self-distillation needs a policy-gradient variant")
-    _choice(e, "algo.self_distill_span", a.self_distill_span, ("first_divergence", "all"))
-    need(a.self_distill_topk >= 1, f"algo.self_distill_topk: must be >= 1, got {a.self_distill_topk}")
-    need(0 <= a.clip_low < 1, f"algo.clip_low: must be in [0, 1), got {a.clip_low}")
-    need(a.clip_high >= 0, f"algo.clip_high: must be >= 0, got {a.clip_high}")
-    need(a.dual_clip_c is None or a.dual_clip_c > 1, f"algo.dual_clip_c: must be > 1 or null, got {a.dual_clip_c}")
-    need(0 <= a.gamma <= 1, f"algo.gamma: must be in [0, 1], got {a.gamma}")
-    need(0 <= a.lam <= 1, f"algo.lam: must be in [0, 1], got {a.lam}")
-    for name in ("kl_coef", "entropy_coef", "value_coef", "weight_decay", "grad_clip", "adv_eps", "negative_weight",
-                 "self_distill"):
-        need(getattr(a, name) >= 0, f"algo.{name}: must be >= 0, got {getattr(a, name)}")
-    need(a.self_distill_clip > 0, f"algo.self_distill_clip: must be > 0, got {a.self_distill_clip}")
-    need(a.lr > 0, f"algo.lr: must be > 0, got {a.lr}")
-    need(a.epochs_per_batch >= 1, f"algo.epochs_per_batch: must be >= 1, got {a.epochs_per_batch}")
-    need(a.micro_batch_size >= 1, f"algo.micro_batch_size: must be >= 1, got {a.micro_batch_size}")
-    need(a.downsample_m == 0 or 2 <= a.downsample_m < r.n,
-         f"algo.downsample_m: must be 0 (off) or in 2..rollout.n-1 = {r.n - 1}, got {a.downsample_m}")
-    need(a.prefilter_k >= 0, f"algo.prefilter_k: must be >= 0 (0 = off), got {a.prefilter_k}")
-    need(a.max_refill_rounds >= 0, f"algo.max_refill_rounds: must be >= 0, got {a.max_refill_rounds}")
-    need(a.value_clip is None or a.value_clip > 0, f"algo.value_clip: must be > 0 or null, got {a.value_clip}")
+    yield from _one_of("algo.advantage", a.advantage, "advantage")
+    yield from _one_of("algo.policy_loss", a.policy_loss, "policy_loss")
+    yield from _one_of("algo.loss_agg", a.loss_agg, "loss_agg")
+    yield from _one_of("algo.kl_estimator", a.kl_estimator, "kl_estimator")
+    yield from _one_of("algo.credit", a.credit, ("sequence", "call"))
 
+
+@_check("algo")
+def _algo_ranges(cfg: "Config") -> Problems:
+    a, r = cfg.algo, cfg.rollout
+    if not 0 <= a.clip_low < 1:
+        yield f"algo.clip_low: must be in [0, 1), got {a.clip_low}"
+    yield from _at_least(a, "algo", 0, "clip_high", "kl_coef", "entropy_coef", "value_coef", "weight_decay",
+                         "grad_clip", "adv_eps", "negative_weight", "prefilter_k")
+    yield from _at_least(a, "algo", 0, "lr", strict=True)
+    yield from _at_least(a, "algo", 1, "epochs_per_batch", "micro_batch_size")
+    if a.dual_clip_c is not None and a.dual_clip_c <= 1:
+        yield f"algo.dual_clip_c: must be > 1 or null, got {a.dual_clip_c}"
+    yield from _in_unit(a, "algo", "gamma", "lam")
+    if a.value_clip is not None and a.value_clip <= 0:
+        yield f"algo.value_clip: must be > 0 or null, got {a.value_clip}"
+    if not (a.downsample_m == 0 or 2 <= a.downsample_m < r.n):
+        yield f"algo.downsample_m: must be 0 (off) or in 2..rollout.n-1 = {r.n - 1}, got {a.downsample_m}"
+
+
+@_check("algo")
+def _self_distill(cfg: "Config") -> Problems:
+    a = cfg.algo
+    yield from _one_of("algo.self_distill_mode", a.self_distill_mode, ("topk", "sampled_token"))
+    yield from _one_of("algo.self_distill_teacher", a.self_distill_teacher, ("frozen", "live"))
+    yield from _one_of("algo.self_distill_span", a.self_distill_span, ("first_divergence", "all"))
+    yield from _at_least(a, "algo", 0, "self_distill")
+    yield from _at_least(a, "algo", 1, "self_distill_topk")
+    yield from _at_least(a, "algo", 0, "self_distill_clip", strict=True)
+    if a.self_distill != 0 and _variant(cfg).dpo:
+        yield (f"algo.self_distill={a.self_distill}: the 'dpo' variant trains DPO pairs only; "
+               "self-distillation needs a policy-gradient variant")
+
+
+@_check("sampling")
+def _sampling(cfg: "Config") -> Problems:
     s = cfg.sampling
-    _choice(e, "sampling.sampler", s.sampler, registered("sampler"))
-    for name in ("keep_a", "keep_b1", "keep_b2", "keep_c1", "keep_c2",
-                 "format_threshold", "name_threshold", "key_threshold"):
-        need(0 <= getattr(s, name) <= 1, f"sampling.{name}: must be in [0, 1], got {getattr(s, name)}")
-    need(s.t_var >= 0, f"sampling.t_var: must be >= 0, got {s.t_var}")
-    need(0 < s.smv_keep <= 1, f"sampling.smv_keep: must be in (0, 1], got {s.smv_keep}")
-    need(0 <= s.smr_low <= s.smr_high <= 1,
-         f"sampling.smr_low/smr_high: need 0 <= smr_low <= smr_high <= 1, got {s.smr_low}, {s.smr_high}")
-    need(s.window is None or s.window >= 1, f"sampling.window: must be >= 1 or null, got {s.window}")
-    need(not (a.dynamic_sampling and s.sampler not in ("none", "dapo")),
-         f"algo.dynamic_sampling (DAPO) and sampling.sampler={s.sampler!r} both filter groups; use one")
-    need(not s.curriculum or v.reward.startswith("fine"),
-         f"sampling.curriculum: needs a fine-grained reward (env.reward='fine'), got env.reward={v.reward!r}")
+    yield from _one_of("sampling.sampler", s.sampler, "sampler")
+    yield from _in_unit(s, "sampling", "keep_a", "keep_b1", "keep_b2", "keep_c1", "keep_c2",
+                        "format_threshold", "name_threshold", "key_threshold")
+    yield from _at_least(s, "sampling", 0, "t_var", "max_refill_rounds")
+    if not 0 < s.smv_keep <= 1:
+        yield f"sampling.smv_keep: must be in (0, 1], got {s.smv_keep}"
+    if not 0 <= s.smr_low <= s.smr_high <= 1:
+        yield f"sampling.smr_low/smr_high: need 0 <= smr_low <= smr_high <= 1, got {s.smr_low}, {s.smr_high}"
+    if s.window is not None and s.window < 1:
+        yield f"sampling.window: must be >= 1 or null, got {s.window}"
+    if s.curriculum and not cfg.env.reward.startswith("fine"):
+        yield f"sampling.curriculum: needs a fine-grained reward (env.reward='fine'), got env.reward={cfg.env.reward!r}"
 
-    if cfg.model.init_from is not None:
-        ck = Path(str(cfg.model.init_from)).expanduser()
-        need((ck / "trainable.pt").is_file(),
-             f"model.init_from: {cfg.model.init_from} is not a reflrl checkpoint folder (no trainable.pt; "
-             "expected RUN/checkpoints/step_N)")
+
+@_check("warmup")
+def _warmup(cfg: "Config") -> Problems:
     w = cfg.warmup
-    need(w.enabled in ("auto", True, False), f"warmup.enabled: expected 'auto', true or false, got {_show(w.enabled)}")
-    need(0 <= w.format_rate_threshold <= 1,
-         f"warmup.format_rate_threshold: must be in [0, 1], got {w.format_rate_threshold}")
-    for name in ("steps", "probe_n"):
-        need(getattr(w, name) >= 0, f"warmup.{name}: must be >= 0, got {getattr(w, name)}")
-    need(w.batch_size >= 1, f"warmup.batch_size: must be >= 1, got {w.batch_size}")
-    need(w.lr > 0, f"warmup.lr: must be > 0, got {w.lr}")
+    if w.enabled not in ("auto", True, False):
+        yield f"warmup.enabled: expected 'auto', true or false, got {_show(w.enabled)}"
+    yield from _in_unit(w, "warmup", "format_rate_threshold", "reflection_share")
+    yield from _at_least(w, "warmup", 0, "steps", "probe_n")
+    yield from _at_least(w, "warmup", 1, "batch_size")
+    yield from _at_least(w, "warmup", 0, "lr", strict=True)
 
+
+@_check("train")
+def _train(cfg: "Config") -> Problems:
     tr = cfg.train
-    for name in ("steps", "eval_every", "save_every"):
-        need(getattr(tr, name) >= 0, f"train.{name}: must be >= 0, got {getattr(tr, name)}")
-    need(tr.log_every >= 1, f"train.log_every: must be >= 1, got {tr.log_every}")
-    need(tr.keep_checkpoints >= 1, f"train.keep_checkpoints: must be >= 1, got {tr.keep_checkpoints}")
-    need(0.0 <= cfg.warmup.reflection_share <= 1.0,
-         f"warmup.reflection_share: must be in [0, 1], got {cfg.warmup.reflection_share}")
-    need(tr.rl_minutes is None or tr.rl_minutes > 0, f"train.rl_minutes: must be > 0 or null, got {tr.rl_minutes}")
-    need(tr.time_budget_min is None or tr.time_budget_min > 0,
-         f"train.time_budget_min: must be > 0 or null, got {tr.time_budget_min}")
-    need(tr.threads is None or tr.threads >= 1, f"train.threads: must be >= 1 or null, got {tr.threads}")
-    _choice(e, "train.device", tr.device, ("auto", "cpu", "cuda"))
-    if tr.run_name is not None:
-        need(tr.run_name not in ("", ".", "..") and "/" not in tr.run_name and "\\" not in tr.run_name,
-             f"train.run_name: must be a plain folder name, got {tr.run_name!r}")
+    yield from _at_least(tr, "train", 0, "steps", "eval_every", "save_every")
+    yield from _at_least(tr, "train", 1, "log_every", "keep_checkpoints")
+    for name in ("rl_minutes", "time_budget_min"):
+        v = getattr(tr, name)
+        if v is not None and v <= 0:
+            yield f"train.{name}: must be > 0 or null, got {v}"
+    if tr.threads is not None and tr.threads < 1:
+        yield f"train.threads: must be >= 1 or null, got {tr.threads}"
+    if tr.run_name is not None and (tr.run_name in ("", ".", "..") or "/" in tr.run_name or "\\" in tr.run_name):
+        yield f"train.run_name: must be a plain folder name, got {tr.run_name!r}"
 
+
+def _variant(cfg: "Config") -> Any:
+    """The registered entry of ``reflection.variant`` (a reflrl.recovery.variants.Variant)."""
+    from reflrl.registry import lookup
+
+    return lookup("variant").get(cfg.reflection.variant)
+
+
+@_check("reflection")
+def _reflection_names(cfg: "Config") -> Problems:
     f = cfg.reflection
-    _choice(e, "reflection.variant", f.variant, registered("variant"))
-    _choice(e, "reflection.critic", f.critic, registered("critic"))
-    _choice(e, "reflection.reveal", f.reveal, registered("reveal"))
-    _choice(e, "reflection.reflect_on", f.reflect_on, ("failure", "env_fault"))
-    _choice(e, "reflection.mode", f.mode, ("replace", "append"))
-    _choice(e, "reflection.group", f.group, ("replace", "add"))
-    _choice(e, "reflection.level", f.level, ("sequence", "token", "sequence_mean"))
-    need(f.max_attempts >= 1, f"reflection.max_attempts: must be >= 1, got {f.max_attempts}")
-    need(f.max_per_step >= 0, f"reflection.max_per_step: must be >= 0 (0 = all), got {f.max_per_step}")
-    need(f.log_cap > 0, f"reflection.log_cap: must be > 0, got {f.log_cap}")
-    need(f.dpo_beta > 0, f"reflection.dpo_beta: must be > 0, got {f.dpo_beta}")
-    need(f.critic_timeout_s > 0, f"reflection.critic_timeout_s: must be > 0, got {f.critic_timeout_s}")
-    reflects = f.variant in ("ref", "cot_is", "external", "external_is", "tool_rerl", "dpo")
-    need(not reflects or r.max_turns == 1,
-         f"reflection.variant={f.variant!r} repairs single-step tasks (the paper's ToolACE setting); "
-         f"got rollout.max_turns={r.max_turns}")
-    need(not (f.variant.startswith("external") or (reflects and f.critic == "llm")) or bool(f.critic_base_url),
-         f"reflection.variant={f.variant!r} with an LLM critic needs reflection.critic_base_url (an "
-         f"OpenAI-compatible endpoint, e.g. `python -m reflrl.chat_server --model NAME --port 8000` -> "
-         f"http://127.0.0.1:8000/v1)")
+    yield from _one_of("reflection.variant", f.variant, "variant")
+    yield from _one_of("reflection.critic", f.critic, "critic")
+    yield from _one_of("reflection.reveal", f.reveal, "reveal")
+    yield from _one_of("reflection.mode", f.mode, "reflection_mode")
+    yield from _one_of("reflection.level", f.level, "importance_level")
+    yield from _one_of("reflection.reflect_on", f.reflect_on, ("failure", "env_fault"))
+    yield from _one_of("reflection.group", f.group, ("replace", "add"))
+    yield from _at_least(f, "reflection", 1, "max_attempts")
+    yield from _at_least(f, "reflection", 0, "max_per_step")
+    yield from _at_least(f, "reflection", 0, "log_cap", "dpo_beta", "critic_timeout_s", strict=True)
 
-    if e:
-        raise ConfigError("invalid config:\n  " + "\n  ".join(e))
+
+@_check("reflection")
+def _reflection_needs(cfg: "Config") -> Problems:
+    f = cfg.reflection
+    if f.variant not in registered("variant"):
+        return  # named above
+    v = _variant(cfg)
+    if v.reflect and cfg.rollout.max_turns != 1:
+        yield (f"reflection.variant={f.variant!r} repairs single-step tasks (the paper's ToolACE setting); "
+               f"got rollout.max_turns={cfg.rollout.max_turns}")
+    if (v.source == "external" or (v.reflect and f.critic == "llm")) and not f.critic_base_url:
+        yield (f"reflection.variant={f.variant!r} with an LLM critic needs reflection.critic_base_url (an "
+               "OpenAI-compatible endpoint, e.g. `python -m reflrl.chat_server --model NAME --port 8000` -> "
+               "http://127.0.0.1:8000/v1)")
+
+
+@_check("algo", trainer=True)
+def _cpu_algo(cfg: "Config") -> Problems:
+    a = cfg.algo
+    if a.advantage == "gae" or a.entropy_coef > 0:
+        yield ("the CPU trainer supports outcome advantages (grpo, dr_grpo, rloo) without an entropy bonus; "
+               "algo.advantage='gae' and algo.entropy_coef>0 need a value head / full-vocabulary logits it "
+               "does not compute (the verl backend has them)")
+
+
+@_check("model", trainer=True)
+def _cpu_model(cfg: "Config") -> Problems:
+    if cfg.model.trainable == "none":
+        yield "model.trainable='none' leaves no trainable parameter: training needs 'all', 'lora' or 'top_layers:K'"
+
+
+@_check("reflection", trainer=True)
+def _cpu_variant(cfg: "Config") -> Problems:
+    if cfg.reflection.variant not in registered("variant"):
+        return
+    v = _variant(cfg)
+    if v.cpu_error:
+        yield v.cpu_error
+    if v.dpo and cfg.algo.epochs_per_batch != 1:
+        yield "reflection.variant='dpo' makes one DPO step per batch; set algo.epochs_per_batch=1"
+
+
+def _run(checks: list[tuple[str, Callable[["Config"], Problems]]], cfg: "Config", what: str) -> "Config":
+    problems = [msg for _, fn in checks for msg in fn(cfg)]
+    if problems:
+        raise ConfigError(f"{what}:\n  " + "\n  ".join(problems))
     return cfg
+
+
+def validate(cfg: Config) -> Config:
+    """Run every section's checks; raise one ConfigError listing all problems, else return ``cfg``."""
+    return _run(_CHECKS, cfg, "invalid config")
+
+
+def check_trainer(cfg: Config) -> Config:
+    """The CPU trainer's limits on top of :func:`validate` (e.g. no value head for GAE/PPO); raises one
+    ConfigError listing what this trainer cannot run. ``reflrl train`` and ``Trainer`` call it."""
+    return _run(_TRAINER_CHECKS, validate(cfg), "the CPU trainer cannot run this config")
+
+
+def checks() -> dict[str, list[str]]:
+    """Section -> the names of its checks (trainer-only checks marked), for documentation and tests."""
+    out: dict[str, list[str]] = {}
+    for section, fn in _CHECKS:
+        out.setdefault(section, []).append(fn.__name__.lstrip("_"))
+    for section, fn in _TRAINER_CHECKS:
+        out.setdefault(section, []).append(fn.__name__.lstrip("_") + " (trainer)")
+    return out
 
 
 # ---------------------------------------------------------------------------------- overrides
@@ -646,9 +740,8 @@ def config_from_dict(data: dict | None) -> Config:
 def _read_config_file(path: str | Path, _seen: tuple[Path, ...] = ()) -> dict:
     """The mapping of a YAML config file, with its ``base:`` chain merged under it.
 
-    A top-level ``base: FILE`` (relative to the file's folder) makes the file a partial recipe on top
-    of FILE (e.g. ``configs/dscl.yaml`` has ``base: default.yaml``): FILE's keys first, this
-    file's keys over them, key by key. Without ``base`` missing keys take the code defaults.
+    Missing keys take the defaults (the default recipe). A top-level ``base: FILE`` (relative to the
+    file's folder) lays the file over FILE: FILE's keys first, this file's keys over them, key by key.
     """
     p = Path(path)
     if not p.is_file():

@@ -61,6 +61,7 @@ import torch
 from torch import nn
 
 from .diskspace import check_disk_space
+from .errors import ConfigError
 from .paths import cache_root
 from .trainable import (LORA_TARGETS, apply_lora, apply_trainable, count_parameters,  # noqa: F401  (re-exported)
                         parse_trainable, trainable_parameters)
@@ -414,7 +415,7 @@ def load_model(
             model, tokenizer = _load_adapter_checkpoint(path)
         else:
             if path.is_dir() and not (path / "config.json").is_file():
-                raise ValueError(
+                raise ConfigError(
                     f"model {name!r}: the folder has no config.json (not a Hugging Face model "
                     f"folder, nor a registry name: {', '.join(REGISTRY)})"
                 )
@@ -430,7 +431,7 @@ def load_model(
                     " (HF_HUB_OFFLINE=1 is set: only models already in the local Hub cache load)"
                     if _offline() and not path.exists() else ""
                 )
-                raise ValueError(
+                raise ConfigError(
                     f"model {name!r}: not a registry name ({', '.join(REGISTRY)}) and could not "
                     f"be loaded as a {where}{hint}: {e}"
                 ) from e

@@ -19,10 +19,12 @@ from __future__ import annotations
 import difflib
 from typing import Any, Callable, Generic, Iterator, TypeVar
 
+from reflrl.errors import UserError
+
 T = TypeVar("T")
 
 
-class UnknownName(KeyError, ValueError):
+class UnknownName(UserError, KeyError, ValueError):
     """A name no entry is registered under (a KeyError and a ValueError, with a readable message)."""
 
     def __str__(self) -> str:
@@ -82,3 +84,45 @@ class Registry(Generic[T]):
             return factory(**kwargs)
         except TypeError as e:
             raise TypeError(f"{self.kind} {name!r}: {e}") from e
+
+
+# ------------------------------------------------------------------------------ the directory
+# Where the names of each kind a config chooses by name are kept: "module:attribute", a Registry or a
+# sequence of names, defined by the module that implements them. reflrl.config validates names through
+# :func:`names`, so it imports none of those modules (they import the config; nothing imports its caller),
+# and a name registered by a plugin is accepted as soon as its module is imported.
+DIRECTORY: dict[str, str] = {
+    "advantage": "reflrl.algos.registry:ADVANTAGES",
+    "policy_loss": "reflrl.algos.registry:POLICY_LOSSES",
+    "loss_agg": "reflrl.algos.masked:LOSS_AGG_MODES",
+    "kl_estimator": "reflrl.algos.losses:KL_ESTIMATORS",
+    "importance_level": "reflrl.algos.importance:LEVELS",
+    "sampler": "reflrl.algos.dscl.samplers:SAMPLERS_REGISTRY",
+    "variant": "reflrl.recovery.variants:VARIANTS",
+    "critic": "reflrl.recovery.critics:CRITICS",
+    "reflection_mode": "reflrl.recovery.reflection:MODES",
+    "reveal": "reflrl.critic.rule:REVEAL_MODES",
+    "engine": "reflrl.engines:ENGINES",
+    "parser": "reflrl.envs.parsing:PARSER_NAMES",
+    "prompt_style": "reflrl.envs.prompts:STYLES",
+    "dtype": "reflrl.precision:DTYPE_NAMES",
+}
+
+
+def lookup(kind: str) -> Any:
+    """The Registry (or sequence of names) that holds the names of ``kind`` (a key of :data:`DIRECTORY`),
+    importing its module on first use."""
+    import importlib
+
+    try:
+        where = DIRECTORY[kind]
+    except KeyError:
+        raise UnknownName(f"no registry of {kind!r} (known: {', '.join(sorted(DIRECTORY))})") from None
+    module, attr = where.split(":")
+    return getattr(importlib.import_module(module), attr)
+
+
+def names(kind: str) -> list[str]:
+    """The names of ``kind`` a config may choose: a registry's registered names, or the listed ones."""
+    held = lookup(kind)
+    return held.names() if isinstance(held, Registry) else list(held)

@@ -6,6 +6,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import yaml
 
 from reflrl.config import (
     Config,
@@ -27,15 +28,56 @@ def test_defaults_and_default_yaml_load_and_list_every_key():
     assert cfg == Config()
     assert cfg.algo.clip_low == 0.2 and cfg.algo.clip_high == 0.28
     assert cfg.algo.advantage == "grpo" and cfg.algo.loss_agg == "token-mean"
-    # default.yaml holds the tuned default recipe: it loads and validates, keeps the paper's
-    # clip range, and runs the embedded model
-    recipe = load_config(ROOT / "configs" / "default.yaml")
-    assert recipe.algo.clip_low == 0.2 and recipe.algo.clip_high == 0.28
-    assert recipe.model.name == "smollm2-135m-instruct"
-    # default.yaml lists every key of every section
-    text = (ROOT / "configs" / "default.yaml").read_text()
+    # the defaults are the default recipe: default.yaml changes no key, and it runs the embedded model
+    assert load_config(ROOT / "configs" / "default.yaml") == cfg
+    assert cfg.model.name == "smollm2-135m-instruct" and cfg.reflection.variant == "tool_rerl"
+    # the file is a header only; the resolved config with every key's help is printed on demand
+    assert yaml.safe_load((ROOT / "configs" / "default.yaml").read_text()) is None
+    text = dump_config(cfg)
     for f in dataclasses.fields(Config):
         assert f"\n{f.name}:" in "\n" + text
+
+
+def test_load_config_none_is_what_reflrl_train_runs_without_arguments(tmp_path, monkeypatch):
+    """One source of defaults: `reflrl train` with no arguments resolves exactly load_config(None), key by key
+    (the run folder's name aside); so does a user's YAML without `base:` for the keys it does not set."""
+    from reflrl.cli import build_parser
+    from reflrl.cli.train import resolve_config
+
+    monkeypatch.chdir(tmp_path)
+    cfg, run_dir, resume = resolve_config(build_parser().parse_args(["train"]))
+    assert not resume and run_dir.parent == Path("runs")
+    assert config_diff(cfg, load_config(None)) == {}
+    faulty, _, _ = resolve_config(build_parser().parse_args(["train", "--faults", "rate_limit=0.1"]))
+    assert config_diff(faulty, load_config(None)) == {"env.faults": ("", "rate_limit=0.1")}
+    own = tmp_path / "mine.yaml"
+    own.write_text("algo:\n  lr: 1.0e-4\n")
+    assert config_diff(load_config(own), load_config(None)) == {"algo.lr": (5e-5, 1e-4)}
+
+
+def test_validation_is_named_checks_per_section_that_ask_the_registries():
+    """Each section has its named checks; a name registered by a plugin is accepted (asked from the registry)."""
+    from reflrl.config import checks
+    from reflrl.registry import DIRECTORY, names
+
+    found = checks()
+    assert {f.name for f in dataclasses.fields(Config)} <= set(found)
+    assert any(n.endswith("(trainer)") for n in found["reflection"])
+    for kind in DIRECTORY:
+        assert names(kind), kind
+
+
+def test_trainer_checks_are_apart_from_validation():
+    """A config the verl backend can run (PPO, GAE) validates; the CPU trainer's own limits refuse it."""
+    from reflrl.config import check_trainer
+
+    for sets, needle in ((["reflection.variant=ppo"], "value head"), (["algo.advantage=gae"], "value head"),
+                         (["model.trainable=none"], "no trainable parameter"),
+                         (["reflection.variant=dpo", "algo.epochs_per_batch=2"], "one DPO step")):
+        cfg = load_config(None, sets)  # valid as a config
+        with pytest.raises(ConfigError, match=needle):
+            check_trainer(cfg)
+    assert check_trainer(load_config(None)) == load_config(None)
 
 
 def test_tiny_yaml_loads():
@@ -51,7 +93,7 @@ def test_overrides_typed_values_and_first_equals_split():
         "env.faults=rate_limit=0.1,timeout=0.05",
         "data.kinds=[single, multiple]",
         "env.retry.max_attempts=2",
-        "algo.dynamic_sampling=true",
+        "sampling.refill=true",
         "algo.dual_clip_c=3",
         "algo.lr=1e-5",
         "train.run_name=null",
@@ -64,7 +106,7 @@ def test_overrides_typed_values_and_first_equals_split():
     assert cfg.env.faults == "rate_limit=0.1,timeout=0.05"
     assert cfg.data.kinds == ["single", "multiple"]
     assert cfg.env.retry.max_attempts == 2
-    assert cfg.algo.dynamic_sampling is True
+    assert cfg.sampling.refill is True
     assert cfg.algo.dual_clip_c == 3.0 and isinstance(cfg.algo.dual_clip_c, float)
     assert cfg.algo.lr == 1e-5
     assert cfg.train.run_name is None
@@ -90,7 +132,8 @@ def test_overrides_apply_on_top_of_file(tmp_path):
     ("algo.clip_high=abc", ["algo.clip_high", "expected float", "'abc'"]),
     ("train.steps=1.5", ["train.steps", "expected int", "1.5"]),
     ("train.steps=true", ["train.steps", "expected int", "True"]),
-    ("algo.dynamic_sampling=1", ["algo.dynamic_sampling", "expected bool"]),
+    ("sampling.refill=1", ["sampling.refill", "expected bool"]),
+    ("algo.dynamic_sampling=true", ["algo.dynamic_sampling", "allowed keys"]),
     ("data.kinds=3", ["data.kinds", "list of str"]),
     ("algo.lr", ["key=value"]),
     ("algo.lr.x=1", ["algo.lr", "not a section"]),

@@ -15,6 +15,7 @@ import torch
 from doubles import tiny_cfg
 from reflrl.diskspace import check_disk_space, tree_bytes
 from reflrl.errors import DiskSpaceError
+from reflrl.eval.data import DataError
 from reflrl.runlog import RunLog, checkpoint_bytes, list_checkpoints
 from reflrl.train.setup import check_checkpoint_space, load_policy
 
@@ -195,7 +196,7 @@ def test_slimming_to_none_all_and_refusals(tmp_path):
     (run / "summary.json").write_text("{}")
     assert slim_run_folder(run, "none") > 0
     assert not (run / "checkpoints").exists() and not (run / "model").exists()
-    with pytest.raises(FileNotFoundError, match="keeps no weights"):
+    with pytest.raises(DataError, match="keeps no weights"):
         run_checkpoint(run)
 
 

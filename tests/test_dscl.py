@@ -389,7 +389,7 @@ def test_sampling_configs_start_from_the_default_recipe(name):
 
     default = load_config(ROOT / "configs" / "default.yaml")
     diff = config_diff(load_config(ROOT / "configs" / f"{name}.yaml"), default)
-    assert set(diff) <= ({"env.reward", "algo.dynamic_sampling", "reflection.variant"}
+    assert set(diff) <= ({"env.reward", "reflection.variant"}
                          | {k for k in diff if k.startswith("sampling.")})
     assert diff["env.reward"] == ("binary", "fine")
     assert diff["reflection.variant"] == ("tool_rerl", "grpo")  # DSCL compares samplers on plain GRPO
@@ -428,7 +428,6 @@ def test_default_config_window_is_batches_per_epoch():
     (["sampling.keep_c2=1.5"], "sampling.keep_c2"),
     (["sampling.smr_low=0.8", "sampling.smr_high=0.2"], "smr_low"),
     (["sampling.window=0"], "sampling.window"),
-    (["sampling.sampler=rds", "algo.dynamic_sampling=true"], "both filter groups"),
     (["sampling.curriculum=true", "env.reward=binary"], "fine-grained reward"),
 ])
 def test_bad_sampling_config_names_the_key(overrides, needle):

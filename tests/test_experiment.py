@@ -56,11 +56,11 @@ def test_methods_map_to_recipes_laid_over_the_base_config(tmp_path):
         method_recipe("grpo", None)["base"].endswith("configs/default.yaml")
     tiny = ROOT / "configs" / "tiny.yaml"
     r = method_recipe("dapo", tiny)
-    assert r["base"] == str(tiny) and r["algo"]["dynamic_sampling"] is True
+    assert r["base"] == str(tiny) and r["sampling"]["sampler"] == "dapo" and r["sampling"]["refill"] is True
     p = tmp_path / "dapo.yaml"
     p.write_text(yaml.safe_dump(r))
     cfg = C.load_config(p)
-    assert cfg.model.name == "tiny-random" and cfg.env.reward == "fine" and cfg.algo.dynamic_sampling
+    assert cfg.model.name == "tiny-random" and cfg.env.reward == "fine" and cfg.sampling.sampler == "dapo"
     # without a configs/<name>.yaml, only grpo has a meaning (the default recipe)
     empty = tmp_path / "configs"
     empty.mkdir()

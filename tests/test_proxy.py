@@ -4,6 +4,7 @@ and observed reconcile; an over-limit body gets 413."""
 from __future__ import annotations
 
 import json
+import socket
 import time
 
 import gymnasium
@@ -219,6 +220,43 @@ def test_unreachable_upstream_is_a_real_502_not_an_injected_fault():
         health = c.get("/_reflrl/health").json()
         assert health["stats"]["upstream_error"] == 1
     assert proxy.ledger.injected() == []
+
+
+def _raw(url: str, request: bytes) -> tuple[int, dict]:
+    """Send one raw HTTP/1.1 request; (status, JSON body)."""
+    from urllib.parse import urlsplit
+
+    u = urlsplit(url)
+    with socket.create_connection((u.hostname, u.port), timeout=10) as s:
+        s.sendall(request)
+        data = b""
+        while chunk := s.recv(65536):
+            data += chunk
+    head, _, body = data.partition(b"\r\n\r\n")
+    return int(head.split()[1]), json.loads(body)
+
+
+@pytest.mark.parametrize("request_bytes, status, kind, needle", [
+    # absolute form: what a client sends when it is configured to use the proxy as a forward proxy
+    (b"GET http://127.0.0.1:9/x HTTP/1.1\r\nHost: 127.0.0.1:9\r\n", 400, "bad_request_target", "absolute form"),
+    (b"OPTIONS * HTTP/1.1\r\nHost: x\r\n", 400, "bad_request_target", "asterisk form"),
+    (b"GET /weather HTTP/1.1\r\nHost: x\r\nX-Reflrl-Episode: e\r\nX-Reflrl-Step: abc\r\n", 400, "bad_header",
+     "X-Reflrl-Step"),
+])
+def test_a_malformed_request_gets_a_4xx_naming_the_problem_never_a_500(upstream, request_bytes, status, kind,
+                                                                       needle):
+    url, hits = upstream
+    proxy, thread = _proxy(url, "none")
+    before = len(hits)
+    with thread as srv:
+        got, body = _raw(srv.url, request_bytes + b"Connection: close\r\n\r\n")
+        assert (got, body["error"]["type"]) == (status, kind) and needle in body["error"]["message"]
+        if kind == "bad_request_target":
+            assert url in body["error"]["message"]  # says what it is a reverse proxy of
+        assert len(hits) == before  # nothing was forwarded
+        with httpx.Client(base_url=srv.url, timeout=10) as client:  # and it goes on serving
+            assert client.get("/weather").json() == WEATHER
+    assert proxy.stats["bad_request"] == 1 and proxy.ledger.injected() == []
 
 
 def test_bad_settings_are_refused_with_a_clear_error():

@@ -74,7 +74,7 @@ def test_variants_in_sync_and_configs_load():
     assert not RC.think_of(C.load_config(None, ["reflection.variant=tool_rerl"]))
     assert RC.think_of(C.load_config(None, ["reflection.variant=tool_rerl", "reflection.think=true"]))
     with pytest.raises(C.ConfigError, match="value head"):
-        RC.check_cpu_support(C.load_config(ROOT / "configs" / "ppo.yaml"))
+        C.check_trainer(C.load_config(ROOT / "configs" / "ppo.yaml"))
     with pytest.raises(C.ConfigError, match="critic_base_url"):
         C.load_config(None, ["reflection.variant=external"])
     with pytest.raises(C.ConfigError, match="max_turns"):

@@ -209,6 +209,18 @@ def test_a_body_over_the_limit_is_413_whether_announced_or_chunked(srv, http):
     assert status.startswith(b"HTTP/1.1 413") and json.loads(body)["error"]["type"] == "body_too_large"
 
 
+@pytest.mark.parametrize("target, needle", [
+    (b"http://127.0.0.1:9/v1/health", "absolute form"),  # a client told this server is its forward proxy
+    (b"*", "asterisk form"),
+])
+def test_a_request_target_that_is_not_a_path_gets_400_naming_it(srv, http, target, needle):
+    status, body, _ = _raw_exchange(srv, b"GET " + target + b" HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+    assert status.startswith(b"HTTP/1.1 400"), status
+    err = json.loads(body)["error"]
+    assert err["type"] == "bad_request_target" and needle in err["message"]
+    assert http.get("/v1/health").status_code == 200  # and the server goes on serving
+
+
 def test_a_client_that_announces_a_body_and_never_sends_it_gets_408(srv):
     """The guard waits ``body_timeout_s`` for the body, answers 408 and closes the connection."""
     status, body, took = _raw_exchange(

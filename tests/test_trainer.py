@@ -259,8 +259,9 @@ def test_kill_and_resume_gives_the_same_next_batches_and_filter_state(tmp_path):
 def test_dynamic_sampling_refills_zero_variance_groups(tmp_path):
     """DAPO dynamic sampling: groups whose rollouts are all right are dropped and more prompts are
     sampled; only groups with reward variance are trained."""
-    cfg = tiny_cfg(tmp_path, **{"train.steps": 1, "train.save_every": 0, "algo.dynamic_sampling": True,
-                                "algo.max_refill_rounds": 3, "rollout.batch_prompts": 2, "rollout.n": 2})
+    cfg = tiny_cfg(tmp_path, **{"train.steps": 1, "train.save_every": 0, "sampling.sampler": "dapo",
+                                "sampling.warmup_gate": False, "sampling.refill": True,
+                                "sampling.max_refill_rounds": 3, "rollout.batch_prompts": 2, "rollout.n": 2})
     sp = splits_from_config(cfg.data)
     tasks = sp["train"] + sp["test"]
     easy = {t.query for t in sp["train"][:4]}

@@ -14,8 +14,10 @@ Subcommands::
     reflrl report RUN_OR_SWEEP_DIR
 
 Every subcommand imports what it needs when it runs (``reflrl faults list`` never loads torch).
-Configuration errors (a bad ``--faults`` spec, an unknown parser, ...) print one clear message and
-exit with status 2, without a traceback.
+One handler (:func:`main`) turns reflrl's errors (:mod:`reflrl.errors`) into one clear line and the
+exit status of their class: 2 for the user's input (a bad config key, ``--faults`` spec, grid, data
+file, unknown name), 3 for a run a time budget cut, 4 for a missing resource (disk space). Any other
+exception is a bug: it is shown with its traceback and a request to report it (exit status 1).
 """
 from __future__ import annotations
 
@@ -23,11 +25,11 @@ import argparse
 import sys
 from typing import Sequence
 
-EXIT_USAGE = 2
+from reflrl.errors import UserError
 
-
-class UsageError(Exception):
-    """A configuration error reported as 'reflrl: error: ...' with exit status 2."""
+EXIT_BUG = 1
+BUG_REPORT = ("reflrl: this is a bug in reflrl, not a problem with your input; please report it with the "
+              "command line and the traceback above")
 
 
 def _fault_spec(text: str) -> str:
@@ -37,7 +39,7 @@ def _fault_spec(text: str) -> str:
     try:
         return str(FaultPlan.parse(text)) or "none"
     except FaultSpecError as e:
-        raise UsageError(f"--faults: {e}") from None
+        raise UserError(f"--faults: {e}") from None
 
 
 def _port(text: str) -> int:
@@ -231,7 +233,7 @@ def cmd_env_check(args: argparse.Namespace) -> int:
 def cmd_tools_serve(args: argparse.Namespace) -> int:
     """Run the tool server on the loopback interface until interrupted."""
     if args.host not in ("127.0.0.1", "localhost", "::1"):
-        raise UsageError(f"--host {args.host!r}: the tool server binds the loopback interface only "
+        raise UserError(f"--host {args.host!r}: the tool server binds the loopback interface only "
                          "(127.0.0.1, localhost or ::1)")
     from reflrl.envs import loopback as serve_mod
 
@@ -239,7 +241,7 @@ def cmd_tools_serve(args: argparse.Namespace) -> int:
         serve_mod.serve(args.host, args.port, seed=args.seed, sandbox_root=args.sandbox_root,
                         log_level=args.log_level)
     except (OSError, OverflowError) as e:  # port in use, permission denied, ...
-        raise UsageError(f"cannot serve on {args.host}:{args.port}: {e}") from None
+        raise UserError(f"cannot serve on {args.host}:{args.port}: {e}") from None
     except KeyboardInterrupt:
         pass
     return 0
@@ -249,7 +251,7 @@ def cmd_faults_proxy(args: argparse.Namespace) -> int:
     """Run the fault proxy on the loopback interface until interrupted."""
     faults = _fault_spec(args.faults)
     if args.host not in ("127.0.0.1", "localhost", "::1"):
-        raise UsageError(f"--host {args.host!r}: the proxy binds the loopback interface only "
+        raise UserError(f"--host {args.host!r}: the proxy binds the loopback interface only "
                          "(127.0.0.1, localhost or ::1)")
     from reflrl.envs import proxy as proxy_mod
     from reflrl.faults.spec import FaultSpecError
@@ -259,9 +261,9 @@ def cmd_faults_proxy(args: argparse.Namespace) -> int:
                               port=args.port, max_body_bytes=args.max_body_bytes,
                               upstream_timeout=args.upstream_timeout)
     except (proxy_mod.ProxyError, FaultSpecError) as e:
-        raise UsageError(str(e)) from None
+        raise UserError(str(e)) from None
     except OSError as e:  # port in use, permission denied, ...
-        raise UsageError(f"cannot serve on {args.host}:{args.port}: {e}") from None
+        raise UserError(f"cannot serve on {args.host}:{args.port}: {e}") from None
     except KeyboardInterrupt:
         pass
     return 0
@@ -271,7 +273,7 @@ def cmd_env_demo(args: argparse.Namespace) -> int:
     """The episode demo (reflrl.demo)."""
     faults = _fault_spec(args.faults)
     if args.n_tasks < 1:
-        raise UsageError("--n-tasks must be at least 1")
+        raise UserError("--n-tasks must be at least 1")
     from reflrl import demo
 
     return int(demo.main_demo(args, faults=faults) or 0)
@@ -298,9 +300,6 @@ def main(argv: Sequence[str] | None = None) -> int:
             return int(args.func(args))
         sub = {"env": "env_command", "tools": "tools_command", "faults": "faults_command"}[args.command]
         return _COMMANDS[(args.command, getattr(args, sub))](args)
-    except UsageError as e:
-        print(f"reflrl: error: {e}", file=sys.stderr)
-        return EXIT_USAGE
     except KeyboardInterrupt:
         print("reflrl: interrupted", file=sys.stderr)
         return 130
@@ -309,6 +308,26 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
+    except Exception as e:  # noqa: BLE001  the one place errors become exit statuses
+        return report_error(e, f"reflrl {args.command}")
+
+
+def report_error(exc: Exception, prog: str = "reflrl") -> int:
+    """Print ``exc`` for the user and return the exit status of its class (:func:`reflrl.errors.exit_code`):
+    one line ``PROG: error: MESSAGE`` for reflrl's errors; the traceback and a request for a bug report
+    for anything else."""
+    from reflrl.errors import IncompleteRun, exit_code, message
+
+    code = exit_code(exc)
+    if code is None:
+        import traceback
+
+        traceback.print_exception(exc)
+        print(BUG_REPORT, file=sys.stderr)
+        return EXIT_BUG
+    label = "note" if isinstance(exc, IncompleteRun) else "error"
+    print(f"{prog}: {label}: {message(exc)}", file=sys.stderr)
+    return code
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -7,8 +7,6 @@ import sys
 from pathlib import Path
 from typing import Any
 
-EXIT_USAGE = 2
-
 
 def add_experiment_commands(subparsers: Any) -> None:
     """Add ``experiment`` and ``report`` to the ``reflrl`` subparsers (each sets ``func``)."""
@@ -68,48 +66,36 @@ def add_experiment_commands(subparsers: Any) -> None:
     r.set_defaults(func=cmd_report)
 
 
-def _err(msg: str) -> int:
-    print(f"reflrl: error: {msg}", file=sys.stderr)
-    return EXIT_USAGE
-
-
 def cmd_experiment_faults(args: argparse.Namespace) -> int:
-    from reflrl.experiment.grid import GridError
     from reflrl.experiment.sweep import Sweep, SweepError, SweepSpec, parse_methods, parse_seeds
 
-    try:
-        config = None
-        if args.config:
-            cp = Path(args.config)
-            if not cp.is_file():
-                raise SweepError(f"--config {args.config}: no such file")
-            config = str(cp.resolve())
-        if args.budget_minutes is not None and args.budget_minutes <= 0:
-            raise SweepError(f"--budget-minutes {args.budget_minutes:g}: must be > 0")
-        for o in args.overrides:
-            if "=" not in o:
-                raise SweepError(f"--set {o!r}: expected key=value, e.g. train.threads=1")
-        spec = SweepSpec(methods=parse_methods(args.methods), faults=args.faults, grid=args.grid,
-                         seeds=parse_seeds(args.seeds), budget_minutes=args.budget_minutes, config=config,
-                         overrides=tuple(args.overrides))
-        out = Path(args.out) if args.out else spec.default_out()
-        sweep = Sweep(spec, out, jobs=args.jobs, argv=sys.argv[1:], say=lambda m: print(m, flush=True),
-                      cell_reports=not args.no_cell_reports, keep_checkpoints=args.keep_checkpoints)
-        rc = sweep.run()
-    except (SweepError, GridError) as e:
-        return _err(str(e))
+    config = None
+    if args.config:
+        cp = Path(args.config)
+        if not cp.is_file():
+            raise SweepError(f"--config {args.config}: no such file")
+        config = str(cp.resolve())
+    if args.budget_minutes is not None and args.budget_minutes <= 0:
+        raise SweepError(f"--budget-minutes {args.budget_minutes:g}: must be > 0")
+    for o in args.overrides:
+        if "=" not in o:
+            raise SweepError(f"--set {o!r}: expected key=value, e.g. train.threads=1")
+    spec = SweepSpec(methods=parse_methods(args.methods), faults=args.faults, grid=args.grid,
+                     seeds=parse_seeds(args.seeds), budget_minutes=args.budget_minutes, config=config,
+                     overrides=tuple(args.overrides))
+    out = Path(args.out) if args.out else spec.default_out()
+    sweep = Sweep(spec, out, jobs=args.jobs, argv=sys.argv[1:], say=lambda m: print(m, flush=True),
+                  cell_reports=not args.no_cell_reports, keep_checkpoints=args.keep_checkpoints)
+    rc = sweep.run()
     if rc != 130 and not args.no_report:
         _report(sweep.out)
     return rc
 
 
 def _report(path: Path) -> int:
-    from reflrl.report import ReportError, build_report
+    from reflrl.report import build_report
 
-    try:
-        rep = build_report(path)
-    except ReportError as e:
-        return _err(str(e))
+    rep = build_report(path)  # ReportError (a UserError) names what is wrong with the folder
     drawn = [p for p in rep.plots if p.path is not None]
     print(f"report: {rep.html}  ({len(drawn)}/{len(rep.plots)} plots; markdown: {rep.markdown})")
     for p in rep.plots:

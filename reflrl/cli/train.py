@@ -2,11 +2,11 @@
 from __future__ import annotations
 
 import argparse
-import sys
 from datetime import datetime
 from pathlib import Path
 
 from reflrl import config as C
+from reflrl.errors import IncompleteRun, UserError
 
 DEFAULT_CONFIG = C.default_recipe()  # configs/default.yaml, shipped as package data (same in a wheel)
 
@@ -78,22 +78,15 @@ def resolve_config(args: argparse.Namespace) -> tuple[C.Config, Path, bool]:
 
 def _run_verl(args: argparse.Namespace) -> int:
     """``reflrl train --backend verl --config configs/verl/X.yaml``: hand over to verl (GPU; not run
-    here, see docs/scale-out.md). Configuration errors exit 2 with the message."""
+    here, see docs/scale-out.md). Configuration errors are ConfigErrors (exit 2)."""
     if not args.config:
-        print("reflrl train: error: --backend verl needs --config configs/verl/<recipe>.yaml", file=sys.stderr)
-        return 2
+        raise C.ConfigError("--backend verl needs --config configs/verl/<recipe>.yaml")
     try:
         from reflrl.verl_backend.launch import launch
     except ImportError as e:
-        print(f"reflrl train: error: the verl backend needs the verl extra (pip install 'reflrl[verl]'): {e}",
-              file=sys.stderr)
-        return 2
+        raise UserError(f"the verl backend needs the verl extra (pip install 'reflrl[verl]'): {e}") from None
     overrides = list(args.overrides) + ([f"env.faults={args.faults}"] if args.faults else [])
-    try:
-        out = launch(args.config, overrides, dry_run=args.dry_run, write_data=not args.dry_run)
-    except (C.ConfigError, ValueError) as e:
-        print(f"reflrl train: error: {e}", file=sys.stderr)
-        return 2
+    out = launch(args.config, overrides, dry_run=args.dry_run, write_data=not args.dry_run)
     if args.dry_run:
         from omegaconf import OmegaConf
 
@@ -102,37 +95,28 @@ def _run_verl(args: argparse.Namespace) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
-    """The handler: exit status 0, 2 (configuration error), 3 (the time budget cut a phase) or 4 (not
-    enough disk space for the run's checkpoints)."""
+    """The handler: exit status 0, or an error of reflrl.errors for the command's one handler (2: a
+    configuration error, 3: the time budget cut a phase, 4: not enough disk space for the checkpoints)."""
     if args.help_config:
         print(C.config_help())
         return 0
     if args.backend == "verl":
         return _run_verl(args)
-    try:
-        cfg, run_dir, resume = resolve_config(args)
-        from reflrl.recovery import check_cpu_support
+    cfg, run_dir, resume = resolve_config(args)
+    C.check_trainer(cfg)  # e.g. reflection.variant='ppo': exit 2 with the reason, before loading anything
+    from reflrl.device import check_device_support, resolve_device
 
-        check_cpu_support(cfg)  # e.g. reflection.variant='ppo': exit 2 with the reason, before loading anything
-        from reflrl.device import check_device_support, resolve_device
-
-        check_device_support(cfg, resolve_device(cfg.train.device))  # train.device=cuda without a GPU: exit 2
-    except (C.ConfigError, ValueError) as e:
-        print(f"reflrl train: error: {e}", file=sys.stderr)
-        return 2
+    check_device_support(cfg, resolve_device(cfg.train.device))  # train.device=cuda without a GPU: exit 2
     if args.print_config:
         src = args.resume or args.config or str(DEFAULT_CONFIG)
         print(C.dump_config(cfg, header=f"resolved config: {src}"), end="")
         return 0
-    from reflrl.budget import EXIT_BUDGET_CUT, EXIT_DISK_FULL
-    from reflrl.errors import DiskSpaceError
     from reflrl.train import format_summary, train
 
-    try:
-        summary = train(cfg, run_dir, resume=resume, progress=not args.no_progress, quiet=args.quiet,
-                        report=not args.no_report)
-    except DiskSpaceError as e:  # before the run starts, or while a checkpoint is written
-        print(f"reflrl train: error: {e.strerror}", file=sys.stderr)
-        return EXIT_DISK_FULL
+    summary = train(cfg, run_dir, resume=resume, progress=not args.no_progress, quiet=args.quiet,
+                    report=not args.no_report)  # DiskSpaceError before the run or at a checkpoint: exit 4
     print(format_summary(summary), flush=True)
-    return EXIT_BUDGET_CUT if summary.get("budget_cuts") else 0
+    if summary.get("budget_cuts"):
+        raise IncompleteRun("a time budget cut a phase of this run (train.time_budget_min): its result is not "
+                            "the recipe's (summary above)")
+    return 0

@@ -17,6 +17,10 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
+from reflrl.errors import UserError
+
+from .data import DataError
+
 TEMPLATES = ("native", "context")
 
 
@@ -51,7 +55,7 @@ def apply_template(messages: list[dict[str, Any]], template: str) -> list[dict[s
     if template == "native":
         return messages
     if template != "context":
-        raise ValueError(f"template {template!r}: expected one of {TEMPLATES}")
+        raise UserError(f"template {template!r}: expected one of {TEMPLATES}")
     system = [m for m in messages[:1] if m["role"] == "system"]
     rest = messages[len(system):]
     if len(rest) == 1 and rest[0]["role"] == "user":
@@ -235,7 +239,7 @@ def is_run_folder(path: str | Path) -> bool:
 def run_checkpoint(run_dir: str | Path) -> Path:
     """The model folder of a run: the latest ``checkpoints/step_*/model``, else the final ``model/`` a
     slimmed run keeps (:func:`reflrl.runlog.slim_run_folder`), or ``run_dir`` itself when it is a
-    Hugging Face model folder. FileNotFoundError names what was looked for."""
+    Hugging Face model folder. DataError names what was looked for."""
     run = Path(run_dir)
     if (run / "config.json").is_file():
         return run
@@ -245,11 +249,11 @@ def run_checkpoint(run_dir: str | Path) -> Path:
     if ck is None and (run / "model" / "config.json").is_file():
         return run / "model"
     if ck is None:
-        raise FileNotFoundError(f"{run}: no checkpoints/step_*/ with state.json and no model/ "
+        raise DataError(f"{run}: no checkpoints/step_*/ with state.json and no model/ "
                                 "(is it a reflrl run folder? a sweep run with --keep-checkpoints none keeps no weights)")
     model_dir = ck / "model"
     if not (model_dir / "config.json").is_file():
-        raise FileNotFoundError(f"{ck}: checkpoint has no exported model/ folder (saved with export=False?)")
+        raise DataError(f"{ck}: checkpoint has no exported model/ folder (saved with export=False?)")
     return model_dir
 
 
@@ -259,7 +263,7 @@ def make_backend(model: str | None = None, endpoint: str | None = None, run: str
     """Pick the backend from the CLI options (exactly one of local model / endpoint / run)."""
     if endpoint:
         if not model:
-            raise ValueError("--endpoint needs --model NAME (the model name the server serves)")
+            raise UserError("--endpoint needs --model NAME (the model name the server serves)")
         return EndpointBackend(endpoint, model, api_key=api_key, concurrency=concurrency)
     if not run and model and is_run_folder(model):
         run = model
@@ -267,5 +271,5 @@ def make_backend(model: str | None = None, endpoint: str | None = None, run: str
         path = run_checkpoint(run)
         return LocalBackend(str(path), dtype=dtype, batch_size=batch_size, source=f"run:{run}", threads=threads)
     if not model:
-        raise ValueError("give --model NAME, --endpoint URL --model NAME, or --run RUN_DIR")
+        raise UserError("give --model NAME, --endpoint URL --model NAME, or --run RUN_DIR")
     return LocalBackend(model, dtype=dtype, batch_size=batch_size, threads=threads)

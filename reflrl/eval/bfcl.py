@@ -61,6 +61,8 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any, Generator
 
+from reflrl.errors import UserError
+
 from .bfcl_decode import Unevaluated, decode_python, decode_python_calls
 
 NON_LIVE_AST = ("simple_python", "simple_java", "simple_javascript", "multiple", "parallel",
@@ -97,7 +99,7 @@ BLOCKED_CALL = "reflrl_blocked_call()"
 UNEVALUATED = "reflrl:unevaluated_expression"
 
 
-class BfclUnavailable(RuntimeError):
+class BfclUnavailable(UserError, RuntimeError):
     """bfcl-eval (or an optional part of it) is not installed."""
 
 
@@ -213,7 +215,7 @@ def resolve_categories(spec: str | list[str] | tuple[str, ...] | None) -> list[s
             continue
         names = ALIASES.get(c, (c,) if c in ALL_CATEGORIES else None)
         if names is None:
-            raise ValueError(f"unknown BFCL category {c!r}; known: {', '.join(ALL_CATEGORIES)} "
+            raise UserError(f"unknown BFCL category {c!r}; known: {', '.join(ALL_CATEGORIES)} "
                              f"and groups {', '.join(ALIASES)}")
         out.extend(n for n in names if n not in out)
     return out
@@ -256,7 +258,7 @@ def load_entries(category: str, limit: int | None = None) -> list[BfclEntry]:
     """The first ``limit`` entries of ``category`` (all when None), in bfcl's file order."""
     B = bfcl()
     if category not in ALL_CATEGORIES:
-        raise ValueError(f"unknown BFCL category {category!r}")
+        raise UserError(f"unknown BFCL category {category!r}")
     if language_of(category) != "python" and not B.has_tree_sitter:
         raise BfclUnavailable(f"category {category}: needs tree-sitter to decode; "
                               "pip install tree-sitter tree-sitter-java tree-sitter-javascript")

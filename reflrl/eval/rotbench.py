@@ -101,7 +101,7 @@ def _check_record(rec: Any, path: Path, i: int) -> None:
 def load_level(root: Path, level: str, limit: int | None = None) -> list[RotItem]:
     """Records of one noise level (first ``limit``); DataError names the file and record."""
     if level not in LEVELS:
-        raise ValueError(f"unknown RoTBench level {level!r}; expected one of {LEVELS}")
+        raise DataError(f"unknown RoTBench level {level!r}; expected one of {LEVELS}")
     path = data_dir_for(root) / f"{level}.json"
     data = read_json(path)
     if not isinstance(data, list):

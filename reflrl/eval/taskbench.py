@@ -117,7 +117,7 @@ def normalize_gold(rec: Any, path: Path, i: int) -> dict[str, Any]:
 def load_domain(root: Path, domain: str, limit: int | None = None) -> list[TaskItem]:
     """Gold samples of a domain (first ``limit``). DataError when the gold file is missing/malformed."""
     if domain not in DOMAINS:
-        raise ValueError(f"unknown TaskBench domain {domain!r}; expected one of {DOMAINS}")
+        raise DataError(f"unknown TaskBench domain {domain!r}; expected one of {DOMAINS}")
     path = gold_file(root, domain)
     if path is None:
         raise DataError(f"{domain_dir(root, domain)}: no data.json (the gold task graphs); TaskBench's "

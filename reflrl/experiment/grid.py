@@ -25,12 +25,13 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass, field
 
+from reflrl.errors import UserError
 from reflrl.faults.spec import FaultPlan, FaultSpecError
 
 MODES = ("per-kind", "product")
 
 
-class GridError(ValueError):
+class GridError(UserError, ValueError):
     """A --faults grid that does not parse or expand; the message names the offending part."""
 
 

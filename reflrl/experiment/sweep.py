@@ -55,6 +55,7 @@ from .grid import FaultSetting, expand, parse_grid
 
 from ..budget import EXIT_BUDGET_CUT
 from ..config import default_recipe, recipes_dir
+from ..errors import UserError
 
 CONFIGS_DIR = recipes_dir()  # configs/ of a checkout, reflrl/configs of an installed wheel
 DEFAULT_CONFIG = default_recipe()
@@ -64,7 +65,7 @@ _METHOD_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
 _NOT_METHODS = {"default", "tiny"}  # recipes in configs/ that are not training methods
 
 
-class SweepError(ValueError):
+class SweepError(UserError, ValueError):
     """A sweep that cannot start: bad arguments, unknown method, a folder holding another sweep."""
 
 

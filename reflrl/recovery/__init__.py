@@ -82,12 +82,12 @@ from .critics import CRITICS, EXTERNAL_INSTRUCTION, SelfThoughtCritic, build_cri
 from .recover import arecover, qstar_trajectory, repaired_trajectory
 from .reflection import (Attempt, EnvFeedback, Generation, RepairRecord, augmented_messages, build_retry_prompt,
                          feedback_from_step, reflect_and_retry, split_response)
-from .variants import VARIANTS, Variant, check_cpu_support, think_of, variant_of
+from .variants import VARIANTS, Variant, think_of, variant_of
 
 __all__ = [
     "Attempt", "COUNT_KEYS", "CRITICS", "EXTERNAL_INSTRUCTION", "EnvFeedback", "Generation", "RecoveryLedger",
     "RecoveryResult", "RepairRecord", "RoundBatcher", "SelfThoughtCritic", "VARIANTS", "Variant", "arecover",
-    "augmented_messages", "build_critic", "build_retry_prompt", "check_cpu_support", "count_rollouts", "dpo_pairs",
+    "augmented_messages", "build_critic", "build_retry_prompt", "count_rollouts", "dpo_pairs",
     "feedback_from_step", "format_recovery", "get_critic", "own_rollouts", "qstar_trajectory", "reflect_and_retry", "repaired_trajectory",
     "split_response", "step_accounting", "think_of", "triage", "variant_of",
 ]

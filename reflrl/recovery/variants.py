@@ -4,7 +4,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from reflrl.errors import ConfigError
 from reflrl.registry import Registry
 
 if TYPE_CHECKING:
@@ -56,12 +55,3 @@ def think_of(cfg: Config) -> bool:
     """Whether prompts ask for a <think> block: ``reflection.think``, else the variant's default."""
     t = cfg.reflection.think
     return variant_of(cfg).think if t is None else bool(t)
-
-
-def check_cpu_support(cfg: Config) -> None:
-    """Raise ConfigError when the CPU trainer cannot run ``cfg``'s variant (e.g. ``ppo``)."""
-    v = variant_of(cfg)
-    if v.cpu_error:
-        raise ConfigError(v.cpu_error)
-    if v.dpo and cfg.algo.epochs_per_batch != 1:
-        raise ConfigError("reflection.variant='dpo' makes one DPO step per batch; set algo.epochs_per_batch=1")

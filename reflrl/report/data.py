@@ -13,6 +13,8 @@ from typing import Any
 
 import yaml
 
+from reflrl.errors import UserError
+
 RUN_FILES = {
     "config.yaml": "the resolved config (which recipe, model, faults and seed produced the run)",
     "versions.json": "the software versions of the run",
@@ -22,7 +24,7 @@ RUN_FILES = {
 }
 
 
-class ReportError(ValueError):
+class ReportError(UserError, ValueError):
     """A path that is neither a run folder nor a sweep folder."""
 
 

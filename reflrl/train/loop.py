@@ -49,7 +49,7 @@ from reflrl.budget import budget_cut_text, cut_record
 from reflrl.errors import DiskSpaceError
 from reflrl.envs.seeding import derive_seed
 from reflrl.progress import Progress
-from reflrl.recovery import RecoveryLedger, check_cpu_support, own_rollouts, qstar_trajectory, step_accounting
+from reflrl.recovery import RecoveryLedger, own_rollouts, qstar_trajectory, step_accounting
 from reflrl.runlog import RunLog, latest_checkpoint, load_checkpoint, refuse_existing_run, refuse_slimmed_resume
 from reflrl.threads import fix_threads
 
@@ -88,11 +88,7 @@ class Trainer:
         random.seed(tr.seed)
         np.random.seed(tr.seed)
         torch.manual_seed(tr.seed)
-        if cfg.algo.advantage == "gae" or cfg.algo.entropy_coef > 0:
-            raise C.ConfigError("the CPU trainer supports outcome advantages (grpo, dr_grpo, rloo) without "
-                                "an entropy bonus; algo.advantage='gae' and algo.entropy_coef>0 need a "
-                                "value head / full-vocabulary logits it does not compute")
-        check_cpu_support(cfg)  # e.g. reflection.variant='ppo' needs a value head
+        C.check_trainer(cfg)  # this trainer's limits (e.g. reflection.variant='ppo' needs a value head)
 
         # ---- data ------------------------------------------------------------------
         self.splits = splits_from_config(cfg.data)
@@ -101,9 +97,6 @@ class Trainer:
         self.sampler = PromptSampler([t.id for t in self.train_tasks], tr.seed, self.prefilter)
         self.sampling = None  # DSCL curriculum / prompt-level samplers; None = off
         sc = cfg.sampling
-        if sc.curriculum and not cfg.env.reward.startswith("fine"):
-            raise C.ConfigError(f"sampling.curriculum=true needs a fine-grained reward (env.reward='fine'), "
-                                f"got env.reward={cfg.env.reward!r}")
         if sc.sampler != "none" or sc.curriculum:
             from reflrl.algos.dscl import SamplingController, batches_per_epoch
 
@@ -267,7 +260,7 @@ class Trainer:
 
     def train_step(self) -> dict[str, Any]:
         """collect -> recover -> score -> select -> advantages -> update -> account (reflrl.train.step)."""
-        cfg, a = self.cfg, self.cfg.algo
+        cfg = self.cfg
         B = cfg.rollout.batch_prompts
         t_step = time.perf_counter()
         timings: dict[str, float] = {}
@@ -283,14 +276,13 @@ class Trainer:
             got.groups.extend(groups)
             if ctl is not None:
                 S.score_groups(groups, ctl, self.step, self.rollout_cfg.max_turns)
-            sel = S.select_groups(groups, prefilter=self.prefilter, dynamic_sampling=a.dynamic_sampling, ctl=ctl,
+            sel = S.select_groups(groups, prefilter=self.prefilter, ctl=ctl,
                                   step=self.step, epoch=self.sampler.epoch, round_=got.rounds)
             got.kept.extend(g for g, k in zip(groups, sel.keep) if k)
             got.live_groups += sel.live_groups
             got.zero_var += sel.zero_var
             got.rounds += 1
-            refill = a.dynamic_sampling or (ctl is not None and ctl.refill)
-            if not refill or got.rounds > a.max_refill_rounds:
+            if ctl is None or not ctl.refill or got.rounds > cfg.sampling.max_refill_rounds:
                 break
             keep_rate = len(got.kept) / max(1, len(got.groups))
             want = min(B, groups_to_request(B, len(got.kept), keep_rate, max_request=B))

@@ -57,14 +57,14 @@ class Selection:
     zero_var: int = 0                # of those, groups whose live rewards are all equal (no GRPO signal)
 
 
-def select_groups(groups: Sequence[Sequence[Trajectory]], *, prefilter: PreRolloutFilter, dynamic_sampling: bool,
+def select_groups(groups: Sequence[Sequence[Trajectory]], *, prefilter: PreRolloutFilter,
                   ctl: SamplingController | None, step: int, epoch: int, round_: int) -> Selection:
     """Which groups of a sampling round to train on.
 
     A group whose rollouts were all masked has nothing to learn and nothing to blame: dropped. The
     pre-rollout filter's all-correct streak (efficiency paper eqs. 4-5) is updated from the policy's
-    own live rollouts (not repairs). With ``dynamic_sampling`` (DAPO) zero-variance groups are
-    dropped (:func:`reflrl.algos.zero_variance`); a DSCL controller's sampler decides on the rest."""
+    own live rollouts (not repairs). A group sampler (``sampling.sampler``: DAPO drops the
+    zero-variance groups, RDS / SMV / SMR select by reward statistics) decides on the rest."""
     sel = Selection(keep=[])
     for grp in groups:
         live = [t for t in grp if not t.masked]
@@ -77,7 +77,7 @@ def select_groups(groups: Sequence[Sequence[Trajectory]], *, prefilter: PreRollo
         sel.live_groups += 1
         zv = zero_variance([t.reward for t in live])
         sel.zero_var += zv
-        sel.keep.append(not (dynamic_sampling and zv))
+        sel.keep.append(True)
     if ctl is not None:  # DSCL RDS / SMV / SMR / DAPO selection over the groups
         chosen = ctl.select(step, epoch, [(g[0].task.id, [t.reward for t in g if not t.masked]) for g in groups],
                             round_=round_)
