@@ -44,6 +44,11 @@ class EnvFault:
     retry_after_s: the server's Retry-After in seconds, if it sent one.
     attempts:      billed attempts the client's retry policy already spent on the call.
     detail:        free text from the client (e.g. "ReadTimeout", "renamed temp->temp_v2").
+    visible:       the fault came back to the policy as the tool's answer and the policy could have
+                   acted on it (``env.fault_exposure="policy"``): the failure is the policy's not
+                   calling again, and the call itself was right.
+    arguments:     the failed call's arguments (visible faults), to name the call to make again.
+    also:          further visible faults of the same answer (a parallel answer's other failed calls).
     """
 
     kind: str
@@ -52,6 +57,9 @@ class EnvFault:
     retry_after_s: float | None = None
     attempts: int = 1
     detail: str = ""
+    visible: bool = False
+    arguments: dict[str, Any] | None = None
+    also: tuple["EnvFault", ...] = ()
 
 
 @dataclass

@@ -184,14 +184,45 @@ def _secs(s: float) -> str:
     return f"{s:.1f} s"
 
 
+def _fault_answer(f: EnvFault) -> str:
+    """What the tool answered, e.g. ``429 (rate_limit) with Retry-After 2 s``, ``no answer (timeout)``."""
+    head = f"{f.status}" if f.status else "no answer"
+    ra = f" with Retry-After {_secs(f.retry_after_s)}" if f.retry_after_s is not None else ""
+    return f"{head} ({f.kind}){ra}"
+
+
+def _call_text(f: EnvFault) -> str:
+    import json
+
+    args = ", ".join(f"{k}={json.dumps(v, ensure_ascii=False, default=str)}" for k, v in (f.arguments or {}).items())
+    return f"{f.tool}({args})" if f.arguments is not None else f"`{f.tool}`"
+
+
+def describe_visible_fault(fault: EnvFault) -> str:
+    """For a failure caused by a fault the policy was shown and did not act on: the call was right, what
+    the tool answered (status, kind, Retry-After) and what would have worked, e.g. ``"Your call was right;
+    the tool answered 429 (rate_limit) with Retry-After 2 s to get_weather(city="Paris"); call it again
+    with the same arguments."`` A parallel answer's failed calls are each named (the others got answers)."""
+    faults = (fault, *fault.also)
+    if len(faults) == 1:
+        return (f"Your call was right; the tool answered {_fault_answer(fault)} to {_call_text(fault)}; "
+                "call it again with the same arguments.")
+    told = "; ".join(f"{_fault_answer(f)} to {_call_text(f)}" for f in faults)
+    return (f"Your calls were right; the tool answered {told}; call each of these again with the same "
+            "arguments.")
+
+
 def describe_env_fault(fault: EnvFault) -> str:
     """One sentence saying what the environment did and what to do, e.g.
     ``"The tool `get_weather` answered 429 rate limit; retry after 2 s."``
 
     Used by every critic for env faults: the failure is not the policy's, so the reflection
     names the fault kind (and status, Retry-After, attempts already spent) rather than judging
-    the call.
+    the call. A fault the policy was shown and did not act on (``fault.visible``):
+    :func:`describe_visible_fault`.
     """
+    if fault.visible:
+        return describe_visible_fault(fault)
     tool = f"The tool `{fault.tool}`" if fault.tool else "The tool"
     st = f"HTTP {fault.status}" if fault.status else None
     tried = f" after {fault.attempts} attempts" if fault.attempts and fault.attempts > 1 else ""

@@ -237,3 +237,93 @@ def test_faults_list_states_each_kinds_rule():
         assert k.policy_rule and k.policy_rule.split(":")[0] in ("act", "masked", "nothing to act on")
         assert k.name in table
     assert "masked: the ban holds" in table and "refused with 429 again" in table
+
+
+# ------------------------------------------------------------------ the critic knows the fault
+def test_rule_critic_names_the_fault_kind_and_what_would_have_worked():
+    from reflrl.critic import CritiqueRequest, RuleCritic
+    from reflrl.recovery.reflection import env_fault_from_info
+
+    seed = _first_faulted_seed(WEATHER, "rate_limit=0.3:2s")
+    env = _env(WEATHER, "rate_limit=0.3:2s")
+    try:
+        env.reset(seed=seed)
+        env.step(gold_actions(WEATHER)[0])
+        _o, reward, term, _tr, info = env.step("The weather service refused; please try later.")
+    finally:
+        env.close()
+    assert term and reward == 0.0 and info["fault_caused"]
+    fault = env_fault_from_info(info)
+    assert fault.visible and fault.kind == "rate_limit" and fault.status == 429 and fault.retry_after_s == 2
+    c = RuleCritic().critique(CritiqueRequest(query=WEATHER.query, tools=WEATHER.tools,
+                                              response="The weather service refused; please try later.",
+                                              gold=list(WEATHER.gold[0]), env_fault=fault))
+    assert c.score == "negative"
+    assert c.analysis == ('Your call was right; the tool answered 429 (rate_limit) with Retry-After 2 s to '
+                          'get_current_weather(city="Paris"); call it again with the same arguments.')
+
+
+def test_fault_caused_failures_reach_reflection_and_the_repair_keeps_the_earlier_step(tmp_path):
+    """A policy that gives up after a fault: reflection replays the episode and retries its last answer
+    under q* (the critique names the fault); the repair keeps step 1 and trains on the original prompt."""
+    import asyncio
+    from pathlib import Path
+
+    from reflrl import config as C
+    from reflrl import rollout as R
+    from reflrl.critic import RuleCritic
+    from reflrl.envs.datasets import synthetic_splits
+    from reflrl.envs.prompts import build_messages
+    from reflrl.models import load_tokenizer
+    from reflrl.recovery import arecover
+    from reflrl.recovery.recover import _last_action_start
+    from reflrl.recovery.reflection import RETRY_HEADER
+
+    from doubles import ScriptedEngine, gold_text
+
+    tok = load_tokenizer("tiny-random")
+    tasks = synthetic_splits(n_train=6, n_val=0, n_test=0, seed=3, kinds=("single",))["train"]
+
+    def answer(text: str, j: int) -> str:
+        task = next(t for t in tasks if t.query in text)
+        if RETRY_HEADER in text:
+            return gold_text(task)                      # acting on the critique: call it again
+        if '"kind": "server_error"' in text:
+            return "The tool is down, sorry."           # gives up after the fault
+        return gold_text(task)
+
+    root = Path(__file__).resolve().parent.parent
+    cfg = C.load_config(root / "configs" / "tiny.yaml", [
+        f"train.out_dir={tmp_path}", "env.fault_exposure=policy", "env.faults=server_error=0.5",
+        "reflection.variant=tool_rerl", "reflection.critic=rule", "reflection.max_attempts=2"])
+    eng = ScriptedEngine(tok, answer)
+    envs = [gymnasium.make(reflrl.envs.SINGLE_TURN_ID, dataset=tasks, faults="server_error=0.5", seed=k,
+                           fault_exposure="policy").unwrapped for k in range(12)]
+    spec = R.RolloutSpec(max_new_tokens=96)
+    loop = asyncio.new_event_loop()
+    trajs = loop.run_until_complete(R.arollout(eng, tok, envs, tasks[:6], 2, spec, seed=7))
+    caused = [k for k, t in enumerate(trajs) if t.last.info.get("fault_caused")]
+    assert caused and all(not trajs[k].correct and not trajs[k].masked for k in caused)
+    before = {k: trajs[k] for k in caused}
+    res = loop.run_until_complete(arecover(trajs, cfg=cfg, engine=eng, tokenizer=tok, envs=envs,
+                                           critic=RuleCritic(), messages_of=lambda t: build_messages(t),
+                                           rollout_cfg=spec, seed=11))
+    assert res.counts["reflected_env_fault"] == len(caused)
+    assert res.counts["recovered_env_fault"] >= 1
+    repaired = [t for t in trajs if t.repaired]
+    assert repaired
+    for t in repaired:
+        rec = t.repair
+        assert rec.cause == "env_fault"
+        assert rec.critiques[0].analysis.startswith("Your call was right; the tool answered 50")
+        assert "(server_error)" in rec.critiques[0].analysis
+        old = t.original
+        assert old is before[next(k for k, v in before.items() if v is old)]
+        # the earlier step (answer + the tool's error) is kept; the last answer is the retry, with its
+        # behaviour log-probs under q*; the prompt is the original one (eq. 2)
+        cut = _last_action_start(old)
+        assert 0 < cut and t.response_ids[:cut] == old.response_ids[:cut] and t.loss_mask[:cut] == old.loss_mask[:cut]
+        assert t.response_ids[cut:] == rec.response_ids and t.old_logprobs[cut:] == rec.behaviour_logprobs
+        assert t.prompt_ids == old.prompt_ids and len(t.steps) == len(old.steps)
+        assert t.correct and t.reward == 1.0
+    loop.close()

@@ -13,17 +13,20 @@ from .reflection import RepairRecord
 
 def triage(t: R.Trajectory) -> str:
     """"ok" | "recovered_by_retry" (env faults the client's retries recovered, answer right) |
-    "env_fault" (an unrecovered env fault: masked) | "policy_error" (wrong, unparseable or no call)."""
+    "env_fault" (an unrecovered env fault: masked; or, with faults the policy sees, a wrong answer
+    that would have been right had the policy called its faulted calls again: ``fault_caused``) |
+    "policy_error" (wrong, unparseable or no call)."""
     if t.masked:
         return "env_fault"
     if not t.correct:
-        return "policy_error"
+        return "env_fault" if t.last is not None and t.last.info.get("fault_caused") else "policy_error"
     last = t.last
     return "recovered_by_retry" if last is not None and last.env_fault_treatment == "retried-recovered" else "ok"
 
 
 COUNT_KEYS = ("rollouts", "failed", "failed_env_fault", "failed_policy_error", "recovered_by_retry",
-              "reflected", "recovered_by_reflection", "recovered_env_fault", "recovered_policy_error",
+              "reflected", "reflected_env_fault", "reflected_policy_error",
+              "recovered_by_reflection", "recovered_env_fault", "recovered_policy_error",
               "unrecovered", "discarded", "retries", "generate_calls", "reflection_errors",
               "rollout_tool_calls", "reflection_tool_calls")
 
@@ -145,6 +148,10 @@ class RecoveryLedger:
         return {
             **{k: c[k] for k in COUNT_KEYS},
             "recovered_ratio": (c["recovered_by_reflection"] / c["failed"]) if c["failed"] else None,
+            # reflection's repair rate by cause: repaired / reflected on (a fault-caused failure: the policy
+            # did not act on a fault it was shown, or the client's retries gave up; a policy error)
+            **{f"recovered_ratio_{cause}": (c[f"recovered_{cause}"] / c[f"reflected_{cause}"])
+               if c[f"reflected_{cause}"] else None for cause in ("env_fault", "policy_error")},
             "tool_calls": tool_calls,
             "signal_trajectories": sig,
             "tool_calls_per_signal": (tool_calls / sig) if sig else None,
@@ -168,8 +175,9 @@ def format_recovery(r: dict[str, Any], variant: str) -> list[str]:
         f"{num(r['recovered_by_retry'])} recovered by the client's retries; "
         f"{num(r['recovered_by_reflection'])} recovered by reflection "
         f"(ratio {'n/a' if r['recovered_ratio'] is None else format(r['recovered_ratio'], '.1%')}, "
-        f"{num(r['retries'])} retries in {num(r['generate_calls'])} batched generate calls); "
-        f"{num(r['discarded'])} discarded",
+        f"{num(r['retries'])} retries in {num(r['generate_calls'])} batched generate calls; repaired "
+        f"{_ratio(r, 'env_fault')} of the fault-caused failures reflected on, {_ratio(r, 'policy_error')} of the "
+        f"policy errors); {num(r['discarded'])} discarded",
         f"learning signal: {num(r['signal_trajectories'])} trained trajectories for {num(r['tool_calls'])} billed "
         f"tool calls ({num(r['tool_calls_per_signal'], '.2f')} calls per signal); critic: {num(r['critic_calls'])} calls, "
         f"mean latency {num(r['critic_latency_mean_s'], '.3f')} s, {num(r['critic_unparseable'])} unparseable, "
@@ -179,6 +187,14 @@ def format_recovery(r: dict[str, Any], variant: str) -> list[str]:
     if w:
         lines.append(f"importance weights (eq. 2): mean per step {min(w):.3g}..{max(w):.3g}, last {w[-1]:.3g}")
     return lines
+
+
+def _ratio(r: dict[str, Any], cause: str) -> str:
+    """``3/5 (60.0%)``: repaired / reflected on for one cause of failure ("n/a" when none)."""
+    done, of = r.get(f"recovered_{cause}"), r.get(f"reflected_{cause}")
+    if not of:
+        return "n/a"
+    return f"{done:.0f}/{of:.0f} ({done / of:.1%})"
 
 
 def dpo_pairs(trajs: Sequence[R.Trajectory]) -> list[tuple[R.Trajectory, R.Trajectory]]:

@@ -1,5 +1,14 @@
 """Reflection-recovery of one round of rollouts (:func:`arecover`): triage, batched reflection-guided
-retries, repaired rollouts in their groups."""
+retries, repaired rollouts in their groups.
+
+A rollout of several steps (faults the policy sees, ``env.fault_exposure="policy"``: the tool's error
+came back and the policy answered it) is repaired at its LAST step: q is the conversation before the
+last answer (the request, the earlier answers and the tool's errors), the failed action is that last
+answer, and each retry under q* is executed by replaying the episode (same env seed: the same tool
+answers and faults for the same earlier answers) and stepping the retry in its place. The repair keeps
+the earlier steps and replaces the last answer, so it trains on the original prompt with the retry's
+behaviour log-probs under q* (eq. 2). Under that exposure a masked rollout (a fault no action could
+handle) is not reflected on: a replay meets the same fault."""
 from __future__ import annotations
 
 import asyncio
@@ -9,25 +18,65 @@ from typing import Any, Callable, Sequence
 from reflrl import config as C
 from reflrl import rollout as R
 from reflrl.critic.base import CriticStats
+from reflrl.envs.rewards import normalize_value
+from reflrl.envs.types import ToolCall
 
 from .accounting import COUNT_KEYS, RecoveryResult, triage
 from .batcher import RoundBatcher
 from .reflection import EnvFeedback, Generation, RepairRecord, feedback_from_step, reflect_and_retry
 
 
+def _last_action_start(t: R.Trajectory) -> int:
+    """Index in ``t.response_ids`` where the last sampled answer starts (its final run of action tokens)."""
+    i = len(t.loss_mask)
+    while i > 0 and t.loss_mask[i - 1]:
+        i -= 1
+    return i
+
+
 def _first_generation(t: R.Trajectory) -> Generation:
-    ids = [i for i, m in zip(t.response_ids, t.loss_mask) if m]
-    lps = [x for x, m in zip(t.old_logprobs, t.loss_mask) if m]
-    return Generation(t.texts[0] if t.texts else "", ids, lps)
+    """The failed answer reflection repairs: the rollout's last answer (its only one, single-turn)."""
+    cut = _last_action_start(t)
+    return Generation(t.texts[-1] if t.texts else "", list(t.response_ids[cut:]), list(t.old_logprobs[cut:]))
+
+
+def _answered_before_last(t: R.Trajectory) -> list[ToolCall]:
+    """The calls that got an answer in the steps before the last one (they are already in the answer)."""
+    out = []
+    for st in t.steps[:-1]:
+        for res in st.info.get("tool_results") or []:
+            if res.get("triage") != "env_fault":
+                calls = st.info.get("calls") or []
+                i = res.get("call_index")
+                if isinstance(i, int) and i < len(calls):
+                    out.append(ToolCall.from_dict(calls[i]))
+    return out
+
+
+def _remaining_gold(t: R.Trajectory) -> list[ToolCall] | None:
+    """The gold calls the last answer still had to make (all of them for a single-step rollout)."""
+    if not t.task.gold:
+        return None
+    gold = list(t.task.gold[0])
+    for c in _answered_before_last(t):
+        key = (c.name, normalize_value(dict(c.arguments)))
+        j = next((j for j, g in enumerate(gold) if (g.name, normalize_value(dict(g.arguments))) == key), None)
+        if j is not None:
+            gold.pop(j)
+    return gold
 
 
 def repaired_trajectory(t: R.Trajectory, rec: RepairRecord) -> R.Trajectory:
     """tau* as a rollout of t's group: q's prompt tokens, tau*'s ids with their behaviour log-probs
     under q* (``old_logprobs``), tau*'s env verdict; ``repair`` = the record, ``original`` = t."""
-    new = R.Trajectory(task=t.task, group=t.group, prompt_ids=list(t.prompt_ids))
+    new = R.Trajectory(task=t.task, group=t.group, prompt_ids=list(t.prompt_ids), seed=t.seed)
+    cut = _last_action_start(t)  # a rollout of several steps keeps its earlier ones (module doc)
+    new.response_ids, new.loss_mask = list(t.response_ids[:cut]), list(t.loss_mask[:cut])
+    new.old_logprobs = list(t.old_logprobs[:cut])
     new.append_action(rec.response_ids, rec.behaviour_logprobs)
-    new.turns = 1
-    new.texts = [rec.response_text]
+    new.turns = max(1, t.turns)
+    new.texts = list(t.texts[:-1]) + [rec.response_text]
+    new.steps = list(t.steps[:-1])
     fb = rec.final_feedback
     R.record_step(new, fb.reward, dict(fb.info) if fb.info else {"correct": fb.correct})
     new.repair = rec
@@ -44,7 +93,9 @@ def qstar_trajectory(t: R.Trajectory, render: Callable[[list[dict]], list[int]])
     if not t.repaired:
         raise ValueError("qstar_trajectory needs a reflection-repaired trajectory")
     new = R.Trajectory(task=t.task, group=t.group, prompt_ids=render(t.repair.augmented_messages))
-    new.response_ids, new.loss_mask, new.old_logprobs = list(t.response_ids), list(t.loss_mask), list(t.old_logprobs)
+    cut = _last_action_start(t)  # q* holds the earlier steps: tau* alone is the answer to it
+    new.response_ids, new.loss_mask = list(t.response_ids[cut:]), list(t.loss_mask[cut:])
+    new.old_logprobs = list(t.old_logprobs[cut:])
     new.reward, new.correct, new.turns, new.texts, new.steps = t.reward, t.correct, t.turns, list(t.texts), list(t.steps)
     new.added = True
     return new
@@ -73,11 +124,16 @@ async def arecover(trajs: list[R.Trajectory], *, cfg: C.Config, engine: Any, tok
             counts["failed"] += 1
             counts[f"failed_{tri}"] += 1
             failed.append((k, tri))
-    chosen = [(k, c) for k, c in failed if f.reflect_on == "failure" or c == "env_fault"]
+    shown = cfg.env.fault_exposure == "policy"
+    # faults the policy sees: a masked rollout met a fault no action could handle; a replay meets it again
+    chosen = [(k, c) for k, c in failed if (f.reflect_on == "failure" or c == "env_fault")
+              and not (shown and trajs[k].masked)]
     chosen.sort(key=lambda kc: (kc[1] != "env_fault", kc[0]))  # env faults first: they carry no signal otherwise
     if f.max_per_step:
         chosen = chosen[: f.max_per_step]
     counts["reflected"] = len(chosen)
+    for _k, c in chosen:
+        counts[f"reflected_{c}"] += 1
     gen_s = [0.0]
     rounds = [0]
 
@@ -101,20 +157,26 @@ async def arecover(trajs: list[R.Trajectory], *, cfg: C.Config, engine: Any, tok
 
         async def step_env(text: str) -> EnvFeedback:
             attempt[0] += 1
-            await R.reset_episode(env, t.task, seed + 104729 * attempt[0] + k)  # a fresh episode of the same task
+            if len(t.steps) > 1 and t.seed is not None:  # replay the earlier steps, then the retry in the last one's place
+                await R.reset_episode(env, t.task, t.seed)
+                for earlier in t.texts[:-1]:
+                    await R.step_episode(env, earlier)
+            else:
+                await R.reset_episode(env, t.task, seed + 104729 * attempt[0] + k)  # a fresh episode of the same task
             _obs, reward, _term, _trunc, info = await R.step_episode(env, text)
             return feedback_from_step(info, reward)
 
         try:
             fb0 = feedback_from_step(t.last.info if t.last else {}, t.reward)
-            gold = list(t.task.gold[0]) if t.task.gold else None
+            gold = _remaining_gold(t)
+            q = messages_of(t.task) if len(t.steps) < 2 else list(t.steps[-2].info.get("messages") or [])
             cap = R.answer_token_cap(t.task, tokenizer, rollout_cfg)  # the rollouts' cap for this task
 
             async def generate(messages: list[dict]) -> Generation:
                 return await batcher.generate((messages, cap))
 
             return await reflect_and_retry(generate, critic, step_env, t.task, _first_generation(t),
-                                           f.max_attempts, first_feedback=fb0, messages=messages_of(t.task),
+                                           f.max_attempts, first_feedback=fb0, messages=q or messages_of(t.task),
                                            gold=gold, mode=f.mode, stats=stats)
         except Exception as e:  # noqa: BLE001 - a broken critic/repair must not stop training
             errors.append(f"{type(e).__name__}: {e}")
@@ -136,10 +198,10 @@ async def arecover(trajs: list[R.Trajectory], *, cfg: C.Config, engine: Any, tok
         counts["reflection_tool_calls"] += rec.tool_calls
         if rec.repaired and not (rec.final_feedback.info or {}).get("masked"):
             new = repaired_trajectory(trajs[k], rec)
-            if f.group == "add" and cause == "policy_error":
+            if f.group == "add" and not trajs[k].masked:
                 new.added = True  # beside the failure, which keeps its (negative) advantage
                 added.append(new)
-            else:  # an env-fault failure is masked (no signal to keep): the repair always takes its place
+            else:  # a masked failure has no signal to keep: the repair always takes its place
                 trajs[k] = new
             counts["recovered_by_reflection"] += 1
             counts[f"recovered_{cause}"] += 1

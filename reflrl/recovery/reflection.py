@@ -166,13 +166,27 @@ class EnvFeedback:
 _RETRY_AFTER_RE = re.compile(r"retry_after=([0-9.]+)")
 
 
+def _visible(f: dict[str, Any], also: tuple[EnvFault, ...] = ()) -> EnvFault:
+    ra = f.get("retry_after_s")
+    return EnvFault(kind=str(f.get("kind") or "unknown"), tool=str(f.get("name") or ""),
+                    status=f.get("status") if isinstance(f.get("status"), int) else None,
+                    retry_after_s=float(ra) if ra is not None else None, attempts=int(f.get("attempts") or 1),
+                    detail=str(f.get("observation") or ""), visible=True,
+                    arguments=dict(f.get("arguments") or {}), also=also)
+
+
 def env_fault_from_info(info: dict[str, Any]) -> EnvFault | None:
     """The :class:`EnvFault` of an env step, from ``ToolCallEnv.astep``'s info dict, or None.
 
-    Takes the first call whose triage is "env_fault" (the client's retries gave up on it): its
-    ``fault_kind``, tool name and billed attempts, and the HTTP status / Retry-After of that
-    call's last observed fault event (``detail`` "retry_after=2.0").
+    A failure caused by faults the policy was shown and did not act on (``info["fault_caused"]``,
+    ``env.fault_exposure="policy"``): a *visible* EnvFault of the first open fault, the others in
+    ``also``. Otherwise the first call whose triage is "env_fault" (the client's retries gave up on
+    it): its ``fault_kind``, tool name and billed attempts, and the HTTP status / Retry-After of
+    that call's last observed fault event (``detail`` "retry_after=2.0").
     """
+    if info.get("fault_caused") and info.get("open_faults"):
+        first, *rest = info["open_faults"]
+        return _visible(first, tuple(_visible(f) for f in rest))
     for res in info.get("tool_results") or []:
         if res.get("triage") != "env_fault":
             continue
