@@ -1,7 +1,7 @@
 """Train the embedded model with TRL's GRPOTrainer on reflrl's fault-injecting tools (CPU).
 
     pip install -e '.[trl]'
-    python scripts/trl_grpo_faults.py --faults rate_limit=0.1 --steps 3
+    python examples/trl_grpo_faults.py --faults rate_limit=0.1 --steps 3
 
 Every tool call the model makes goes through reflrl's client to the in-process tool server, which
 injects the faults of ``--faults``; the client retries them (honouring Retry-After) and the

@@ -154,22 +154,3 @@ def format_rate(engine: Any, tokenizer: Any, tasks: Sequence[Task], messages_fn:
                                   temperature=gen.temperature, seed=seed)
     return sum(_format_ok(x, gen.fmt) for x in texts) / len(texts)
 
-
-def sampled_correct(engine: Any, tokenizer: Any, tasks: Sequence[Task], messages_fn: Callable[[Task], list[dict]],
-                    gen: RolloutSpec | None = None, *, n: int = 8, temperature: float = 1.0, batch_size: int = 64,
-                    seed: int = 0) -> list[int]:
-    """How many of ``n`` answers sampled at ``temperature`` are exactly right, per task (in task order;
-    the caps and early stop of ``gen``). With the greedy verdicts of :func:`evaluate` this tells where
-    GRPO can find a signal: a task the greedy answer gets wrong and no sample gets right gives an
-    all-wrong group, so sampling alone cannot move its greedy answer (``scripts/rl_headroom.py``)."""
-    if n < 1:
-        raise ValueError(f"sampled_correct: n must be >= 1, got {n}")
-    gen = gen or RolloutSpec()
-    tasks = list(tasks)
-    if not tasks:
-        raise ValueError("sampled_correct: no tasks")
-    rep = [t for t in tasks for _ in range(n)]
-    texts, _, _ = _generate_texts(engine, tokenizer, rep, messages_fn, gen, batch_size=batch_size,
-                                  temperature=temperature, seed=seed)
-    hits = [_exact(parse(x, gen.fmt), t) for t, x in zip(rep, texts)]
-    return [sum(hits[i * n:(i + 1) * n]) for i in range(len(tasks))]
