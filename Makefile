@@ -23,7 +23,7 @@ install: $(VENV)/.installed
 # The tests also cover the verl backend on the CPU: verl 0.9.1 without extras (pins no torch).
 $(VENV)/.installed-verl: $(VENV)/.installed
 	$(PIP) install -q -e '.[dev,bench,verl]'
-	$(PIP) install -q -e '.[trl]'  # issue 17: TRL for reflrl.integrations.trl and its tests (the 'trl' extra)
+	$(PIP) install -q -e '.[trl]'  # TRL for reflrl.integrations.trl and its tests (the "trl" extra)
 	touch $@
 
 # The report test renders HTML in headless Chromium (Debian's 'chromium'); best effort, never fails the

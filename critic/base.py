@@ -153,7 +153,7 @@ def unparsed(raw: str, latency_s: float = 0.0, error: str | None = None) -> Crit
 
 @dataclass
 class CriticStats:
-    """Counters over critiques, for the run's metrics (issue 4, "Accounting": critic calls and
+    """Counters over critiques, for the run's metrics (critic calls and
     their latency). ``record`` every critique the run makes."""
 
     calls: int = 0

@@ -16,7 +16,7 @@ Failure handling:
 - when the retries are used up, the critique is negative with no reflection, ``parsed=False`` and
   ``error`` set: the caller counts it (``CriticStats.errors``) and the run goes on;
 - an answer that is not in the format is negative with no reflection and ``parsed=False``
-  ("counted and treated as negative with no reflection, never as a crash", issue 4);
+  (counted and treated as negative with no reflection, never as a crash);
 - any other HTTP error (401 bad key, 404 unknown model, 400 bad request) is a configuration
   mistake and raises :class:`CriticEndpointError` naming the endpoint, model and status.
 

@@ -1,5 +1,5 @@
 """Task datasets: a seeded synthetic generator over the tool catalogue, and loaders for the
-ToolACE / xLAM / Hammer files users have locally, plus our own JSONL format (issue 2, item 8).
+ToolACE / xLAM / Hammer files users have locally, plus our own JSONL format.
 
 Synthetic tasks (``generate_synthetic``): natural user requests built from a few phrasings per
 catalogue tool, with argument values drawn by a seeded faker. The gold is exactly recoverable

@@ -6,7 +6,7 @@ probabilities of the plan); the other 64 drive deterministic sub-choices (which 
 drifts, ...). Same inputs -> same decision on any machine and Python version (no ``hash()``,
 no global RNG). Cost: about a microsecond (see scripts/bench_tools.py).
 
-Determinism is what makes fault-injection experiments replayable (issue 2, "Deterministic"):
+Determinism is what makes fault-injection experiments replayable:
 replaying an episode with the same fault seed re-creates the same faults at the same attempts.
 """
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""bfcl-eval's stateful multi-turn backends as ToolSpecs, and its multi-turn tasks (issue 2, item 2).
+"""bfcl-eval's stateful multi-turn backends as ToolSpecs, and its multi-turn tasks.
 
 BFCL v4's multi-turn categories run model calls against eight Python classes shipped by
 ``bfcl-eval`` (file system, messaging, Twitter-like posting, ticketing, trading, travel booking,

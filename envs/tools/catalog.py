@@ -1,4 +1,4 @@
-"""The synthetic tool catalogue: 32 faker-built tools in 7 domains (issue 2, item 2).
+"""The synthetic tool catalogue: 32 faker-built tools in 7 domains.
 
 Every tool is a :class:`~reflrl.envs.tools.base.ToolSpec` with an OpenAI/BFCL style JSON schema
 (types, enums, required and optional fields whose defaults are stated) and a ``returns`` schema.

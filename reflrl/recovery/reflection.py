@@ -216,7 +216,7 @@ def feedback_from_step(info: dict[str, Any], reward: float) -> EnvFeedback:
 
 @dataclass
 class RepairRecord:
-    """Everything kept about one reflection-recovery episode (issue 4, item 2).
+    """Everything kept about one reflection-recovery episode.
 
     prompt_messages:    q, the original prompt (training on tau* happens under q; eq. 2).
     augmented_messages: q*, the prompt the final response was sampled under ([] when no retry).
