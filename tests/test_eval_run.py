@@ -1,12 +1,9 @@
 """End to end: `reflrl eval` with the tiny random model writes results, manifest, report and
-predictions; compare and download work; a backend double checks the multi-turn driver."""
+predictions; compare works; a backend double checks the multi-turn driver."""
 from __future__ import annotations
 
-import functools
-import http.server
 import json
 import shutil
-import threading
 from pathlib import Path
 
 import pytest
@@ -129,38 +126,19 @@ def test_compare_flags_real_differences_and_manifest_changes():
     assert welch([1.0], [2.0])["exceeds_noise"] is None
 
 
-def test_download_rotbench_from_local_server(tmp_path):
-    from reflrl.cli import main
-    from reflrl.eval import rotbench as R
-
-    served = tmp_path / "served"
-    served.mkdir()
-    for lv in R.LEVELS:
-        shutil.copy(DATA / "rotbench" / "first_turn" / f"{lv}.json", served / f"{lv}.json")
-    handler = functools.partial(http.server.SimpleHTTPRequestHandler, directory=str(served))
-    handler.log_message = lambda *a, **k: None
-    srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
-    t = threading.Thread(target=srv.serve_forever, daemon=True)
-    t.start()
-    try:
-        base = f"http://127.0.0.1:{srv.server_address[1]}/"
-        dest = tmp_path / "data"
-        assert main(["data", "download", "rotbench", "--dest", str(dest), "--base-url", base]) == 0
-        assert len(R.load_level(dest, "union")) == len(R.load_level(DATA, "union")) == 4
-        (served / "heavy.json").write_text("[{\"id\": 1}]")  # a malformed upstream file is refused
-        assert main(["data", "download", "rotbench", "--dest", str(tmp_path / "d2"), "--base-url", base]) == 2
-        assert not (tmp_path / "d2" / "rotbench" / "first_turn" / "heavy.json").exists()
-    finally:
-        srv.shutdown()
-
-
 def test_cli_rejects_bad_input(tmp_path, capsys):
     from reflrl.cli import main
 
     assert main(["eval", "bfcl", "--model", "tiny-random", "--categories", "simpel"]) == 2
     assert "unknown BFCL category 'simpel'" in capsys.readouterr().err
-    assert main(["eval", "rotbench", "--model", "tiny-random"]) == 2
-    assert "need --data-dir" in capsys.readouterr().err
+    assert main(["eval", "rotbench", "--model", "tiny-random", "--full", "--limit", "3"]) == 2
+    assert "give --full or --limit, not both" in capsys.readouterr().err
+    assert main(["eval", "rotbench", "--model", "tiny-random", "--limit", "rotbnech=3"]) == 2
+    assert "unknown benchmark 'rotbnech'" in capsys.readouterr().err
+    assert main(["eval", "rotbench", "--model", "tiny-random", "--seeds", "0"]) == 2
+    assert "--seeds must be at least 1" in capsys.readouterr().err
+    assert main(["eval", "rotbench", "--data-dir", str(tmp_path), "--dry-run"]) == 2
+    assert "no RoTBench files under" in capsys.readouterr().err
     assert main(["eval", "nope", "--model", "x"]) == 2
     assert main(["eval", "compare", str(tmp_path / "a"), str(tmp_path / "b")]) == 2
     assert "file not found" in capsys.readouterr().err

@@ -1,6 +1,7 @@
 """Reading benchmark files with errors that name the file and the record."""
 from __future__ import annotations
 
+import gzip
 import hashlib
 import json
 from pathlib import Path
@@ -13,14 +14,38 @@ class DataError(UserError, ValueError):
     """A benchmark data file is missing or malformed; the message names the file (and record)."""
 
 
+def stored(path: Path) -> Path | None:
+    """The file holding ``path``'s content: ``path`` itself, else ``path.gz`` (the data shipped with
+    reflrl is gzipped); None when neither exists."""
+    path = Path(path)
+    if path.is_file():
+        return path
+    gz = path.with_name(path.name + ".gz")
+    return gz if gz.is_file() else None
+
+
+def exists(path: Path) -> bool:
+    """``path`` or ``path.gz`` is a file."""
+    return stored(path) is not None
+
+
+def read_text(path: Path) -> str:
+    """UTF-8 text of ``path`` (or of ``path.gz``, decompressed); DataError names a missing or unreadable file."""
+    real = stored(path)
+    if real is None:
+        raise DataError(f"{path}: file not found")
+    try:
+        if real.suffix == ".gz":
+            with gzip.open(real, "rb") as f:
+                return f.read().decode("utf-8")
+        return real.read_text(encoding="utf-8")
+    except (OSError, EOFError, UnicodeDecodeError) as e:
+        raise DataError(f"{real}: cannot read: {e}") from None
+
+
 def read_json(path: Path) -> Any:
     """Parse a JSON file; DataError names the file, line and column of a syntax error."""
-    try:
-        text = Path(path).read_text(encoding="utf-8")
-    except FileNotFoundError:
-        raise DataError(f"{path}: file not found") from None
-    except (OSError, UnicodeDecodeError) as e:
-        raise DataError(f"{path}: cannot read: {e}") from None
+    text = read_text(path)
     try:
         return json.loads(text)
     except json.JSONDecodeError as e:
@@ -29,12 +54,7 @@ def read_json(path: Path) -> Any:
 
 def read_jsonl(path: Path) -> list[Any]:
     """Parse a JSON-lines file (blank lines skipped); DataError names the file and line number."""
-    try:
-        lines = Path(path).read_text(encoding="utf-8").splitlines()
-    except FileNotFoundError:
-        raise DataError(f"{path}: file not found") from None
-    except (OSError, UnicodeDecodeError) as e:
-        raise DataError(f"{path}: cannot read: {e}") from None
+    lines = read_text(path).splitlines()
     out = []
     for i, line in enumerate(lines, 1):
         if not line.strip():
@@ -48,9 +68,7 @@ def read_jsonl(path: Path) -> list[Any]:
 
 def read_json_or_jsonl(path: Path) -> list[Any]:
     """A file holding either one JSON list or JSON lines."""
-    text = Path(path).read_text(encoding="utf-8") if Path(path).is_file() else None
-    if text is None:
-        raise DataError(f"{path}: file not found")
+    text = read_text(path)
     if text.lstrip().startswith("["):
         data = read_json(path)
         if not isinstance(data, list):
@@ -76,6 +94,6 @@ def check_lengths(benchmark: str, items: list[Any], outputs: list[Any]) -> None:
 
 def first_existing(candidates: list[Path]) -> Path | None:
     for c in candidates:
-        if c.exists():
+        if c.exists() or exists(c):
             return c
     return None

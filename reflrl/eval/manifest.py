@@ -2,7 +2,8 @@
 
 model and weights hash, every seed, decoding parameters, each system prompt in full with its hash,
 the multi-turn template (``native`` role messages vs ``context`` packed history), whether thinking
-history is kept, benchmark data hashes, package versions, the command line.
+history is kept, the run size (a subset or every sample), each benchmark data file's hash and origin
+(upstream repository, commit, path, licence), package versions, the command line.
 """
 from __future__ import annotations
 
@@ -14,12 +15,12 @@ from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import Any
 
-from .data import file_sha256
+from .data import file_sha256, stored
 
 #: manifest keys that name the evaluated model; ``compare`` warns about differences anywhere else.
 MODEL_KEYS = ("model",)
 #: keys that never matter for comparability
-IGNORED_KEYS = ("created", "command", "out_dir", "timing", "data_dir", "packages.git_sha", "packages.git_dirty",
+IGNORED_KEYS = ("created", "command", "out_dir", "timing", "data_dir", "run_size", "packages.git_sha", "packages.git_dirty",
                 "packages.platform", "packages.torch_threads", "packages.cpu_count")
 
 
@@ -70,19 +71,41 @@ def data_key(path: Path, roots: dict[str, Path]) -> str:
 
 
 def data_hashes(paths: list[Path], roots: dict[str, Path] | None = None) -> dict[str, dict[str, Any]]:
-    """``{name: {"sha256", "bytes"}}`` of each existing file (names from :func:`data_key`)."""
+    """``{name: {"sha256", "bytes", "origin"}}`` of each existing file (names from :func:`data_key`; a
+    benchmark file given as ``x.json`` may be stored as ``x.json.gz``, then ``content_sha256`` is the
+    hash of the decompressed bytes). ``origin`` (:func:`reflrl.eval.sources.origin`): where a
+    benchmark file came from; BFCL's files come with the installed bfcl-eval."""
+    from . import sources
+
     out = {}
     for p in paths:
-        p = Path(p)
-        if p.is_file():
-            out[data_key(p, roots or {})] = {"sha256": file_sha256(p), "bytes": p.stat().st_size}
+        real = stored(Path(p))
+        if real is None:
+            continue
+        entry: dict[str, Any] = {"sha256": file_sha256(real), "bytes": real.stat().st_size}
+        if real.suffix == ".gz":
+            entry["content_sha256"] = sources.content_sha256(real)
+        if "bfcl_eval" in real.parts:
+            entry["origin"] = {"where": "bfcl-eval package", "version": _version("bfcl-eval")}
+        else:
+            entry["origin"] = sources.origin(real)
+        out[data_key(real, roots or {})] = entry
     return out
 
 
+def _version(pkg: str) -> str | None:
+    try:
+        return version(pkg)
+    except PackageNotFoundError:
+        return None
+
+
 def build_manifest(*, model: dict[str, Any], seeds: list[int], decoding: dict[str, Any], template: str,
-                   keep_thinking: bool, max_steps: int, benchmarks: list[str], limit: int | None,
+                   keep_thinking: bool, max_steps: int, benchmarks: list[str], limit: int | dict[str, int | None] | None,
                    options: dict[str, Any], prompts: dict[str, Any], data: dict[str, Any],
-                   out_dir: str | None = None, data_dir: str | None = None) -> dict[str, Any]:
+                   out_dir: str | None = None, data_dir: str | None = None,
+                   seeds_per_benchmark: dict[str, list[int]] | None = None,
+                   run_size: dict[str, Any] | None = None) -> dict[str, Any]:
     return {
         "kind": "reflrl-eval-manifest",
         "format": 1,
@@ -92,6 +115,8 @@ def build_manifest(*, model: dict[str, Any], seeds: list[int], decoding: dict[st
         "data_dir": data_dir,
         "model": model,
         "seeds": list(seeds),
+        "seeds_per_benchmark": {b: list(v) for b, v in (seeds_per_benchmark or {}).items()},
+        "run_size": run_size,
         "decoding": decoding,
         "multi_turn_template": template,
         "keep_thinking_history": bool(keep_thinking),

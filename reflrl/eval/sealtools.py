@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .data import DataError, check_lengths, first_existing, read_jsonl
+from .data import DataError, check_lengths, exists, first_existing, read_jsonl
 
 METRICS = ("format_rate", "api_p", "api_r", "api_f1", "param_p", "param_r", "param_f1")
 SPLIT_FILES = ("test_in_domain.jsonl", "test_out_domain.jsonl", "dev.jsonl", "dev_subset.jsonl")
@@ -48,7 +48,7 @@ class SealItem:
 def seal_dir(root: Path) -> Path:
     root = Path(root)
     d = first_existing([root / "seal-tools", root / "Seal-Tools_Dataset", root / "seal_tools", root])
-    if d is None or not any((d / f).exists() for f in SPLIT_FILES):
+    if d is None or not any(exists(d / f) for f in SPLIT_FILES):
         raise DataError(f"no Seal-Tools split ({', '.join(SPLIT_FILES)}) under {root}/seal-tools")
     return d
 
@@ -56,23 +56,54 @@ def seal_dir(root: Path) -> Path:
 def split_files(root: Path) -> list[Path]:
     """Splits to evaluate: in-domain and out-of-domain tests when present, else dev, else dev_subset."""
     d = seal_dir(root)
-    tests = [d / f for f in SPLIT_FILES[:2] if (d / f).exists()]
+    tests = [d / f for f in SPLIT_FILES[:2] if exists(d / f)]
     if tests:
         return tests
     return [first_existing([d / "dev.jsonl", d / "dev_subset.jsonl"])]
 
 
 def load_tools(root: Path) -> dict[str, dict[str, Any]]:
+    path = tool_file(root)
+    return load_tools_file(path)
+
+
+def tool_file(root: Path) -> Path:
+    """``tool.jsonl`` (or the excerpt ``tool_subset.jsonl``) of the Seal-Tools folder under ``root``."""
     d = seal_dir(root)
     path = first_existing([d / "tool.jsonl", d / "tool_subset.jsonl"])
     if path is None:
         raise DataError(f"{d}: no tool.jsonl / tool_subset.jsonl")
+    return path
+
+
+def load_tools_file(path: Path) -> dict[str, dict[str, Any]]:
+    """``{api_name: tool}`` of a tool file; DataError names a record without ``api_name``."""
     tools = {}
     for i, t in enumerate(read_jsonl(path)):
         if not isinstance(t, dict) or not isinstance(t.get("api_name"), str):
             raise DataError(f"{path}: record {i}: expected an object with 'api_name'")
         tools[t["api_name"]] = t
     return tools
+
+
+def _check_record(rec: Any, path: Path, i: int) -> str:
+    """Raise DataError unless ``rec`` is a split record (query, calls with api and parameters);
+    returns the location text for further messages."""
+    where = f"{path}: record {i}" + (f" (id {rec.get('id')!r})" if isinstance(rec, dict) else "")
+    if not isinstance(rec, dict) or not isinstance(rec.get("query"), str) or not isinstance(rec.get("calling"), list):
+        raise DataError(f"{where}: expected an object with 'query' and a 'calling' list")
+    for c in rec["calling"]:
+        if not isinstance(c, dict) or not isinstance(c.get("api"), str) or not isinstance(c.get("parameters"), dict):
+            raise DataError(f"{where}: each call needs 'api' (string) and 'parameters' (object)")
+    return where
+
+
+def check_split(path: Path) -> list[dict[str, Any]]:
+    """Every record of a split file, each checked (:func:`_check_record`)."""
+    recs = read_jsonl(path)
+    for i, rec in enumerate(recs):
+        _check_record(rec, path, i)
+    return recs
 
 
 def load_split(path: Path, tools: dict[str, dict[str, Any]], limit: int | None = None,
@@ -82,12 +113,7 @@ def load_split(path: Path, tools: dict[str, dict[str, Any]], limit: int | None =
     names = sorted(tools)
     out = []
     for i, rec in enumerate(read_jsonl(path)[: limit if limit is not None else None]):
-        where = f"{path}: record {i}" + (f" (id {rec.get('id')!r})" if isinstance(rec, dict) else "")
-        if not isinstance(rec, dict) or not isinstance(rec.get("query"), str) or not isinstance(rec.get("calling"), list):
-            raise DataError(f"{where}: expected an object with 'query' and a 'calling' list")
-        for c in rec["calling"]:
-            if not isinstance(c, dict) or not isinstance(c.get("api"), str) or not isinstance(c.get("parameters"), dict):
-                raise DataError(f"{where}: each call needs 'api' (string) and 'parameters' (object)")
+        where = _check_record(rec, path, i)
         gold_names = [c["api"] for c in rec["calling"]]
         missing = [n for n in gold_names if n not in tools]
         if missing:
