@@ -9,7 +9,7 @@ Subcommands::
     reflrl faults proxy --upstream URL --faults SPEC [--seed 0] [--port 8078]
     reflrl train [--config F] [--faults SPEC] [--set k=v] ...   (reflrl.cli.train)
     reflrl eval rotbench taskbench bfcl sealtools --model NAME ...  /  reflrl eval compare RUN_A RUN_B
-    reflrl data download rotbench --dest DIR
+    reflrl data list  /  reflrl data download rotbench|taskbench|sealtools [--dest DIR]
     reflrl experiment faults --methods grpo,tool_rerl --faults "rate_limit=0,0.1;timeout=0,0.1" --seeds 3
     reflrl report RUN_OR_SWEEP_DIR
 

@@ -4,6 +4,8 @@ their official metrics, under the reproducibility protocol of the efficiency pap
 Modules: ``bfcl`` (bfcl-eval's data, prompt, decoder, checkers), ``bfcl_decode`` (bfcl's decoder
 without running model output), ``rotbench``, ``taskbench``,
 ``sealtools`` (upstream metric rules), ``backends`` (local model, OpenAI-compatible endpoint, run
-checkpoint), ``run`` (seeds x benchmarks driver), ``manifest``, ``report``, ``compare``, ``download``,
-``cli`` (``reflrl eval`` / ``reflrl data download``).
+checkpoint), ``sources`` (the shipped data, pinned downloads, each file's origin), ``plan`` (run size and
+time estimate), ``run`` (seeds x benchmarks driver), ``manifest``, ``tables`` (report.md) and ``paper``
+(the Tool-ReRL paper's numbers beside the model's), ``compare``; the command line is
+:mod:`reflrl.cli.eval` (``reflrl eval`` / ``reflrl data download|list``).
 """
