@@ -154,3 +154,55 @@ def format_rate(engine: Any, tokenizer: Any, tasks: Sequence[Task], messages_fn:
                                   temperature=gen.temperature, seed=seed)
     return sum(_format_ok(x, gen.fmt) for x in texts) / len(texts)
 
+
+
+# ------------------------------------------------------------------------- episodes under faults
+async def aevaluate_episodes(engine: Any, tokenizer: Any, envs: Sequence[Any], tasks: Sequence[Task],
+                             gen: RolloutSpec, *, seed: int,
+                             recover: Callable[[list], Any] | None = None) -> dict[str, Any]:
+    """Greedy episodes of ``tasks`` run through ``envs`` (the run's faults and fault exposure): the held-out
+    numbers a run reports under faults. Task i is reset with env seed ``seed + i``, so with a fixed ``seed``
+    (``env.eval_fault_seed``) every checkpoint meets the same faults for the same actions.
+
+    Returns flat keys: ``episode_accuracy`` (share of episodes that ended right), ``clean_accuracy`` and
+    ``n_clean`` (episodes that met no fault: no attempt of theirs failed with an env fault),
+    ``recovery_under_faults`` and ``n_faulted`` (of the episodes that met at least one fault, the share that
+    still ended right), ``masked`` (episodes masked: a fault no action could handle), ``eval_fault_seed``;
+    with ``recover`` (an async ``trajectories -> RecoveryResult``, e.g. :func:`reflrl.recovery.arecover`
+    with a greedy spec) also reflection's repair rate on the failed episodes by cause:
+    ``reflected_env_fault`` / ``recovered_env_fault`` / ``reflection_ratio_env_fault`` (failures caused by a
+    fault) and the same for ``policy_error``. Ratios are None where there is nothing to divide."""
+    from .rollout import arollout
+
+    tasks = list(tasks)
+    if not tasks or not envs:
+        raise ValueError("aevaluate_episodes: no tasks or no envs")
+    right: list[bool] = []
+    faulted: list[bool] = []
+    masked = 0
+    counts = {f"{w}_{c}": 0.0 for w in ("reflected", "recovered") for c in ("env_fault", "policy_error")}
+    for s in range(0, len(tasks), len(envs)):
+        trajs = await arollout(engine, tokenizer, envs, tasks[s: s + len(envs)], 1, gen, seed=seed + s)
+        for t in trajs:
+            right.append(bool(t.correct) and not t.masked)
+            faulted.append(any(e.get("triage") == "env_fault" for e in t.fault_events))
+            masked += bool(t.masked)
+        if recover is not None:
+            res = await recover(trajs)
+            for k in counts:
+                counts[k] += float(res.counts.get(k, 0.0))
+    n = len(right)
+    clean = [r for r, f in zip(right, faulted) if not f]
+    hit = [r for r, f in zip(right, faulted) if f]
+    out: dict[str, Any] = {
+        "episode_accuracy": sum(right) / n, "n_episodes": n,
+        "clean_accuracy": (sum(clean) / len(clean)) if clean else None, "n_clean": len(clean),
+        "recovery_under_faults": (sum(hit) / len(hit)) if hit else None, "n_faulted": len(hit),
+        "masked": masked, "eval_fault_seed": seed,
+    }
+    if recover is not None:
+        out.update(counts)
+        for c in ("env_fault", "policy_error"):
+            of = counts[f"reflected_{c}"]
+            out[f"reflection_ratio_{c}"] = counts[f"recovered_{c}"] / of if of else None
+    return out

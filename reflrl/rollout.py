@@ -415,6 +415,9 @@ async def _single_turn(engine, tokenizer, envs, trajs: list[Trajectory], cfg: Ro
                                                [i for i, m in zip(trajs[k].response_ids, trajs[k].loss_mask) if m])]
         await _multi_turn(engine, tokenizer, envs, trajs, messages, dataclasses.replace(cfg, max_turns=1 << 30),
                           t, seed + 1, ready=ready)
+        for k in going:  # the token budget ended it while a fault was still open: no action was left
+            if trajs[k].last.env_fault_treatment == "to-policy":
+                trajs[k].masked = True
 
 
 async def _multi_turn(engine, tokenizer, envs, trajs: list[Trajectory], messages: list[list[dict]],

@@ -8,6 +8,11 @@ with the loss on the assistant tokens only, then RL takes over.
 Each example is ``prompt_ids`` (the chat template rendering of the task's messages with the assistant
 generation prompt, exactly what rollouts feed the engine) followed by the tokenized gold answer
 (``envs.parsing.format_calls``) and the end-of-turn token; only the answer tokens carry loss.
+
+Demonstrations stay clean: they are gold answers of fault-free episodes (the request, then the gold
+calls), so none shows a tool failing and a recovery from it; acting on a misbehaving tool is left to RL
+(``env.fault_exposure="policy"``). :func:`shows_fault` tells such an example apart, and the warm-up
+counts them (``demonstrations_with_fault`` in its record: 0).
 """
 from __future__ import annotations
 
@@ -32,6 +37,25 @@ class SFTExample:
     prompt_ids: list[int]
     answer_ids: list[int]
     task_id: str = ""
+    shows_fault: bool = False  # the prompt holds a tool's failure or a critique of one (a recovery)
+
+
+def shows_fault(messages: Sequence[dict]) -> bool:
+    """Whether a demonstration's prompt shows a tool failing or a critique of a fault: a tool message
+    with an ``error``, or a fault's critique (:func:`reflrl.critic.format.describe_env_fault`)."""
+    import json
+
+    for m in messages:
+        content = str(m.get("content") or "")
+        if m.get("role") == "tool":
+            try:
+                if "error" in json.loads(content):
+                    return True
+            except (ValueError, TypeError):
+                return True  # not the tool-answer JSON: not a clean answer either
+        if "Your call was right; the tool answered" in content or "Your calls were right; the tool answered" in content:
+            return True
+    return False
 
 
 def end_of_turn_id(tokenizer: Any) -> int:
@@ -56,7 +80,8 @@ def build_examples(tasks: Sequence[Task], tokenizer: Any, messages_fn: Callable[
             continue
         answer = format_calls(list(t.gold[0]), fmt)
         ids = tokenizer(answer, add_special_tokens=False)["input_ids"]
-        out.append(SFTExample(render_prompt(tokenizer, messages_fn(t)), list(ids) + [eot], t.id))
+        msgs = messages_fn(t)
+        out.append(SFTExample(render_prompt(tokenizer, msgs), list(ids) + [eot], t.id, shows_fault(msgs)))
     return out
 
 
@@ -65,7 +90,8 @@ def example_from_messages(messages: list[dict], gold: Sequence[Any], tokenizer: 
     """An example with an explicit prompt: ``messages`` rendered with the chat template (e.g. a q* of
     :mod:`reflrl.recovery.practice`) followed by the gold calls written in ``fmt`` and the end of turn."""
     ids = tokenizer(format_calls(list(gold), fmt), add_special_tokens=False)["input_ids"]
-    return SFTExample(render_prompt(tokenizer, messages), list(ids) + [end_of_turn_id(tokenizer)], task_id)
+    return SFTExample(render_prompt(tokenizer, messages), list(ids) + [end_of_turn_id(tokenizer)], task_id,
+                      shows_fault(messages))
 
 
 def collate(examples: Sequence[SFTExample], pad_id: int) -> dict[str, torch.Tensor]:

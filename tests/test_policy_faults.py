@@ -327,3 +327,63 @@ def test_fault_caused_failures_reach_reflection_and_the_repair_keeps_the_earlier
         assert t.prompt_ids == old.prompt_ids and len(t.steps) == len(old.steps)
         assert t.correct and t.reward == 1.0
     loop.close()
+
+
+# ------------------------------------------------------------- demonstrations, held-out numbers
+def test_shows_fault_tells_a_demonstration_with_a_fault_apart():
+    from reflrl.envs.prompts import build_messages, render_tool_error
+    from reflrl.sft import shows_fault
+
+    clean = build_messages(WEATHER)
+    assert not shows_fault(clean)
+    faulted = clean + [{"role": "assistant", "content": "x"},
+                       {"role": "tool", "content": render_tool_error("get_current_weather", "HTTP 503", "server_error")}]
+    assert shows_fault(faulted)
+
+
+def test_a_run_under_policy_faults_reports_the_three_accuracies_and_clean_demonstrations(tmp_path):
+    """Tiny model, scripted answers (gold, then giving up after a fault), warm-up on, reflection on:
+    summary.json holds overall / no-fault / recovery-under-faults accuracy per evaluation, reflection's
+    rate by cause, and the warm-up's count of demonstrations that showed a fault (0)."""
+    from reflrl import train as T
+    from reflrl.recovery.reflection import RETRY_HEADER
+
+    from doubles import gold_text, scripted, tiny_cfg
+
+    def make_answer(tasks):
+        def answer(text: str, j: int) -> str:
+            task = next(t for t in tasks if t.query in text)
+            if '"error"' in text and RETRY_HEADER not in text:
+                return "Sorry, the tool failed."
+            return gold_text(task)
+        return answer
+
+    cfg = tiny_cfg(tmp_path, **{"train.steps": 1, "train.save_every": 0, "env.faults": "server_error=0.3",
+                                "env.fault_exposure": "policy", "warmup.enabled": "true", "warmup.steps": 1,
+                                "warmup.eval_after": "true", "reflection.variant": "tool_rerl",
+                                "reflection.critic": "rule", "env.eval_fault_seed": 5,
+                                "rollout.max_total_tokens": 2048})
+    tr = T.Trainer(cfg, tmp_path / "run", progress=False, quiet=True, engine=scripted(cfg, make_answer))
+    try:
+        tr.run()
+        again = tr.evaluate_episodes("test")  # the fixed evaluation fault seed: the same faults again
+    finally:
+        tr.close()
+    s = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert s["warmup"]["demonstrations"] > 0 and s["warmup"]["demonstrations_with_fault"] == 0
+    assert s["fault_exposure"] == "policy"
+    for stage in ("before", "after_warmup", "after"):
+        h = s["heldout"][stage]
+        for key in ("accuracy", "clean_accuracy", "recovery_under_faults", "reflection_ratio_env_fault",
+                    "reflection_ratio_policy_error"):
+            assert key in h
+        assert h["n_clean"] + h["n_faulted"] == h["n"] == 4 and h["eval_fault_seed"] == 5
+        assert h["clean_accuracy"] == 1.0                       # gold whenever no fault is met
+        if h["n_faulted"]:
+            assert h["recovery_under_faults"] == 0.0            # it gives up after every fault
+            assert h["reflected_env_fault"] == h["n_faulted"] - h["masked"]
+            # the critique says "call it again"; a retry can meet a fault again (the replay's own draw)
+            assert h["recovered_env_fault"] >= 1
+            assert h["reflection_ratio_env_fault"] == h["recovered_env_fault"] / h["reflected_env_fault"]
+    assert s["heldout"]["after"]["n_faulted"] == again["n_faulted"] > 0
+    assert s["heldout"]["before"]["n_faulted"] == again["n_faulted"]

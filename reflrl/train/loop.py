@@ -172,9 +172,33 @@ class Trainer:
 
         t0 = time.perf_counter()
         res = evaluate(self.eval_engine, self.tokenizer, self.splits[split], self.messages, self.eval_cfg,
-                       batch_size=self.eval_batch)
+                       batch_size=self.eval_batch).to_dict()
+        if self.cfg.env.faults:  # the same tasks as episodes under the run's faults (reflrl.heldout)
+            res.update(self.evaluate_episodes(split))
         self.state["timers"]["eval_s"] += time.perf_counter() - t0
-        return res.to_dict()
+        return res
+
+    def evaluate_episodes(self, split: str = "test") -> dict[str, Any]:
+        """Greedy episodes of a split under the run's faults and fault exposure, with the fixed fault seed
+        ``env.eval_fault_seed``, and reflection's repair rate on their failures when the variant reflects
+        (:func:`reflrl.heldout.aevaluate_episodes`)."""
+        from reflrl.heldout import aevaluate_episodes
+        from reflrl.recovery import arecover
+        from reflrl.train.setup import make_envs
+
+        tasks = self.splits[split]
+        if getattr(self, "_eval_envs", None) is None:
+            self._eval_envs, self._eval_server = make_envs(self.cfg, tasks, min(len(tasks), self.eval_batch),
+                                                           prefix="e", fault_seed=None)
+        envs, seed = self._eval_envs, int(self.cfg.env.eval_fault_seed)
+
+        def recover(trajs):
+            return arecover(trajs, cfg=self.cfg, engine=self.eval_engine, tokenizer=self.tokenizer, envs=envs,
+                            critic=self.critic, messages_of=self.messages, rollout_cfg=self.eval_cfg, seed=seed)
+
+        return self.loop.run_until_complete(aevaluate_episodes(
+            self.eval_engine, self.tokenizer, envs, tasks, self.eval_cfg, seed=seed,
+            recover=recover if self.critic is not None else None))
 
     def probe_format_rate(self) -> float:
         """The share of sampled answers (rollout temperature) on ``warmup.probe_n`` tasks that parse as calls."""
@@ -566,6 +590,14 @@ class Trainer:
                     self.loop.run_until_complete(env.aclose())
             except Exception:  # noqa: BLE001  closing is best-effort at shutdown
                 pass
+        for env in getattr(self, "_eval_envs", None) or []:
+            try:
+                if getattr(env, "_client", None) is not None:
+                    self.loop.run_until_complete(env.aclose())
+            except Exception:  # noqa: BLE001  closing is best-effort at shutdown
+                pass
+        if getattr(self, "_eval_server", None) is not None:
+            self._eval_server.shutdown()
         if not self.loop.is_closed():
             self.loop.close()
         self.tool_server.shutdown()

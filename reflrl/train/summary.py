@@ -27,6 +27,31 @@ def ledger_totals(envs: Sequence[Any]) -> dict[str, Any]:
     return tot
 
 
+STAGES = (("before", "eval_before"), ("after_warmup", "eval_after_warmup"), ("after", "eval_after"))
+
+
+def heldout_numbers(ev: dict[str, Any] | None, faults: bool) -> dict[str, Any] | None:
+    """The held-out numbers of one evaluation (base, after the warm-up, after RL): ``accuracy`` (overall:
+    the share of episodes that ended right under the run's faults, or the greedy first answer's exact
+    match without faults), ``clean_accuracy`` (episodes that met no fault), ``recovery_under_faults`` (of
+    the episodes that met at least one fault, the share that still ended right; None without faults),
+    reflection's repair rate on the failed episodes by cause (``reflection_ratio_env_fault`` /
+    ``_policy_error``, None when the variant does not reflect) and the counts behind them."""
+    if not ev:
+        return None
+    if not faults or "episode_accuracy" not in ev:
+        return {"accuracy": ev.get("accuracy"), "clean_accuracy": ev.get("accuracy"), "recovery_under_faults": None,
+                "n": ev.get("n"), "n_clean": ev.get("n"), "n_faulted": 0,
+                "reflection_ratio_env_fault": None, "reflection_ratio_policy_error": None}
+    return {"accuracy": ev["episode_accuracy"], "first_answer_accuracy": ev.get("accuracy"),
+            "clean_accuracy": ev.get("clean_accuracy"), "recovery_under_faults": ev.get("recovery_under_faults"),
+            "n": ev.get("n_episodes"), "n_clean": ev.get("n_clean"), "n_faulted": ev.get("n_faulted"),
+            "masked": ev.get("masked"), "eval_fault_seed": ev.get("eval_fault_seed"),
+            **{k: ev.get(k) for k in ("reflection_ratio_env_fault", "reflection_ratio_policy_error",
+                                      "reflected_env_fault", "recovered_env_fault", "reflected_policy_error",
+                                      "recovered_policy_error")}}
+
+
 def build_summary(st: dict[str, Any], *, cfg: C.Config, run_dir: str, step: int, precision: DtypeChoice,
                   load_s: float, elapsed_s: float, prefilter_skipped: dict[int, int], sampling: Any,
                   faults: dict[str, Any]) -> dict[str, Any]:
@@ -65,6 +90,10 @@ def build_summary(st: dict[str, Any], *, cfg: C.Config, run_dir: str, step: int,
         # Tool-ReRL accounting (reflrl.recovery.RecoveryLedger): failures by cause, recovered by the client's
         # retries / by reflection, discarded, tool calls per learning signal, critic calls, importance weights
         "recovery": {"variant": cfg.reflection.variant, **RecoveryLedger(st.setdefault("recovery", {})).summary()},
+        # per evaluation: overall accuracy, accuracy with no fault met, recovery under faults, reflection's
+        # repair rate by cause (env.fault_exposure says who met the faults)
+        "heldout": {name: heldout_numbers(st.get(key), bool(cfg.env.faults)) for name, key in STAGES},
+        "fault_exposure": cfg.env.fault_exposure,
     }
 
 
@@ -82,6 +111,27 @@ def format_by_gold_calls(s: dict[str, Any]) -> str | None:
     return (f"  right by gold calls ({head}): "
             + " -> ".join(f"{name} " + ", ".join(f"{b[k][0]}/{b[k][1]}" if k in b else "-" for k in kinds)
                           for name, b in stages))
+
+
+def format_heldout(s: dict[str, Any]) -> list[str]:
+    """Lines: per evaluation, overall accuracy, no fault met, recovery under faults, reflection's repair
+    rate (fault-caused / policy errors); none when the run had no faults."""
+    h = {k: v for k, v in (s.get("heldout") or {}).items() if v and v.get("n_faulted") is not None}
+    if not h or not any("first_answer_accuracy" in v for v in h.values()):
+        return []
+
+    def pct(x: Any) -> str:
+        return "n/a" if x is None else f"{x:.1%}"
+
+    names = {"before": "base", "after_warmup": "after warm-up", "after": "after RL"}
+    seed = next((v.get("eval_fault_seed") for v in h.values() if v.get("eval_fault_seed") is not None), None)
+    out = [f"  under the run's faults ({s.get('fault_exposure', 'client')} sees them; evaluation fault seed {seed}):"]
+    for k, v in h.items():
+        out.append(f"    {names.get(k, k)}: overall {pct(v['accuracy'])}, no fault met {pct(v['clean_accuracy'])} "
+                   f"({v.get('n_clean')}), recovery under faults {pct(v['recovery_under_faults'])} ({v.get('n_faulted')} "
+                   f"met one); reflection repaired {pct(v.get('reflection_ratio_env_fault'))} of fault-caused failures, "
+                   f"{pct(v.get('reflection_ratio_policy_error'))} of policy errors")
+    return out
 
 
 def format_summary(s: dict[str, Any]) -> str:
@@ -102,6 +152,7 @@ def format_summary(s: dict[str, Any]) -> str:
         lines.append(f"  base model {pct(s['accuracy_before'])} -> after warm-up {pct(s['accuracy_after_warmup'])} "
                      f"-> after RL {pct(s['accuracy_after'])}"
                      + (f"  (RL gain {gain * 100:+.1f} points)" if gain is not None else ""))
+    lines += format_heldout(s)
     by_calls = format_by_gold_calls(s)
     if by_calls:
         lines.append(by_calls)
@@ -109,6 +160,10 @@ def format_summary(s: dict[str, Any]) -> str:
         lines.append(f"{s['precision']['dtype']} on {s['precision']['cpu']}, {s.get('threads', '?')} threads "
                      f"(OpenMP wait policy {s.get('omp_wait_policy', '?')}) "
                      f"({s['precision']['reason']})")
+    wu = s.get("warmup") or {}
+    if wu.get("demonstrations") is not None:
+        lines.append(f"warm-up demonstrations: {wu['demonstrations']} gold answers of fault-free episodes; "
+                     f"{wu.get('demonstrations_with_fault', 0)} showed a fault or a recovery")
     if s.get("format_rate_before") is not None:
         lines.append(f"format rate (sampled): {pct(s['format_rate_before'])} -> {pct(s.get('format_rate_after'))}"
                      f"  (warm-up {'ran' if s['warmup'].get('ran') else 'skipped'})")

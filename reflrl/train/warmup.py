@@ -43,6 +43,10 @@ def run_warmup(cfg: C.Config, *, model: Any, tokenizer: Any, train_tasks: list, 
         examples += [example_from_messages(m, t.gold[0], tokenizer, fmt, t.id) for t, m in pairs]
         out["practice_examples"] = len(pairs)
 
+    # demonstrations are gold answers of fault-free episodes: none shows a fault or a recovery (counted)
+    out["demonstrations"] = len(examples)
+    out["demonstrations_with_fault"] = sum(e.shows_fault for e in examples)
+
     def should_stop(done: int, sps: float | None) -> bool:
         est = sps or 0.0
         if w.time_budget_min is not None and time.perf_counter() - t0 + est > w.time_budget_min * 60:
