@@ -31,7 +31,7 @@ def test_parse_example_and_round_trip():
 
 @pytest.mark.parametrize("spec", ["rate_limit=0.1:2", "latency=0.1:300", "timeout=1:0.5"])
 def test_a_duration_without_a_unit_is_refused_as_the_readme_says(spec):
-    """README "Faults": durations without a unit are rejected (``300`` could be ms or s)."""
+    """Fault specs: durations without a unit are rejected (``300`` could be ms or s)."""
     with pytest.raises(FaultSpecError, match="has no unit"):
         FaultPlan.parse(spec)
 
