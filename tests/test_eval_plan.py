@@ -170,3 +170,9 @@ def test_cli_runs_on_the_shipped_data_without_data_dir(tmp_path, monkeypatch, ca
     md = (out / "report.md").read_text()
     assert "Qwen2.5-7B Base" in md and "| RoTBench | CLE | Par. |" in md
     assert not (tmp_path / "cache" / "benchdata").exists()
+    # --full needs TaskBench's whole files: without a network, one error naming --data-dir and the layout
+    monkeypatch.setenv(sources.ENV_BASE, "https://127.0.0.1:9")
+    assert main(["eval", "taskbench", "--full", "--domains", "multimedia", "--dry-run"]) == 2
+    err = capsys.readouterr().err
+    assert "reflrl eval: error:" in err and "cannot connect" in err and "--data-dir DIR" in err
+    assert "DIR/taskbench/data_<domain>/data.json" in err

@@ -405,8 +405,8 @@ def run_eval(backend: Backend, opts: EvalOptions, out_dir: Path | None = None,
 
         progress.remaining_after = later
         errs: list[str] = []
-        outs = drive(backend, eps, opts.decoding, seed, opts.template, desc="" if opts.progress else f"seed {seed}",
-                     errors=errs, chunk=chunk, on_done=lambda n, phase=phase: phase.update(n))
+        outs = drive(backend, eps, opts.decoding, seed, opts.template, errors=errs, chunk=chunk,
+                     on_done=lambda n, phase=phase: phase.update(n))
         if errs:
             notes.append(f"{bench} seed {seed}: {len(errs)} episode(s) failed and were scored wrong: {errs[:5]}")
         for u, a, b in spans:
@@ -417,7 +417,8 @@ def run_eval(backend: Backend, opts: EvalOptions, out_dir: Path | None = None,
         took = time.perf_counter() - t0
         phase.close()
         timing.append({"benchmark": bench, "seed": seed, "samples": len(eps), "seconds": round(took, 2)})
-        log(f"[reflrl eval] {bench} seed {seed}: {len(eps)} samples in {took:.1f}s")
+        if not opts.progress:
+            log(f"[reflrl eval] {bench} seed {seed}: {len(eps)} samples in {took:.1f}s")
     results: dict[str, Any] = {}
     for u in units:
         results.setdefault(u.benchmark, {})[u.name] = _aggregate(per_unit[u.key])
