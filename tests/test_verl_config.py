@@ -14,7 +14,8 @@ from reflrl.verl_backend.config import build_verl_config, load_recipe  # noqa: E
 from reflrl.verl_backend.episode import task_from_dict  # noqa: E402
 from reflrl.verl_backend.launch import launch as launch_main  # noqa: E402
 
-RECIPES = ["configs/verl/tool_rerl_qwen2.5-7b.yaml", "configs/verl/grpo_efficient_qwen3-4b.yaml"]
+_ROOT = Path(__file__).resolve().parents[1]
+RECIPES = [str(_ROOT / "configs/verl/tool_rerl_qwen2.5-7b.yaml"), str(_ROOT / "configs/verl/grpo_efficient_qwen3-4b.yaml")]
 
 
 @pytest.fixture(scope="module")
@@ -140,3 +141,129 @@ def test_reflrl_train_backend_verl_dry_run_builds_a_validated_config(capsys):
     assert rc == 2
     assert "nope.yaml" in capsys.readouterr().err
     assert main(["train", "--backend", "verl"]) == 2
+
+
+# ---------------------------------------------------------------------------- every key decided
+from reflrl.verl_backend.config import KEYS, config_keys, verl_keys  # noqa: E402
+
+
+def test_every_config_field_is_mapped_refused_or_not_needed():
+    """Walks every field of the Config dataclasses: each has a decision (a new field without one fails
+    here, and the launcher refuses every config until it has one)."""
+    keys = config_keys()
+    assert len(keys) > 100
+    assert [k for k in keys if k not in KEYS] == []
+    assert [k for k in KEYS if k not in keys] == []  # no decision for a key that is gone
+    for k in keys:
+        d = KEYS[k]
+        assert d.kind in ("mapped", "refused", "not_needed") and d.note, k
+        if d.kind == "refused":
+            assert d.accept is not None and d.bad is not None, k
+
+
+def _set_key(cfg, key, value):
+    import dataclasses
+
+    *path, leaf = key.split(".")
+    def rebuild(node, parts):
+        if not parts:
+            return dataclasses.replace(node, **{leaf: value})
+        child = getattr(node, parts[0])
+        return dataclasses.replace(node, **{parts[0]: rebuild(child, parts[1:])})
+    return rebuild(cfg, path)
+
+
+@pytest.mark.parametrize("key", sorted(k for k, d in KEYS.items() if d.accept is not None and d.bad is not None))
+def test_each_refused_value_is_refused_naming_the_key(key, local_model):
+    recipe = load_recipe(RECIPES[1], [f"model.name={local_model}"])
+    cfg = _set_key(recipe.cfg, key, KEYS[key].bad)
+    with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
+        verl_keys(cfg, recipe.verl)
+
+
+@pytest.mark.parametrize("key", sorted(k for k, d in KEYS.items() if d.kind == "mapped" and d.probe))
+def test_each_mapped_key_reaches_verls_config(key, local_model):
+    """Setting the key to its example value changes the verl key it maps to (in one of the recipes: the
+    tool_rerl variant fixes the loss, the grpo one does not reflect)."""
+    from omegaconf import OmegaConf
+
+    probe, changed = KEYS[key].probe, []
+    for path in RECIPES:
+        recipe = load_recipe(path, [f"model.name={local_model}"])
+        before = build_verl_config(recipe, validate_it=False)
+        try:
+            recipe.cfg = _set_key(recipe.cfg, key, KEYS[key].example)
+            after = build_verl_config(recipe, validate_it=False)
+        except ConfigError:  # e.g. critic=llm while this recipe reflects without a critic URL
+            continue
+        changed.append(OmegaConf.select(before, probe) != OmegaConf.select(after, probe))
+    assert any(changed), (key, probe)
+
+
+def test_lora_and_dtypes_reach_verl(local_model):
+    conf = build_verl_config(load_recipe(RECIPES[1], [f"model.name={local_model}", "model.trainable=lora",
+                                                      "model.lora_r=8"]), validate_it=False)
+    m = conf.actor_rollout_ref.model
+    assert m.lora_rank == 8 and m.lora_alpha == 16 and "q_proj" in list(m.target_modules)
+    assert conf.actor_rollout_ref.rollout.dtype == "bfloat16"
+    assert conf.actor_rollout_ref.actor.fsdp_config.model_dtype == "fp32"  # float32 master weights
+    conf = build_verl_config(load_recipe(RECIPES[1], [f"model.name={local_model}", "verl.model_dtype=float16"]),
+                             validate_it=False)
+    assert conf.actor_rollout_ref.rollout.dtype == "float16" and conf.actor_rollout_ref.actor.fsdp_config.dtype == "float16"
+    with pytest.raises(ConfigError, match="micro_batch_size"):
+        build_verl_config(load_recipe(RECIPES[1], [f"model.name={local_model}", "verl.micro_batch_size_per_gpu=2"]),
+                          validate_it=False)
+    with pytest.raises(ConfigError, match="reflection.max_attempts|reflrl section"):
+        load_recipe(RECIPES[1], ["verl.reflection.max_attempts=3"])
+
+
+def test_cli_dry_run_refuses_a_frozen_bottom(capsys):
+    """`reflrl train --backend verl --config ... --dry-run --set model.trainable=top_layers:6`: exit 2 with
+    the key and the reason; without it the resolved verl config is printed."""
+    from reflrl.cli import main
+
+    recipe = str(Path(__file__).resolve().parents[1] / "configs/verl/tool_rerl_qwen2.5-7b.yaml")
+    rc = main(["train", "--backend", "verl", "--config", recipe, "--dry-run", "--set", "model.trainable=top_layers:6"])
+    err = capsys.readouterr().err
+    assert rc == 2 and "model.trainable='top_layers:6'" in err and "cannot freeze layers" in err
+
+
+def test_paths_a_ray_actor_uses_are_absolute(local_model, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    conf = build_verl_config(load_recipe(RECIPES[1], [f"model.name={local_model}", "verl.train_files=d/t.parquet",
+                                                      "train.out_dir=out"]), validate_it=False)
+    assert conf.data.train_files == str(tmp_path / "d" / "t.parquet")
+    assert Path(conf.data.val_files).is_absolute()
+    assert conf.trainer.default_local_dir == str(tmp_path / "out" / "grpo_efficient_qwen3-4b")
+
+
+def test_a_rollout_field_verls_yaml_lacks_is_named_with_the_plus_prefix(local_model):
+    """enable_sleep_mode is a field of verl's RolloutConfig but not in its YAML: the error says to write '+'."""
+    with pytest.raises(ConfigError, match=r"\+actor_rollout_ref\.rollout\.enable_sleep_mode=VALUE"):
+        build_verl_config(load_recipe(RECIPES[1], [f"model.name={local_model}",
+                                                   "actor_rollout_ref.rollout.enable_sleep_mode=false"]),
+                          validate_it=False)
+    conf = build_verl_config(load_recipe(RECIPES[1], [f"model.name={local_model}",
+                                                      "+actor_rollout_ref.rollout.enable_sleep_mode=false"]),
+                             validate_it=False)
+    assert conf.actor_rollout_ref.rollout.enable_sleep_mode is False
+
+
+def test_preflight_names_a_missing_package_before_any_file_is_written(local_model, tmp_path, monkeypatch):
+    """The v1 trainer's transfer_queue made to fail to import: the launcher stops before Ray and before
+    writing the data, naming the package and the extra that brings it."""
+    import sys
+
+    from reflrl.verl_backend.launch import MissingPackages, preflight
+
+    monkeypatch.setitem(sys.modules, "transfer_queue", None)  # import transfer_queue -> ImportError
+    train = tmp_path / "train.parquet"
+    with pytest.raises(MissingPackages, match=r"transfer_queue .*'verl' extra \(TransferQueue\)"):
+        launch_main(RECIPES[1], [f"model.name={local_model}", f"verl.train_files={train}",
+                                 f"verl.val_files={tmp_path / 'val.parquet'}"])
+    assert not train.exists()
+    conf = build_verl_config(load_recipe(RECIPES[1], [f"model.name={local_model}", "trainer.use_v1=false"]),
+                             validate_it=False)
+    with pytest.raises(MissingPackages) as e:  # the v0 trainer does not need it; the rollout engine is missing here
+        preflight(conf)
+    assert "transfer_queue" not in str(e.value) and "vllm" in str(e.value)

@@ -39,6 +39,7 @@ non-tensor fields).
 from __future__ import annotations
 
 import logging
+from collections import OrderedDict
 from typing import Any
 from uuid import uuid4
 
@@ -47,12 +48,39 @@ from verl.experimental.agent_loop.agent_loop import AgentLoopBase, AgentLoopMetr
 from reflrl.envs.types import Task
 from reflrl.recovery.reflection import EnvFeedback, Generation, feedback_from_step, reflect_and_retry
 
-from .episode import EpisodeSettings, task_from_dict
+from .episode import EpisodeSettings, episode_seeds, fit_qstar, task_from_dict
 from .losses import UNREPAIRED_LOGPROB
 
 log = logging.getLogger(__name__)
 
 AGENT_NAME = "reflrl_tool_agent"
+_MAX_GROUPS = 65536
+
+
+class RolloutCounter:
+    """The rollout index of each episode inside its group: verl repeats a prompt's row ``n`` times with
+    the same ``uid`` and starts its agent loops in row order, so the k-th episode seen with a uid is
+    rollout k. Bounded: the oldest uids are forgotten after ``max_groups``."""
+
+    def __init__(self, max_groups: int = _MAX_GROUPS):
+        self.seen: OrderedDict[str, int] = OrderedDict()
+        self.max_groups = max_groups
+
+    def claim(self, uid: Any) -> int:
+        """The next rollout index of ``uid`` (0 for an episode without a uid)."""
+        if uid is None:
+            return 0
+        key = str(uid)
+        k = self.seen.get(key, 0)
+        self.seen[key] = k + 1
+        self.seen.move_to_end(key)
+        while len(self.seen) > self.max_groups:
+            self.seen.popitem(last=False)
+        return k
+
+
+#: one per process (verl runs the agent loops of a worker in one event loop)
+ROLLOUTS = RolloutCounter()
 
 
 def _get(obj: Any, key: str, default: Any = None) -> Any:
@@ -73,15 +101,24 @@ class ReflrlToolAgentLoop(AgentLoopBase):
         self.response_length = int(self.rollout_config.response_length)
         self.defaults = _get(self.config, "reflrl", None)
 
-    def _make_env(self, task: Task, s: EpisodeSettings) -> Any:
+    def _make_env(self, task: Task, s: EpisodeSettings, seeds: dict[str, Any]) -> Any:
+        """The env of one episode, seeded by :func:`reflrl.verl_backend.episode.episode_seeds`."""
         from reflrl.envs.client import RetryPolicy
         from reflrl.envs.tool_env import ToolCallEnv, ToolCallMultiTurnEnv
 
         retry = RetryPolicy(max_attempts=int(s.retry_max_attempts), budget_s=float(s.retry_budget_s))
         cls = ToolCallMultiTurnEnv if task.kind == "multi_turn" else ToolCallEnv
-        return cls(dataset=[task], faults=s.faults or None, fault_seed=int(s.fault_seed),
-                           seed=int(s.seed), reward=s.reward, parser=s.parser, prompt_style=s.prompt_style,
-                           think=bool(s.think), retry=retry, episode_prefix=f"verl-{uuid4().hex[:8]}")
+        extra = {} if s.max_steps is None else {"max_steps": int(s.max_steps)}
+        return cls(dataset=[task], faults=s.faults or None, fault_seed=seeds["fault_seed"],
+                   seed=seeds["seed"], reward=s.reward, parser=s.parser, prompt_style=s.prompt_style,
+                   think=bool(s.think), retry=retry, episode_prefix=seeds["prefix"], **extra)
+
+    def _critic(self, s: EpisodeSettings) -> Any:
+        from reflrl.recovery.critics import get_critic
+
+        if s.critic == "llm":
+            return get_critic("llm", base_url=s.critic_base_url, model=s.critic_model, timeout=float(s.critic_timeout_s))
+        return get_critic("rule", reveal=s.reveal, parser=s.parser)
 
     async def _sample(self, prompt_ids: list[int], sampling_params: dict[str, Any]) -> Generation:
         out = await self.server_manager.generate(request_id=uuid4().hex, prompt_ids=prompt_ids,
@@ -95,11 +132,14 @@ class ReflrlToolAgentLoop(AgentLoopBase):
         text = self.tokenizer.decode(ids, skip_special_tokens=True)
         return Generation(text=text, token_ids=ids, logprobs=[float(x) for x in lps])
 
-    async def _run_multi_turn(self, task: Task, s: EpisodeSettings, sampling_params: dict[str, Any]) -> AgentLoopOutput:
-        """A multi-turn episode as one token stream (module doc); no reflection."""
-        env = self._make_env(task, s)
+    async def _run_multi_turn(self, task: Task, s: EpisodeSettings, sampling_params: dict[str, Any],
+                              seeds: dict[str, Any]) -> AgentLoopOutput:
+        """A multi-turn episode as one token stream (module doc); no reflection. It ends when the env
+        ends it, or after ``max_turns`` assistant turns, or at ``max_total_tokens`` prompt + response
+        tokens, or at the response length."""
+        env = self._make_env(task, s, seeds)
         try:
-            _, info = await env.areset(seed=int(s.seed), options={"task": task})
+            _, info = await env.areset(seed=seeds["seed"], options={"task": task})
             messages = list(info["messages"])
             tokens = await self.ct_build_initial_tokens(messages)
             n_prompt = len(tokens)
@@ -121,6 +161,9 @@ class ReflrlToolAgentLoop(AgentLoopBase):
                 text = self.tokenizer.decode(ids, skip_special_tokens=True)
                 _, reward, terminated, truncated, step_info = await env.astep(text)
                 if terminated or truncated or len(mask) >= self.response_length:
+                    break
+                if (s.max_turns is not None and turns >= int(s.max_turns)) or (
+                        s.max_total_tokens is not None and len(tokens) >= int(s.max_total_tokens)):
                     break
                 conv = step_info["messages"]
                 before = messages + [conv[len(messages)]]  # the conversation the tokens hold (+ the action)
@@ -149,29 +192,37 @@ class ReflrlToolAgentLoop(AgentLoopBase):
 
     async def run(self, sampling_params: dict[str, Any], **kwargs: Any) -> AgentLoopOutput:
         """One episode -> AgentLoopOutput (module doc). ``kwargs`` are the dataset row's fields."""
-        from reflrl.recovery.critics import get_critic
-
         extra = dict(kwargs.get("extra_info") or {})
         if "task" not in extra:
             raise ValueError("reflrl_tool_agent: the dataset row's extra_info has no 'task' "
                              "(write rows with reflrl.verl_backend.data.rows_from_tasks)")
         task = task_from_dict(extra["task"])
         s = EpisodeSettings.from_sources(self.defaults, extra)
+        # before the first await: verl starts the agent loops in row order, so the claim order is the row order
+        index = extra.get("index", kwargs.get("index", 0))
+        seeds = episode_seeds(s, int(index or 0), ROLLOUTS.claim(kwargs.get("uid")))
         if task.kind == "multi_turn":
-            return await self._run_multi_turn(task, s, sampling_params)
-        critic = get_critic(s.critic)
-        env = self._make_env(task, s)
+            return await self._run_multi_turn(task, s, sampling_params, seeds)
+        critic = self._critic(s)
+        env = self._make_env(task, s, seeds)
         metrics: dict[str, Any] = {}
+        limit = int(self.rollout_config.prompt_length)
         try:
-            _, info = await env.areset(seed=int(s.seed), options={"task": task})
+            _, info = await env.areset(seed=seeds["seed"], options={"task": task})
             messages = info["messages"]
             prompt_ids = await self.ct_build_initial_tokens(messages)
 
+            async def count(msgs: list[dict[str, Any]]) -> int:
+                return len(await self.ct_build_initial_tokens(msgs))
+
             async def generate(msgs: list[dict[str, Any]]) -> Generation:
+                # q* within the prompt limit: the failed answers and analyses shrink, never q's system
+                # prompt and tools (verl would left-truncate it: rollout.prompt_length)
+                msgs = await fit_qstar(msgs, len(messages), count, limit)
                 return await self._sample(await self.ct_build_initial_tokens(msgs), sampling_params)
 
             async def step_env(text: str) -> EnvFeedback:
-                await env.areset(seed=int(s.seed), options={"task": task})  # a fresh episode per attempt
+                await env.areset(seed=seeds["seed"], options={"task": task})  # a fresh episode per attempt
                 _, reward, _, _, step_info = await env.astep(text)
                 return feedback_from_step(step_info, reward)
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -36,18 +37,23 @@ def task_from_dict(d: dict[str, Any]) -> Task:
 class EpisodeSettings:
     """Env and reflection settings of one episode.
 
-    faults: FaultPlan spec string ("" = none); fault_seed; seed (episode seed);
+    faults: FaultPlan spec string ("" = none); fault_seed (null: derived from seed); seed: the base of
+    every episode's seeds (an episode's env seed, fault seed and id derive from (seed, dataset index,
+    rollout index): :func:`episode_seeds`);
     reward: "binary" | "fine" ...; parser: "hermes" | ...; prompt_style; think;
     critic: critic registry name ("rule" = embedded, no model); max_attempts: retries under q*
     (0 = no reflection); retry_max_attempts / retry_budget_s: the tool client's retry policy
     (``env.retry`` of our Config); mark_unrepaired: write the ordinary-row marker as rollout log-probs
     of rows that were not repaired (reflrl.verl_backend.losses: they then get the token-level PPO ratio,
     as in the CPU trainer); reflect_on: "failure" (any negative critique) | "env_fault" (only failures
-    caused by the environment); mode: q* rendering ("replace" | "append", see reflrl.recovery.reflection).
+    caused by the environment); mode: q* rendering ("replace" | "append", see reflrl.recovery.reflection);
+    reveal / critic_base_url / critic_model / critic_timeout_s: the critic's settings (``reflection.*``);
+    max_steps: the env's assistant-message limit (null: env default); max_turns / max_total_tokens:
+    a multi-turn episode ends after that many assistant turns / prompt + response tokens (null: no limit).
     """
 
     faults: str = ""
-    fault_seed: int = 0
+    fault_seed: int | None = None
     seed: int = 0
     reward: str = "binary"
     parser: str = "hermes"
@@ -60,6 +66,13 @@ class EpisodeSettings:
     retry_max_attempts: int = 4
     retry_budget_s: float = 30.0
     mark_unrepaired: bool = True
+    reveal: str = "query"
+    critic_base_url: str | None = None
+    critic_model: str = "default"
+    critic_timeout_s: float = 60.0
+    max_steps: int | None = None
+    max_turns: int | None = None
+    max_total_tokens: int | None = None
 
     @classmethod
     def from_sources(cls, defaults: Any = None, row: Any = None) -> "EpisodeSettings":
@@ -81,8 +94,74 @@ class EpisodeSettings:
             raise ValueError(f"reflect_on={s.reflect_on!r}: expected 'failure' or 'env_fault'")
         if int(s.max_attempts) < 0:
             raise ValueError(f"max_attempts={s.max_attempts}: must be >= 0")
+        if s.critic not in ("rule", "llm"):
+            raise ValueError(f"critic={s.critic!r}: the agent loop runs the 'rule' or the 'llm' critic")
+        if s.critic == "llm" and int(s.max_attempts) > 0 and not s.critic_base_url:
+            raise ValueError("critic='llm' needs critic_base_url (reflection.critic_base_url)")
         if s.faults:
             from reflrl.faults.spec import FaultPlan
 
             FaultPlan.coerce(s.faults)  # FaultSpecError names the bad entry
         return s
+
+
+def episode_seeds(settings: EpisodeSettings, index: int, rollout: int) -> dict[str, Any]:
+    """The seeds of the episode of dataset row ``index``, rollout ``rollout`` of its group, as the CPU
+    trainer derives one per env and episode: {"seed": the env seed (its data seed, and its fault seed
+    unless ``fault_seed`` is set), "fault_seed": ``fault_seed`` made per episode (None when unset),
+    "prefix": the episode-id prefix}. The same (seed, index, rollout) gives the same faults."""
+    from reflrl.envs.tool_env import derive_seed
+
+    seed = derive_seed(int(settings.seed), int(index), int(rollout))
+    fault = None if settings.fault_seed is None else derive_seed(int(settings.fault_seed), int(index), int(rollout))
+    return {"seed": seed, "fault_seed": fault, "prefix": f"verl-{int(index)}-{int(rollout)}"}
+
+
+_LABEL = re.compile(r"^(Attempt \d+: (?:Thought: )?|Action: |Feedback: )")
+CUT = " [...]"
+
+
+def _shorten_retry_prompt(text: str, budget: int) -> str:
+    """The retry prompt (reflrl.recovery.reflection.build_retry_prompt) with the text of every
+    ``Attempt i:`` / ``Action:`` / ``Feedback:`` line cut to ``budget`` characters; every other line
+    (the header, the original request, the footer) kept whole."""
+    out = []
+    for line in text.split("\n"):
+        m = _LABEL.match(line)
+        if m and len(line) - m.end() > budget:
+            line = line[: m.end() + budget] + CUT
+        out.append(line)
+    return "\n".join(out)
+
+
+async def fit_qstar(messages: list[dict[str, Any]], n_q: int, count: Any, limit: int) -> list[dict[str, Any]]:
+    """q* ``messages`` shortened to at most ``limit`` tokens (``await count(messages)``): the failed
+    answers and the critic's analyses (the attempt lines of the retry prompt, and in "append" mode the
+    assistant message after q) are cut to the longest common length that fits; the first ``n_q``
+    messages before them (the system prompt with the tools, earlier turns) and the original request
+    are never cut. Raises ValueError when even the empty attempts do not fit (q itself is too long)."""
+    if await count(messages) <= limit:
+        return messages
+
+    def shortened(budget: int) -> list[dict[str, Any]]:
+        out = [dict(m) for m in messages]
+        for i in range(len(out)):
+            text = str(out[i].get("content") or "")
+            if out[i].get("role") == "user" and i == len(out) - 1:
+                out[i]["content"] = _shorten_retry_prompt(text, budget)
+            elif out[i].get("role") == "assistant" and i >= n_q and len(text) > budget:
+                out[i]["content"] = text[:budget] + CUT
+        return out
+
+    longest = max(len(str(m.get("content") or "")) for m in messages)
+    if await count(shortened(0)) > limit:
+        raise ValueError(f"q* does not fit in {limit} prompt tokens even with the failed answers and the analyses "
+                         "removed; raise verl.max_prompt_length")
+    lo, hi = 0, longest  # shortened(lo) fits, shortened(hi) is the original, which does not
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if await count(shortened(mid)) <= limit:
+            lo = mid
+        else:
+            hi = mid
+    return shortened(lo)

@@ -13,9 +13,13 @@ Steps (:func:`launch`):
    (``verl.trainer.main_ppo.run_ppo`` with its ``TaskRunnerV1``, or the legacy ``TaskRunner`` when
    ``trainer.use_v1=false``), exactly what ``python -m verl.trainer.main_ppo`` does after Hydra.
 
-``dry_run=True`` stops after step 3 and returns the config (tested on the CPU). The training itself
-needs GPUs, vLLM/SGLang and verl's GPU extras (``pip install 'verl[vllm]==0.9.1'``, which also brings
-TransferQueue for the v1 trainer); it was NOT run on this machine. See docs/scale-out.md.
+Before Ray starts and before any data file is written, :func:`preflight` imports what verl's trainer
+and rollout will import (TransferQueue for the default v1 trainer, the rollout engine, Ray, the agent
+loop's cachetools/fastapi) and names every missing package with the extra that brings it.
+
+``dry_run=True`` builds and validates the config (step 3) without writing data or checking packages,
+and returns it (tested on the CPU). The training itself needs GPUs and vLLM/SGLang
+(``pip install 'verl[vllm]==0.9.1'``); it was never run end to end. See docs/scale-out.md.
 """
 from __future__ import annotations
 
@@ -23,7 +27,47 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from reflrl.errors import UserError
+
 from .config import Recipe, build_verl_config, load_recipe
+
+#: module -> (what to install, why): the packages a verl run imports beyond verl's base requirements
+NEEDED = {
+    "ray": ("the 'verl' extra: pip install -e '.[verl]'", "verl schedules its workers on Ray"),
+    "transfer_queue": ("the 'verl' extra (TransferQueue): pip install -e '.[verl]'",
+                       "verl's default (v1) trainer imports it (trainer.use_v1=true)"),
+    "cachetools": ("the 'verl' extra: pip install -e '.[verl]'", "verl's agent-loop module imports it"),
+    "fastapi": ("the 'verl' extra: pip install -e '.[verl]'", "verl's agent-loop module imports it"),
+    "vllm": ("verl's vllm extra: pip install 'verl[vllm]==0.9.1'", "verl.rollout_engine=vllm"),
+    "sglang": ("verl's sglang extra: pip install 'verl[sglang]==0.9.1'", "verl.rollout_engine=sglang"),
+}
+
+
+class MissingPackages(UserError, ImportError):
+    """Packages a verl run needs that are not installed (the message names each and how to install it;
+    ``reflrl train`` exits 2 with it)."""
+
+
+def preflight(conf: Any) -> None:
+    """Import every package the run will import (:data:`NEEDED`, as ``conf`` selects them) before Ray
+    starts; raise :class:`MissingPackages` naming each missing one and the extra that brings it."""
+    import importlib
+
+    wanted = ["ray", "cachetools", "fastapi"]
+    if conf.trainer.get("use_v1", True):
+        wanted.append("transfer_queue")
+    engine = str(conf.actor_rollout_ref.rollout.name)
+    if engine in NEEDED:
+        wanted.append(engine)
+    missing = []
+    for mod in wanted:
+        try:
+            importlib.import_module(mod)
+        except ImportError as e:
+            how, why = NEEDED[mod]
+            missing.append(f"{mod} ({why}): install {how} -- {type(e).__name__}: {e}")
+    if missing:
+        raise MissingPackages("the verl run cannot start, packages are missing:\n  " + "\n  ".join(missing))
 
 
 def prepare_data(recipe: Recipe) -> dict[str, Path]:
@@ -46,10 +90,12 @@ def launch(config_path: str | Path, overrides: list[str] | tuple[str, ...] = (),
     """Launch verl training for a recipe (module doc). Returns the verl config (``dry_run``) or None
     after training. Raises ConfigError / verl's validation errors naming what is wrong."""
     recipe = load_recipe(config_path, list(overrides))
+    conf = build_verl_config(recipe)
+    if not dry_run:
+        preflight(conf)  # before any file is written and before Ray starts
     if write_data:
         paths = prepare_data(recipe)
         print(f"[reflrl] verl data: train {paths['train']}, val {paths['val']}", file=sys.stderr)
-    conf = build_verl_config(recipe)
     if dry_run:
         return conf
     from verl.utils.device import auto_set_device

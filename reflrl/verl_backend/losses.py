@@ -31,8 +31,10 @@ Repaired vs ordinary rows (the CPU loss's ``repaired`` mask)
 ------------------------------------------------------------
 verl's ``ppo_loss`` forwards no per-row field, so the agent loop marks ORDINARY rows (tau sampled under
 q itself) through the only per-token channel that reaches the loss: their rollout log-probs are set to
-:data:`UNREPAIRED_LOGPROB` (+1e4, impossible for a log-probability), so verl's clamp gives every action
-token of such a row exactly ``w = exp(-20)``. :func:`split_behaviour` reads that back exactly: those
+:data:`UNREPAIRED_LOGPROB` (+21, impossible for a log-probability), so verl's clamp gives every action
+token of such a row exactly ``w = exp(-20)`` (``old - 21 <= -21``). The marker is small enough that
+verl's debug metrics, which take ``exp`` of the rollout log-probs (``verl.utils.debug.metrics``), stay
+finite: ``exp(21)`` is about 1.3e9 and its square 1.7e18 (float32 reaches 3.4e38). :func:`split_behaviour` reads that back exactly: those
 rows get the CPU trainer's token-level PPO ratio against ``old`` (the actor's recomputation, as the
 CPU trainer does), the others eq. 2 against their behaviour log-probs. The loss then equals
 ``tool_rerl_policy_loss(..., repaired=<mask>)`` of the CPU trainer (tested). Costs: verl's
@@ -58,10 +60,11 @@ from reflrl.algos.importance import DEFAULT_LOG_CAP, tool_rerl_policy_loss
 
 #: above e^20 (verl's per-token clamp), so verl's truncation never changes a weight
 UNTRUNCATED_THRESHOLD = 1.0e9
-#: rollout log-prob written by the agent loop for every token of an ordinary (not repaired) row
-UNREPAIRED_LOGPROB = 1.0e4
 #: verl's clamp of the log IS ratio (rollout_corr_helper.SAFETY_BOUND)
 VERL_SAFETY_BOUND = 20.0
+#: rollout log-prob written by the agent loop for every token of an ordinary (not repaired) row: above
+#: any log-probability by more than verl's clamp (so w = exp(-20) exactly), and finite under exp
+UNREPAIRED_LOGPROB = VERL_SAFETY_BOUND + 1.0
 LOSS_LEVELS = {
     "reflrl_tool_rerl": "sequence",
     "reflrl_tool_rerl_seqmean": "sequence_mean",
