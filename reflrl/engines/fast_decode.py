@@ -125,6 +125,20 @@ class GrowingLayer(DynamicLayer):
         self.batch_select_indices(beam_idx)
 
 
+def reserve(cache: DynamicCache, capacity: int) -> None:
+    """Grow every :class:`GrowingLayer` of ``cache`` to hold at least ``capacity`` columns (one copy now
+    instead of doublings while decoding; decoders that write columns directly need the room)."""
+    for layer in cache.layers:
+        if not isinstance(layer, GrowingLayer) or layer.kbuf is None or layer.kbuf.shape[-2] >= capacity:
+            continue
+        kb = layer.kbuf.new_zeros((*layer.kbuf.shape[:2], capacity, layer.kbuf.shape[-1]))
+        vb = layer.vbuf.new_zeros(kb.shape)
+        kb[:, :, : layer.length] = layer.kbuf[:, :, : layer.length]
+        vb[:, :, : layer.length] = layer.vbuf[:, :, : layer.length]
+        layer.kbuf, layer.vbuf = kb, vb
+        layer._views()
+
+
 def growable(config: Any) -> bool:
     """Whether every attention layer of ``config`` is full attention (what :class:`GrowingLayer` models)."""
     dec = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config

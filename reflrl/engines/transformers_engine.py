@@ -22,7 +22,8 @@ from torch import nn
 from reflrl.logprobs import head_of
 
 from .base import FinishReason, GenerateStats, PieceDecoder, RolloutEngine, Sample, cut_at, per_prompt_caps
-from .fast_decode import fast_decoding, growable, growing_cache, length_chunks, merge_left_padded
+from .fast_decode import fast_decoding, growable, growing_cache, length_chunks, merge_left_padded, reserve
+from .lean_decode import LeanDecoder, supports as lean_supports
 
 __all__ = ["FinishReason", "GenerateStats", "PieceDecoder", "RolloutEngine", "Sample", "TransformersEngine",
            "cut_at", "per_prompt_caps", "sample_next"]
@@ -75,9 +76,12 @@ class TransformersEngine:
             processed in consecutive groups of ``max(1, max_batch_size // n)``.
         trunk_cache: a :class:`reflrl.engines.trunk_cache.TrunkCache` of the same model: prompts prefilled
             before skip the frozen bottom layers (the held-out evaluations of a run reuse it).
+        lean: decode with :class:`reflrl.engines.lean_decode.LeanDecoder` where the model qualifies
+            (Llama-family, no LoRA); False always runs the transformers forward (same outputs, slower).
     """
 
-    def __init__(self, model: nn.Module, tokenizer: Any, max_batch_size: int = 64, trunk_cache: Any = None):
+    def __init__(self, model: nn.Module, tokenizer: Any, max_batch_size: int = 64, trunk_cache: Any = None,
+                 lean: bool = True):
         self.model = model
         self.tokenizer = tokenizer
         # reflrl.engines.trunk_cache.TrunkCache: replay the frozen bottom layers of prompts seen before (evaluation)
@@ -86,6 +90,13 @@ class TransformersEngine:
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
         self.eos_id = tokenizer.eos_token_id
         self.last_stats = GenerateStats()
+        self.lean = bool(lean)
+
+    def _lean_decoder(self) -> LeanDecoder | None:
+        """The lean decode step for the model as it is now, or None (transformers forward)."""
+        if not self.lean or not growable(self.model.config) or not lean_supports(self.model):
+            return None
+        return LeanDecoder(self.model)
 
     @property
     def device(self) -> torch.device:
@@ -231,7 +242,7 @@ class TransformersEngine:
             h = h.repeat_interleave(n, dim=0)
         rows = num * n
         next_pos = mask.sum(-1)  # [R] position of the next token
-        active = torch.arange(rows, device=mask.device)  # original row of each live batch row
+        active = torch.arange(rows, device=mask.device)  # original row of each batch row
         stop = torch.tensor(sorted(set(stop_ids)), dtype=torch.long, device=mask.device)
         toks: list[list[int]] = [[] for _ in range(rows)]
         lps: list[list[float]] = [[] for _ in range(rows)]
@@ -239,42 +250,59 @@ class TransformersEngine:
         row_cap = [caps[r // n] for r in range(rows)]
         texts = [""] * rows
         piece = PieceDecoder(self.tokenizer) if stop_when is not None else None
+        lean = self._lean_decoder()
+        if lean is not None:  # fixed-size KV buffers and mask for the whole decode (lean_decode's module doc)
+            reserve(cache, width + max_new)
+            amask = torch.zeros((rows, width + max_new), dtype=torch.bool, device=mask.device)
+            amask[:, :width] = mask.bool()
+        live = [True] * rows  # per batch row: still sampling
         for step in range(max_new):
             logits = F.linear(h.float(), w32, b32)
             tok, lp = sample_next(logits, temperature, top_p, gen)
-            done = torch.isin(tok, stop) if stop.numel() else torch.zeros_like(tok, dtype=torch.bool)
-            flags = done.tolist()
+            stopped = torch.isin(tok, stop).tolist() if stop.numel() else [False] * len(live)
             for j, (r, t, l) in enumerate(zip(active.tolist(), tok.tolist(), lp.tolist())):
+                if not live[j]:
+                    continue  # a finished row kept in the batch: its token is ignored
                 toks[r].append(t)
                 lps[r].append(l)
-                if flags[j]:
+                if stopped[j]:
                     finish[r] = "stop"
+                    live[j] = False
                     continue
                 if piece is not None:
                     texts[r] += piece(t)
                     if stop_when(texts[r]):
                         finish[r] = "stop"
-                        flags[j] = True
+                        live[j] = False
                         continue
                 if len(toks[r]) >= row_cap[r]:
-                    flags[j] = True  # finish stays "length"
-            done = torch.tensor(flags, dtype=torch.bool, device=mask.device)
-            if step == max_new - 1:
+                    live[j] = False  # finish stays "length"
+            n_live = sum(live)
+            if step == max_new - 1 or n_live == 0:
                 break
-            if bool(done.any()):
-                keep = (~done).nonzero().squeeze(-1)
-                if keep.numel() == 0:
-                    break
+            # Finished rows leave the batch: at once on the transformers path; on the lean path only when at
+            # most half the rows still sample (a step costs about the same for a few rows more, a compaction
+            # copies the KV cache).
+            if n_live < len(live) and (lean is None or 2 * n_live <= len(live)):
+                keep = torch.tensor([j for j, x in enumerate(live) if x], dtype=torch.long, device=mask.device)
                 cache.batch_select_indices(keep)
                 mask, next_pos, active, tok = mask[keep], next_pos[keep], active[keep], tok[keep]
-            mask = torch.cat([mask, torch.ones((mask.shape[0], 1), dtype=mask.dtype, device=mask.device)], dim=1)
-            h = decoder(
-                input_ids=tok[:, None],
-                attention_mask=mask,
-                position_ids=next_pos[:, None],
-                past_key_values=cache,
-                use_cache=True,
-            ).last_hidden_state[:, -1]
+                if lean is not None:
+                    amask = amask[keep]
+                live = [True] * n_live
+            if lean is not None:
+                col = width + step
+                amask[:, col] = True
+                h = lean.step(tok, next_pos, col, amask[:, : col + 1], cache)
+            else:
+                mask = torch.cat([mask, torch.ones((mask.shape[0], 1), dtype=mask.dtype, device=mask.device)], dim=1)
+                h = decoder(
+                    input_ids=tok[:, None],
+                    attention_mask=mask,
+                    position_ids=next_pos[:, None],
+                    past_key_values=cache,
+                    use_cache=True,
+                ).last_hidden_state[:, -1]
             st.forward_calls += 1
             next_pos = next_pos + 1
         st.new_tokens += sum(len(t) for t in toks)

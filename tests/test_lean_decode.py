@@ -1,0 +1,95 @@
+"""The lean decode step (reflrl.engines.lean_decode) computes what the transformers forward computes."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from reflrl.engines.fast_decode import fast_decoding, growing_cache, reserve
+from reflrl.engines.lean_decode import LeanDecoder, supports
+from reflrl.engines.transformers_engine import TransformersEngine
+from reflrl.logprobs import sequence_logprobs
+from reflrl.models import load_model
+
+
+def _prefilled(model, rows: int, width: int, pad_first: int):
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(3, 200, (rows, width), generator=g)
+    mask = torch.ones(rows, width, dtype=torch.long)
+    mask[0, :pad_first] = 0  # a left-padded row
+    pos = (mask.cumsum(-1) - 1).clamp(min=0)
+    cache = growing_cache(model.config)
+    with torch.inference_mode(), fast_decoding(model):
+        model.get_decoder()(input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=cache, use_cache=True)
+    reserve(cache, width + 8)
+    return mask, cache
+
+
+@pytest.mark.parametrize("dtype,trainable,atol", [("float32", "all", 1e-5), ("bfloat16", "top_layers:1", 2e-2)])
+def test_step_equals_the_transformers_forward(dtype, trainable, atol):
+    model, _ = load_model("tiny-random", dtype=dtype, trainable=trainable, seed=0)
+    model.eval()
+    assert supports(model)
+    mask, cache = _prefilled(model, rows=3, width=7, pad_first=3)
+    dec, lean = model.get_decoder(), LeanDecoder(model)
+    tok = torch.tensor([5, 17, 40])
+    pos = mask.sum(-1)
+    ref_cache, lean_cache = copy.deepcopy(cache), copy.deepcopy(cache)
+    amask = torch.cat([mask, torch.ones(3, 1, dtype=torch.long)], 1)
+    with torch.inference_mode(), fast_decoding(model):
+        for step in range(3):  # several steps: the cache columns written by the lean step are read back
+            ref = dec(input_ids=tok[:, None], attention_mask=amask, position_ids=pos[:, None],
+                      past_key_values=ref_cache, use_cache=True).last_hidden_state[:, -1]
+            got = lean.step(tok, pos, 7 + step, amask.bool(), lean_cache)
+            assert got.dtype == ref.dtype
+            assert torch.allclose(got.float(), ref.float(), atol=atol, rtol=0), step
+            tok, pos = (tok * 3 + 1) % 200, pos + 1
+            amask = torch.cat([amask, torch.ones(3, 1, dtype=torch.long)], 1)
+
+
+def test_engine_answers_alike_with_and_without_the_lean_step():
+    """Greedy tokens equal and log-probs within 1e-5 (float32), with rows finishing at different
+    times (stop ids and per-prompt caps), so rows are kept and compacted along the way."""
+    model, tok = load_model("tiny-random", dtype="float32", seed=0)
+    prompts = [tok.encode("hello there"), tok.encode("a much longer prompt with more tokens in it, ok"),
+               tok.encode("third")]
+    fast, slow = TransformersEngine(model, tok), TransformersEngine(model, tok, lean=False)
+    assert fast._lean_decoder() is not None and slow._lean_decoder() is None
+    first = fast.generate(prompts, n=2, max_new_tokens=16, temperature=0.0)
+    stop = sorted({s.token_ids[3] for s in first})[:2]  # tokens that end some rows early
+    kw = dict(n=2, max_new_tokens=[16, 5, 11], temperature=0.0, stop_ids=stop)
+    a, b = fast.generate(prompts, **kw), slow.generate(prompts, **kw)
+    assert [s.token_ids for s in a] == [s.token_ids for s in b]
+    assert [s.finish_reason for s in a] == [s.finish_reason for s in b]
+    assert len({len(s.token_ids) for s in a}) > 1  # rows did finish at different steps
+    for x, y in zip(a, b):
+        assert x.logprobs == pytest.approx(y.logprobs, abs=1e-5)
+
+
+@pytest.mark.parametrize("dtype,trainable,atol", [("float32", "all", 1e-4), ("bfloat16", "top_layers:1", 5e-2)])
+def test_sampled_logprobs_match_the_trainers_recomputation(dtype, trainable, atol):
+    """The engine's log-probs at temperature 0.7 = the trainer's sequence_logprobs of the same tokens
+    (the importance ratio of the clipped loss is 1 up to this tolerance)."""
+    model, tok = load_model("tiny-random", dtype=dtype, trainable=trainable, seed=0)
+    prompts = [tok.encode("hello there"), tok.encode("a much longer prompt with more tokens in it, ok")]
+    out = TransformersEngine(model, tok).generate(prompts, n=4, max_new_tokens=12, temperature=0.7, seed=3)
+    seqs = [s.prompt_ids + s.token_ids for s in out]
+    width = max(map(len, seqs))
+    ids = torch.zeros(len(seqs), width, dtype=torch.long)
+    am, rm = torch.zeros_like(ids), torch.zeros_like(ids)
+    for i, (s, q) in enumerate(zip(out, seqs)):
+        ids[i, : len(q)] = torch.tensor(q)
+        am[i, : len(q)] = 1
+        rm[i, len(s.prompt_ids): len(q)] = 1
+    with torch.no_grad():
+        lp = sequence_logprobs(model, ids, am, rm, temperature=0.7)
+    for i, s in enumerate(out):
+        p = len(s.prompt_ids)
+        assert torch.allclose(lp[i, p: p + len(s.token_ids)].float(), torch.tensor(s.logprobs), atol=atol)
+
+
+def test_lora_models_take_the_transformers_forward():
+    model, tok = load_model("tiny-random", dtype="float32", trainable="lora", seed=0)
+    assert not supports(model)
+    assert TransformersEngine(model, tok)._lean_decoder() is None
