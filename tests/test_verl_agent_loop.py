@@ -200,3 +200,125 @@ async def test_multi_turn_episode_masks_tool_and_user_tokens(tokenizer):
     obs = tokenizer.decode([t for t, m in zip(out.response_ids, out.response_mask) if m == 0])
     assert task.turns[0] in obs and task.turns[1] in obs  # user turns are observations
     assert out.response_mask.count(0) > 0
+
+
+# ---------------------------------------------------------------------------- replayable faults
+async def _build_batch(tokenizer, tasks, n, **reflrl):
+    """What verl does for a batch: every row repeated n times with one fresh uid per prompt, the agent
+    loops started in row order. Returns per episode (masked, stop reason, env fault seen)."""
+    from uuid import uuid4
+
+    out = []
+    for i, t in enumerate(tasks):
+        uid = uuid4().hex
+        r = rows_from_tasks([t], parser="hermes", prompt_style="json")[0]
+        extra = json.loads(json.dumps(r["extra_info"]))
+        extra["index"] = i
+        for _ in range(n):
+            _, right = wrong_and_right(t)
+            server = StandInLLMServer(tokenizer, [right] * 4)
+            o = await make_loop(tokenizer, server, **reflrl).run({"logprobs": True}, raw_prompt=[], extra_info=extra,
+                                                                 uid=uid, index=i)
+            out.append((o.extra_fields["reflrl_masked"], o.extra_fields["reflrl_cause"]))
+    return out
+
+
+async def test_two_builds_of_a_batch_meet_the_same_faults(tokenizer):
+    """Episode seeds derive from (seed, dataset index, rollout index), as the CPU trainer derives one
+    per env and episode: two builds of the same batch (fresh uids, as verl gives) meet the same fault
+    decisions; a different seed meets others."""
+    tasks = generate_synthetic(4, 0, kinds=("single",))[:4]
+    kw = dict(faults="server_error=0.5", retry_max_attempts=1, max_attempts=0)
+    a = await _build_batch(tokenizer, tasks, 3, **kw)
+    b = await _build_batch(tokenizer, tasks, 3, **kw)
+    assert a == b
+    masked = [m for m, _ in a]
+    assert any(masked) and not all(masked)  # the faults differ between episodes, not one draw for all
+    c = await _build_batch(tokenizer, tasks, 3, seed=99, **kw)
+    assert [m for m, _ in c] != masked
+
+
+def test_episode_seeds_follow_seed_index_and_rollout():
+    from reflrl.verl_backend.episode import EpisodeSettings, episode_seeds
+
+    s = EpisodeSettings(seed=1)
+    assert episode_seeds(s, 3, 2) == episode_seeds(EpisodeSettings(seed=1), 3, 2)
+    seeds = {episode_seeds(s, i, k)["seed"] for i in range(3) for k in range(3)}
+    assert len(seeds) == 9 and episode_seeds(s, 3, 2)["fault_seed"] is None
+    assert episode_seeds(EpisodeSettings(seed=1, fault_seed=7), 3, 2)["fault_seed"] is not None
+
+
+# ---------------------------------------------------------------------------- finite metrics
+def test_the_unrepaired_marker_keeps_verls_debug_metrics_finite():
+    """verl's debug metrics take exp of the rollout log-probs: with marked (not repaired) rows they stay
+    finite, and the loss still reads the marker back exactly."""
+    import torch
+    from verl import DataProto
+    from verl.trainer.ppo.rollout_corr_helper import compute_rollout_correction_and_add_to_batch  # noqa: F401
+    from verl.utils.debug.metrics import calculate_debug_metrics
+
+    from reflrl.verl_backend.losses import split_behaviour
+
+    B, T = 4, 6
+    old = -torch.rand(B, T) * 3
+    rollout = old + 0.05 * torch.randn(B, T)
+    rollout[1:3] = UNREPAIRED_LOGPROB  # two ordinary rows
+    mask = torch.ones(B, T)
+    data = DataProto.from_dict({"rollout_log_probs": rollout, "old_log_probs": old, "response_mask": mask,
+                                "responses": torch.zeros(B, T, dtype=torch.long)})
+    m = calculate_debug_metrics(data)
+    assert all(np.isfinite(float(v)) for v in m.values()), m
+    w = torch.exp(torch.clamp(old - rollout, -20, 20))  # verl's token-level IS weights
+    _beh, repaired = split_behaviour(old, w, mask)
+    assert repaired.tolist() == [True, False, False, True]
+
+
+# ---------------------------------------------------------------------------- q* within the limit
+async def test_qstar_is_shortened_to_the_prompt_limit_keeping_system_prompt_and_request(tokenizer, task):
+    from reflrl.recovery.reflection import Attempt, augmented_messages
+    from reflrl.verl_backend.episode import fit_qstar
+
+    loop = make_loop(tokenizer, StandInLLMServer(tokenizer, []))
+    q = rows_from_tasks([task], parser="hermes", prompt_style="json")[0]["prompt"]
+    long_answer = "<tool_call>" + "x" * 3000 + "</tool_call>"
+    for mode in ("replace", "append"):
+        qstar = augmented_messages(q, [Attempt(thought="", action=long_answer, feedback="y " * 800)], mode)
+
+        async def count(msgs):
+            return len(await loop.ct_build_initial_tokens(msgs))
+
+        full, n_q = await count(qstar), await count(q)
+        assert await fit_qstar(qstar, len(q), count, full) == qstar  # at the limit: unchanged
+        limit = n_q + 200
+        fitted = await fit_qstar(qstar, len(q), count, limit)
+        assert await count(fitted) <= limit < full
+        assert fitted[0] == q[0]  # the system prompt with the tools, whole
+        assert f'Original request: "{task.query}"' in fitted[-1]["content"]  # the request, whole
+        assert "[...]" in fitted[-1]["content"]
+        with pytest.raises(ValueError, match="max_prompt_length"):
+            await fit_qstar(qstar, len(q), count, n_q - 5)
+
+
+async def test_agent_loop_samples_qstar_within_rollout_prompt_length(tokenizer, task):
+    """Through the agent loop: a long failed answer makes q* longer than rollout.prompt_length; the
+    retry is sampled from a q* that fits and starts with q's system prompt tokens (verl would have
+    left-truncated it)."""
+    wrong, right = wrong_and_right(task)
+    wrong = wrong + " " + "padding " * 1500
+    server = StandInLLMServer(tokenizer, [wrong, right])
+    r = row(task)
+    q_len = len(await make_loop(tokenizer, server).ct_build_initial_tokens(r["prompt"]))
+    limit = q_len + 300
+    conf = trainer_config()
+    conf.actor_rollout_ref.rollout.prompt_length = limit
+    loop = ReflrlToolAgentLoop(trainer_config=DictConfigWrap(conf), server_manager=server, tokenizer=tokenizer,
+                               processor=None, dataset_cls=None, data_config=DictConfigWrap(OmegaConf.create({})),
+                               hf_model_type="llama", tools=None)
+    out = await loop.run({"logprobs": True}, raw_prompt=r["prompt"], extra_info=r["extra_info"])
+    q_ids, qstar_ids = server.prompts
+    assert len(qstar_ids) <= limit < len(q_ids) + len(tokenizer.encode(wrong))
+    system = r["prompt"][0]["content"]
+    assert r["prompt"][0]["role"] == "system" and len(system) > 200
+    assert system in tokenizer.decode(qstar_ids)  # the system prompt with the tools, whole
+    assert task.query in tokenizer.decode(qstar_ids)
+    assert out.extra_fields["reflrl_repaired"]
