@@ -158,7 +158,7 @@ def test_cli_runs_on_the_shipped_data_without_data_dir(tmp_path, monkeypatch, ca
                "--max-new-tokens", "4", "--out", str(out)])
     assert rc == 0
     cap = capsys.readouterr()
-    assert "rotbench  1 of 105 samples x 1 seeds" in cap.err and "[reflrl] " in cap.err
+    assert "rotbench  1 of 105 samples x 1 seed = 1 generations" in cap.err and "[reflrl] " in cap.err
     man = json.loads((out / "manifest.json").read_text())
     assert man["run_size"]["subset"] is True and man["run_size"]["mode"] == "custom"
     entry = man["data"]["reflrl/benchdata/rotbench/first_turn/clean.json.gz"]

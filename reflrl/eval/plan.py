@@ -146,10 +146,13 @@ class RunPlan:
             lines.append("reflrl eval: " + ("a subset (--limit)" if self.is_subset else "every sample"))
         for b, us in self.units.items():
             avail = self.available(b)
-            of = f" of {avail}" if avail is not None else " (of the excerpt shipped)"
+            of = f" of {avail}" if avail is not None else ""
             parts = ", ".join(f"{u.key.split('/', 1)[1]} {u.samples}" + (f"/{u.available}" if u.available else "")
                               for u in us)
-            lines.append(f"  {b:<9} {self.samples(b)}{of} samples x {self.seeds.get(b)} seeds = "
+            if avail is None:
+                parts += "; from the first records, shipped"
+            k = self.seeds.get(b)
+            lines.append(f"  {b:<9} {self.samples(b)}{of} samples x {k} seed{'s' if k != 1 else ''} = "
                          f"{self.generations(b)} generations, ~{clock_text(self.estimate_s(b))}  ({parts})")
         total = sum(self.generations(b) for b in self.units)
         lines.append(f"  total     {total} generations, estimated {clock_text(self.estimate_s())} "

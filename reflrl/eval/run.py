@@ -90,7 +90,7 @@ class EvalOptions:
     data_roots: dict[str, Path] | None = None
     #: progress lines / bars on stderr
     progress: bool = True
-    #: prompts per backend call (progress moves after each); None: 4 backend batches, at least 32
+    #: prompts per backend call (progress moves after each); None: 2 backend batches, at least 8
     chunk: int | None = None
 
     def limit_for(self, benchmark: str) -> int | None:
@@ -216,8 +216,8 @@ def drive(backend: Backend, episodes: list[Generator], decoding: Decoding, seed:
           desc: str = "", errors: list[str] | None = None, chunk: int | None = None,
           on_done: Callable[[int], None] | None = None) -> list[Any]:
     """Advance all episodes together: each round, the episodes waiting for a model answer go to
-    ``backend.chat``, ``chunk`` at a time (all at once when None; each call gets its own seed, fixed
-    by ``seed``, the round and the chunk's index). ``on_done(n)`` is told each time ``n`` more episodes
+    ``backend.chat``, ``chunk`` at a time, shortest prompts first (all at once when None; each call gets
+    its own seed, fixed by ``seed``, the round and the chunk's index). ``on_done(n)`` is told each time ``n`` more episodes
     finished. Returns each episode's return value, in order. An episode that raises returns None
     (scored wrong by every scorer) and its error is appended to ``errors``."""
     results: list[Any] = [None] * len(episodes)
@@ -242,6 +242,8 @@ def drive(backend: Backend, episodes: list[Generator], decoding: Decoding, seed:
     rnd = 0
     while pending:
         waiting = list(pending)
+        if chunk is not None:  # similar lengths decode together, as one call would sort them
+            waiting.sort(key=lambda i: sum(len(str(m.get("content", ""))) for m in pending[i]))
         step = chunk or len(waiting)
         for c, start in enumerate(range(0, len(waiting), step)):
             idx = waiting[start: start + step]
@@ -381,7 +383,7 @@ def run_eval(backend: Backend, opts: EvalOptions, out_dir: Path | None = None,
               if seed in seeds[b] and any(u.benchmark == b for u in units)]
     progress = Progress(enabled=opts.progress, stream=sys.stderr, every_s=30.0)
     timing: list[dict[str, Any]] = []
-    chunk = opts.chunk or max(32, 4 * int(getattr(backend, "batch_size", 8) or 8))
+    chunk = opts.chunk or max(8, 2 * int(getattr(backend, "batch_size", 8) or 8))
     for k, (seed, bench) in enumerate(phases):
         t0 = time.perf_counter()
         eps: list[Generator] = []
