@@ -285,7 +285,7 @@ async def test_qstar_is_shortened_to_the_prompt_limit_keeping_system_prompt_and_
         qstar = augmented_messages(q, [Attempt(thought="", action=long_answer, feedback="y " * 800)], mode)
 
         async def count(msgs):
-            return len(await loop.ct_build_initial_tokens(msgs))
+            return await loop._n_tokens(msgs)  # uncapped (ct_build_initial_tokens left-truncates)
 
         full, n_q = await count(qstar), await count(q)
         assert await fit_qstar(qstar, len(q), count, full) == qstar  # at the limit: unchanged

@@ -113,6 +113,12 @@ class ReflrlToolAgentLoop(AgentLoopBase):
                    seed=seeds["seed"], reward=s.reward, parser=s.parser, prompt_style=s.prompt_style,
                    think=bool(s.think), retry=retry, episode_prefix=seeds["prefix"], **extra)
 
+    async def _n_tokens(self, messages: list[dict[str, Any]]) -> int:
+        """Tokens of ``messages`` as verl's Continuous Token builder renders them, before verl's
+        ``ct_build_initial_tokens`` left-truncates them to ``rollout.prompt_length``."""
+        builder = self.continuous_token_builder
+        return len(await self.loop.run_in_executor(None, lambda: builder.build_initial_tokens(messages)))
+
     def _critic(self, s: EpisodeSettings) -> Any:
         from reflrl.recovery.critics import get_critic
 
@@ -213,7 +219,7 @@ class ReflrlToolAgentLoop(AgentLoopBase):
             prompt_ids = await self.ct_build_initial_tokens(messages)
 
             async def count(msgs: list[dict[str, Any]]) -> int:
-                return len(await self.ct_build_initial_tokens(msgs))
+                return await self._n_tokens(msgs)
 
             async def generate(msgs: list[dict[str, Any]]) -> Generation:
                 # q* within the prompt limit: the failed answers and analyses shrink, never q's system

@@ -117,21 +117,28 @@ def episode_seeds(settings: EpisodeSettings, index: int, rollout: int) -> dict[s
     return {"seed": seed, "fault_seed": fault, "prefix": f"verl-{int(index)}-{int(rollout)}"}
 
 
-_LABEL = re.compile(r"^(Attempt \d+: (?:Thought: )?|Action: |Feedback: )")
+_LABEL = re.compile(r"(?m)^(Attempt \d+: (?:Thought: )?|Action: |Feedback: )")
+_REQUEST = '\nOriginal request: "'
 CUT = " [...]"
 
 
 def _shorten_retry_prompt(text: str, budget: int) -> str:
-    """The retry prompt (reflrl.recovery.reflection.build_retry_prompt) with the text of every
-    ``Attempt i:`` / ``Action:`` / ``Feedback:`` line cut to ``budget`` characters; every other line
-    (the header, the original request, the footer) kept whole."""
-    out = []
-    for line in text.split("\n"):
-        m = _LABEL.match(line)
-        if m and len(line) - m.end() > budget:
-            line = line[: m.end() + budget] + CUT
-        out.append(line)
-    return "\n".join(out)
+    """The retry prompt (reflrl.recovery.reflection.build_retry_prompt) with the text after every
+    ``Attempt i:`` / ``Action:`` / ``Feedback:`` label (up to the next label, over several lines if the
+    answer has them) cut to ``budget`` characters; the header, the original request and the footer are
+    kept whole."""
+    end = text.rfind(_REQUEST)
+    first = _LABEL.search(text)
+    if end < 0 or first is None or first.start() > end:
+        return text
+    head, region, tail = text[: first.start()], text[first.start(): end], text[end:]
+    parts = _LABEL.split(region)  # ["", label, body, label, body, ...]
+    out = [parts[0]]
+    for label, body in zip(parts[1::2], parts[2::2]):
+        core = body.rstrip("\n")
+        sep = body[len(core):]  # the line breaks that end the block stay
+        out.append(label + (core[:budget] + CUT if len(core) > budget else core) + sep)
+    return head + "".join(out) + tail
 
 
 async def fit_qstar(messages: list[dict[str, Any]], n_q: int, count: Any, limit: int) -> list[dict[str, Any]]:
