@@ -356,7 +356,7 @@ def run_eval(backend: Backend, opts: EvalOptions, out_dir: Path | None = None,
     """Evaluate ``backend`` on ``opts.benchmarks`` for each seed; write the four output files into
     ``out_dir`` (when given) and return the results dict. ``prepared``: from :func:`prepare` (made
     here when None)."""
-    from reflrl.progress import Progress
+    from reflrl.progress import Progress, clock_text
 
     prep = prepared or prepare(opts, log)
     opts, units, skipped, seeds = prep.opts, prep.units, prep.skipped, prep.seeds
@@ -406,9 +406,16 @@ def run_eval(backend: Backend, opts: EvalOptions, out_dir: Path | None = None,
             return scale * sum(SECONDS_PER_SAMPLE.get(b, 4.0) * prep.plan.samples(b) for _, b in rest)
 
         progress.remaining_after = later
+
+        def on_done(n: int, phase=phase, later=later) -> None:
+            phase.update(n)
+            if phase.bar is not None:  # a terminal: the bar shows the phase's ETA, add the run's
+                eta, rest = phase.eta_s(), later()
+                if eta is not None and rest is not None:
+                    phase.bar.set_postfix_str(f"run ends in ~{clock_text(eta + rest)}")
+
         errs: list[str] = []
-        outs = drive(backend, eps, opts.decoding, seed, opts.template, errors=errs, chunk=chunk,
-                     on_done=lambda n, phase=phase: phase.update(n))
+        outs = drive(backend, eps, opts.decoding, seed, opts.template, errors=errs, chunk=chunk, on_done=on_done)
         if errs:
             notes.append(f"{bench} seed {seed}: {len(errs)} episode(s) failed and were scored wrong: {errs[:5]}")
         for u, a, b in spans:
