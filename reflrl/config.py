@@ -556,6 +556,7 @@ def _train(cfg: "Config") -> Problems:
             yield f"train.{name}: must be > 0 or null, got {v}"
     if tr.threads is not None and tr.threads < 1:
         yield f"train.threads: must be >= 1 or null, got {tr.threads}"
+    yield from _one_of("train.device", tr.device, ("auto", "cpu", "cuda"))
     if tr.run_name is not None and (tr.run_name in ("", ".", "..") or "/" in tr.run_name or "\\" in tr.run_name):
         yield f"train.run_name: must be a plain folder name, got {tr.run_name!r}"
 

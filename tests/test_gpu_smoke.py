@@ -69,3 +69,11 @@ def test_train_device_cpu_is_the_cpu_run(capsys):
     cpu = capsys.readouterr().out
     diff = [(a, b) for a, b in zip(default.splitlines(), cpu.splitlines()) if a != b]
     assert len(diff) == 1 and "device: auto" in diff[0][0] and "device: cpu" in diff[0][1]
+
+
+def test_train_device_is_checked_with_the_config():
+    from reflrl.config import load_config
+
+    assert load_config(None, ["train.device=cpu"]).train.device == "cpu"
+    with pytest.raises(ConfigError, match="train.device: 'gpu' is not one of auto, cpu, cuda"):
+        load_config(None, ["train.device=gpu"])
