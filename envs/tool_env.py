@@ -182,9 +182,29 @@ class _Episode:
     last_turn_calls: list[ToolCall] = dataclasses.field(default_factory=list)  # the last ended turn's
     last_turn_format_ok: bool = True
     billed_calls: int = 0
+    redraw_from: int = 0          # reset option fault_draw: steps from here on use fault draw ``draw``
+    draw: int = 0                 # 0: the seed's own draws
     turn_rewards: list[float] = dataclasses.field(default_factory=list)
     turn_correct: list[bool] = dataclasses.field(default_factory=list)
+    turn_fault_caused: list[bool] = dataclasses.field(default_factory=list)  # per ended turn (policy-visible faults)
     done: bool = False
+
+
+REDRAW_STRIDE = 1_000_000  # step coordinate of fault draw d at step s: s + d x REDRAW_STRIDE (reset option fault_draw)
+MAX_DRAW = 999             # the coordinate stays below the 10**9 the X-Reflrl-Step header allows
+
+
+def _fault_draw(value: Any) -> tuple[int, int]:
+    """The reset option ``fault_draw`` as (from_step, draw); (0, 0) when absent."""
+    if value is None:
+        return 0, 0
+    try:
+        from_step, draw = (int(x) for x in value)
+    except (TypeError, ValueError):
+        raise ValueError(f"options['fault_draw'] must be (from_step, draw), got {value!r}") from None
+    if not (0 <= from_step < REDRAW_STRIDE and 0 <= draw <= MAX_DRAW):
+        raise ValueError(f"options['fault_draw']={value!r}: from_step in [0, {REDRAW_STRIDE}), draw in [0, {MAX_DRAW}]")
+    return from_step, draw
 
 
 def derive_seed(*parts: int) -> int:
@@ -393,6 +413,11 @@ class ToolCallEnv(gym.Env[str, str]):
         """Start an episode; returns (observation text, info).
 
         options: {"task": Task} or {"task_index": i}; otherwise the task is drawn from np_random.
+            "fault_draw": (from_step, draw) with draw >= 1 gives the steps from ``from_step`` on fresh
+            fault draws, numbered ``draw``, while the steps before it meet the faults a reset with the
+            same seed gives: a replay of an episode's first steps whose later steps are a new try (a
+            reflection retry's attempt ``draw``). The fault plan draws per (fault seed, episode, step
+            coordinate, call, attempt); a redrawn step's coordinate is ``step + draw x REDRAW_STRIDE``.
         info: "messages" (chat messages), "task", "tools" (schemas offered), "episode_seed",
         "fault_seed", "turn", "n_user_turns".
         """
@@ -406,6 +431,7 @@ class ToolCallEnv(gym.Env[str, str]):
         else:
             self._counter += 1
         options = options or {}
+        redraw = _fault_draw(options.get("fault_draw"))
         if "task" in options and options["task"] is not None:
             task = options["task"]
             if not isinstance(task, Task):
@@ -447,7 +473,8 @@ class ToolCallEnv(gym.Env[str, str]):
         self._last_episode_id, self._last_task = episode_id, task
         self._episode = _Episode(task=task, episode_id=episode_id, data_seed=data_seed,
                                  fault_seed=fault_seed, messages=messages,
-                                 n_user_turns=1 + (len(task.turns) if self.multi_turn else 0))
+                                 n_user_turns=1 + (len(task.turns) if self.multi_turn else 0),
+                                 redraw_from=redraw[0], draw=redraw[1])
         info = {
             "messages": copy.deepcopy(messages),
             "task": task,
@@ -506,8 +533,10 @@ class ToolCallEnv(gym.Env[str, str]):
         calls = list(parse.calls) if parse.ok else []
         run, skipped = calls[: self.max_calls_per_step], calls[self.max_calls_per_step:]
 
+        coord = step_index + (ep.draw * REDRAW_STRIDE if ep.draw and step_index >= ep.redraw_from else 0)
+
         async def one(i: int, c: ToolCall):
-            return await client.call(ep.episode_id, step=step_index, call_index=i,
+            return await client.call(ep.episode_id, step=coord, call_index=i,
                                      name=c.name, arguments=dict(c.arguments))
 
         if self.concurrent_calls:
@@ -568,6 +597,8 @@ class ToolCallEnv(gym.Env[str, str]):
                     ep.turn_format_ok, ep.turn_calls, ep.task, ep.turn)
                 ep.turn_rewards.append(turn_score)
                 ep.turn_correct.append(turn_correct)
+                if policy:  # wrong, but right had this turn's open faults' calls been answered
+                    ep.turn_fault_caused.append(not turn_correct and self._turn_fault_caused(ep))
                 ep.last_turn_calls, ep.last_turn_format_ok = list(ep.turn_calls), ep.turn_format_ok
                 turn_ended = True
                 ep.turn += 1
@@ -636,7 +667,7 @@ class ToolCallEnv(gym.Env[str, str]):
             if o.triage == "env_fault":
                 fault = o.fault
                 kind = KINDS.get(str(o.fault_kind))
-                f = {"step": step_index, "call_index": i, "name": c.name,
+                f = {"step": step_index, "turn": ep.turn, "call_index": i, "name": c.name,
                      "arguments": copy.deepcopy(dict(c.arguments)), "kind": o.fault_kind,
                      "status": o.status if o.status is not None else getattr(fault, "status", None),
                      "retry_after_s": getattr(fault, "retry_after", None),
@@ -656,14 +687,25 @@ class ToolCallEnv(gym.Env[str, str]):
             ep.answered.append(c)
         return counted
 
-    def _would_be_right(self, ep: _Episode, turn: int, open_faults: list[dict[str, Any]]) -> bool:
-        """Whether the turn's answer would have been right had the open faults' calls been answered
-        (the failure is then the fault's, and acting on it was the policy's to do)."""
-        if self.multi_turn or not ep.last_turn_format_ok:
-            return False  # multi-turn answers are scored per turn (not attributed); a bad format is the policy's
-        calls = list(ep.last_turn_calls) + [ToolCall(f["name"], f["arguments"]) for f in open_faults]
-        _r, _p, ok = self._score(True, calls, ep.task, turn)
+    def _turn_fault_caused(self, ep: _Episode) -> bool:
+        """Whether the turn that just ended (its calls still in ``ep.turn_calls``) would have been right
+        had the calls of its faults that are still open been answered (the failure is then the fault's,
+        and acting on it was the policy's to do); a bad format is the policy's."""
+        open_now = [f for f in ep.shown_faults if not f["handled"] and f.get("turn", 0) == ep.turn]
+        if not open_now or not ep.turn_format_ok:
+            return False
+        calls = list(ep.turn_calls) + [ToolCall(f["name"], f["arguments"]) for f in open_now]
+        _r, _p, ok = self._score(True, calls, ep.task, ep.turn)
         return ok
+
+    def _would_be_right(self, ep: _Episode, turn: int, open_faults: list[dict[str, Any]]) -> bool:
+        """Whether the episode's answer would have been right had the open faults' calls been answered:
+        every turn is right or fault-caused (:meth:`_turn_fault_caused`), at least one is fault-caused,
+        and no turn is left unreached (a truncated episode is the policy's)."""
+        if len(ep.turn_correct) < ep.n_user_turns:
+            return False
+        return any(ep.turn_fault_caused) and all(
+            ok or caused for ok, caused in zip(ep.turn_correct, ep.turn_fault_caused))
 
     def _score(self, format_ok: bool, calls: list[ToolCall], task: Task, turn: int):
         """(reward, parts, correct) of the calls of one turn against the turn's gold calls."""

@@ -27,7 +27,7 @@ from typing import Any, Callable, Sequence
 
 from reflrl.envs.parsing import parse
 from reflrl.envs.rewards import calls_match
-from reflrl.envs.types import Task
+from reflrl.envs.types import Task, ToolCall
 
 from .rollout import RolloutSpec, answer_token_cap, render_prompt
 
@@ -160,49 +160,69 @@ def format_rate(engine: Any, tokenizer: Any, tasks: Sequence[Task], messages_fn:
 async def aevaluate_episodes(engine: Any, tokenizer: Any, envs: Sequence[Any], tasks: Sequence[Task],
                              gen: RolloutSpec, *, seed: int,
                              recover: Callable[[list], Any] | None = None) -> dict[str, Any]:
-    """Greedy episodes of ``tasks`` run through ``envs`` (the run's faults and fault exposure): the held-out
-    numbers a run reports under faults. Task i is reset with env seed ``seed + i``, so with a fixed ``seed``
+    """The held-out evaluation of a run with faults: greedy episodes of ``tasks`` run through ``envs`` (the
+    run's faults and fault exposure). It is the one evaluation such a run makes: every number below
+    comes from these episodes. Task i is reset with env seed ``seed + i``, so with a fixed ``seed``
     (``env.eval_fault_seed``) every checkpoint meets the same faults for the same actions.
 
-    Returns flat keys: ``episode_accuracy`` (share of episodes that ended right), ``clean_accuracy`` and
-    ``n_clean`` (episodes that met no fault: no attempt of theirs failed with an env fault),
-    ``recovery_under_faults`` and ``n_faulted`` (of the episodes that met at least one fault, the share that
-    still ended right), ``masked`` (episodes masked: a fault no action could handle), ``eval_fault_seed``;
-    with ``recover`` (an async ``trajectories -> RecoveryResult``, e.g. :func:`reflrl.recovery.arecover`
-    with a greedy spec) also reflection's repair rate on the failed episodes by cause:
-    ``reflected_env_fault`` / ``recovered_env_fault`` / ``reflection_ratio_env_fault`` (failures caused by a
-    fault) and the same for ``policy_error``. Ratios are None where there is nothing to divide."""
-    from .rollout import arollout
+    Batched as rollouts are (:func:`reflrl.rollout.arollout`): with at least as many envs as tasks, every
+    task's first answer comes from one engine call, and the episodes the env goes on with (a fault the
+    policy sees) continue turn by turn, batched; with fewer envs, the tasks run in chunks of ``len(envs)``.
 
+    Returns (flat keys): ``accuracy`` (share of episodes that ended right: correct and not masked),
+    ``stderr``, ``n``, ``by_gold_calls`` ([right, tasks] per number of gold calls), ``format_rate`` (share
+    of first answers that parse as at least one call), ``first_answer_accuracy`` (the first answer alone
+    calls exactly the gold calls), ``new_tokens`` (sampled tokens, every turn), ``capped`` (episodes cut by
+    a token cap), ``seconds``; ``clean_accuracy`` and ``n_clean`` (episodes that met no fault: no attempt
+    of theirs failed with an env fault), ``recovery_under_faults`` and ``n_faulted`` (of the episodes that
+    met at least one fault, the share that still ended right), ``recovered_by_policy`` (episodes the
+    policy itself ended right after a fault it was shown), ``masked`` (a fault no action could handle),
+    ``eval_fault_seed``; with ``recover`` (an async ``trajectories -> RecoveryResult``, e.g.
+    :func:`reflrl.recovery.arecover` with a greedy spec) also reflection's repair rate on the failed
+    episodes by cause: ``reflected_env_fault`` / ``recovered_env_fault`` / ``reflection_ratio_env_fault``
+    (failures caused by a fault) and the same for ``policy_error``. Ratios are None where there is
+    nothing to divide."""
+    from .rollout import arollout, fault_outcomes
+
+    t0 = time.perf_counter()
     tasks = list(tasks)
     if not tasks or not envs:
         raise ValueError("aevaluate_episodes: no tasks or no envs")
-    right: list[bool] = []
-    faulted: list[bool] = []
-    masked = 0
+    trajs: list[Any] = []
     counts = {f"{w}_{c}": 0.0 for w in ("reflected", "recovered") for c in ("env_fault", "policy_error")}
     for s in range(0, len(tasks), len(envs)):
-        trajs = await arollout(engine, tokenizer, envs, tasks[s: s + len(envs)], 1, gen, seed=seed + s)
-        for t in trajs:
-            right.append(bool(t.correct) and not t.masked)
-            faulted.append(any(e.get("triage") == "env_fault" for e in t.fault_events))
-            masked += bool(t.masked)
+        chunk = await arollout(engine, tokenizer, envs, tasks[s: s + len(envs)], 1, gen, seed=seed + s)
+        trajs.extend(chunk)  # before reflection: the policy's own episodes are what is scored
         if recover is not None:
-            res = await recover(trajs)
+            res = await recover(list(chunk))  # a copy: repairs do not replace the episodes scored here
             for k in counts:
                 counts[k] += float(res.counts.get(k, 0.0))
-    n = len(right)
-    clean = [r for r, f in zip(right, faulted) if not f]
-    hit = [r for r, f in zip(right, faulted) if f]
+    n = len(trajs)
+    right = [bool(t.correct) and not t.masked for t in trajs]
+    first = [t.steps[0] for t in trajs if t.steps]
+    acc = sum(right) / n
     out: dict[str, Any] = {
-        "episode_accuracy": sum(right) / n, "n_episodes": n,
-        "clean_accuracy": (sum(clean) / len(clean)) if clean else None, "n_clean": len(clean),
-        "recovery_under_faults": (sum(hit) / len(hit)) if hit else None, "n_faulted": len(hit),
-        "masked": masked, "eval_fault_seed": seed,
+        "accuracy": acc, "stderr": math.sqrt(acc * (1 - acc) / n), "n": n,
+        "by_gold_calls": by_gold_calls(tasks, right),
+        "format_rate": sum(bool(st.parse_ok) and st.n_calls > 0 for st in first) / n,
+        "first_answer_accuracy": sum(_first_answer_right(t) for t in trajs) / n,
+        "new_tokens": sum(t.n_action_tokens for t in trajs), "capped": sum(bool(t.truncated) for t in trajs),
+        **fault_outcomes(trajs),
+        "masked": sum(bool(t.masked) for t in trajs), "eval_fault_seed": seed,
     }
     if recover is not None:
         out.update(counts)
         for c in ("env_fault", "policy_error"):
             of = counts[f"reflected_{c}"]
             out[f"reflection_ratio_{c}"] = counts[f"recovered_{c}"] / of if of else None
+    out["seconds"] = round(time.perf_counter() - t0, 2)
     return out
+
+
+def _first_answer_right(t: Any) -> bool:
+    """The episode's first answer alone calls exactly the gold calls of the task's first turn."""
+    if not t.steps or not t.task.gold:
+        return False
+    st = t.steps[0]
+    calls = st.info.get("calls") or []
+    return bool(st.parse_ok and calls and calls_match([ToolCall.from_dict(c) for c in calls], list(t.task.gold[0])))

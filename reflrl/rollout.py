@@ -126,6 +126,19 @@ class Trajectory:
         return self.steps[-1].parse_ok if self.steps else None
 
     @property
+    def met_fault(self) -> bool:
+        """Some attempt of the episode failed with an env fault (absorbed by the client's retries, shown
+        to the policy, or masking the episode)."""
+        return any(e.get("triage") == "env_fault" for e in self.fault_events)
+
+    @property
+    def recovered_by_policy(self) -> bool:
+        """Faults the policy sees: a fault came back to the policy as the tool's answer and the policy
+        itself ended the episode right (it called again; a reflection repair is not the policy's own)."""
+        return bool(self.correct) and not self.masked and self.repair is None and any(
+            s.env_fault_treatment == "to-policy" for s in self.steps[:-1])
+
+    @property
     def n_calls(self) -> int:
         return sum(s.n_calls for s in self.steps)
 
@@ -306,12 +319,18 @@ def record_step(traj: Trajectory, reward: float, info: dict[str, Any]) -> StepRe
     return rec
 
 
-async def reset_episode(env: Any, task: Task, seed: int) -> tuple[Any, dict[str, Any]]:
-    """Start an episode of ``task`` on ``env`` (async when the env offers ``areset``)."""
+async def reset_episode(env: Any, task: Task, seed: int, *, fault_draw: tuple[int, int] | None = None
+                        ) -> tuple[Any, dict[str, Any]]:
+    """Start an episode of ``task`` on ``env`` (async when the env offers ``areset``). ``fault_draw``:
+    (from_step, draw), the steps from ``from_step`` on meet fresh fault draws numbered ``draw`` (the env's
+    reset option: a replay whose last step is a new try)."""
+    options: dict[str, Any] = {"task": task}
+    if fault_draw is not None:
+        options["fault_draw"] = fault_draw
     u = env.unwrapped
     if hasattr(u, "areset"):
-        return await u.areset(seed=seed, options={"task": task})
-    return env.reset(seed=seed, options={"task": task})
+        return await u.areset(seed=seed, options=options)
+    return env.reset(seed=seed, options=options)
 
 
 async def step_episode(env: Any, action: str) -> tuple[Any, float, bool, bool, dict[str, Any]]:
@@ -515,12 +534,29 @@ def rollout(engine: Any, tokenizer: Any, envs: Sequence[Any], tasks: Sequence[Ta
     return asyncio.run(arollout(engine, tokenizer, envs, tasks, n, cfg, seed=seed, timings=timings))
 
 
-def rollout_stats(trajs: Sequence[Trajectory]) -> dict[str, float]:
-    """Batch metrics: mean reward (unmasked), accuracy, parse rate, masked share, fault counts."""
+def fault_outcomes(trajs: Sequence[Trajectory]) -> dict[str, Any]:
+    """How episodes ended by whether they met a fault (:attr:`Trajectory.met_fault`); an episode is right
+    when it is correct and not masked. ``clean_accuracy`` / ``n_clean``: episodes that met no fault;
+    ``recovery_under_faults`` / ``n_faulted``: of the episodes that met at least one fault, the share that
+    still ended right (None where there is no episode to divide by); ``recovered_by_policy``: episodes the
+    policy itself ended right after a fault it was shown."""
+    clean = [bool(t.correct) and not t.masked for t in trajs if not t.met_fault]
+    hit = [bool(t.correct) and not t.masked for t in trajs if t.met_fault]
+    return {"clean_accuracy": (sum(clean) / len(clean)) if clean else None, "n_clean": len(clean),
+            "recovery_under_faults": (sum(hit) / len(hit)) if hit else None, "n_faulted": len(hit),
+            "recovered_by_policy": sum(t.recovered_by_policy for t in trajs)}
+
+
+def rollout_stats(trajs: Sequence[Trajectory]) -> dict[str, Any]:
+    """Batch metrics: mean reward (unmasked), accuracy, parse rate, masked share, fault counts, and how the
+    rollouts ended by whether they met a fault (:func:`fault_outcomes`, prefixed ``rollout_``: the
+    held-out evaluation's numbers, on the policy's own samples)."""
     live = [t for t in trajs if not t.masked]
     n = max(1, len(trajs))
     faults = sum(len(t.fault_events) for t in trajs)
     return {
+        "rollout_accuracy": sum(bool(t.correct) and not t.masked for t in trajs) / n,
+        **{f"rollout_{k}": v for k, v in fault_outcomes(trajs).items()},
         "reward_mean": (sum(t.reward for t in live) / len(live)) if live else 0.0,
         "correct_rate": (sum(t.correct for t in live) / len(live)) if live else 0.0,
         "format_rate": sum(bool(t.parse_ok) and t.n_calls > 0 for t in trajs) / n,

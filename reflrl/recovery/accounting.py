@@ -13,18 +13,22 @@ from .reflection import RepairRecord
 
 def triage(t: R.Trajectory) -> str:
     """"ok" | "recovered_by_retry" (env faults the client's retries recovered, answer right) |
-    "env_fault" (an unrecovered env fault: masked; or, with faults the policy sees, a wrong answer
-    that would have been right had the policy called its faulted calls again: ``fault_caused``) |
-    "policy_error" (wrong, unparseable or no call)."""
+    "recovered_by_policy" (faults the policy sees: a fault came back as the tool's answer and the policy
+    itself ended right, by calling again) | "env_fault" (an unrecovered env fault: masked; or, with faults
+    the policy sees, a wrong answer that would have been right had the policy called its faulted calls
+    again: ``fault_caused``) | "policy_error" (wrong, unparseable or no call)."""
     if t.masked:
         return "env_fault"
     if not t.correct:
         return "env_fault" if t.last is not None and t.last.info.get("fault_caused") else "policy_error"
+    if t.recovered_by_policy:
+        return "recovered_by_policy"
     last = t.last
     return "recovered_by_retry" if last is not None and last.env_fault_treatment == "retried-recovered" else "ok"
 
 
 COUNT_KEYS = ("rollouts", "failed", "failed_env_fault", "failed_policy_error", "recovered_by_retry",
+              "recovered_by_policy",
               "reflected", "reflected_env_fault", "reflected_policy_error",
               "recovered_by_reflection", "recovered_env_fault", "recovered_policy_error",
               "unrecovered", "discarded", "retries", "generate_calls", "reflection_errors",
@@ -70,8 +74,8 @@ def count_rollouts(trajs: Sequence[R.Trajectory]) -> dict[str, float]:
         c["rollouts"] += 1
         c["rollout_tool_calls"] += float(t.last.billed_calls if t.last else 0)
         tri = triage(t)
-        if tri == "recovered_by_retry":
-            c["recovered_by_retry"] += 1
+        if tri in ("recovered_by_retry", "recovered_by_policy"):
+            c[tri] += 1
         elif tri != "ok":
             c["failed"] += 1
             c[f"failed_{tri}"] += 1
@@ -95,6 +99,9 @@ def step_accounting(recoveries: Sequence[RecoveryResult], rollouts: Sequence[R.T
     m["tool_calls"] = tool_calls
     m["signal_trajectories"] = float(signal)
     m["tool_calls_per_signal"] = tool_calls / signal if signal else None
+    for cause in ("env_fault", "policy_error"):  # reflection's repair rate this step, by cause
+        of = counts[f"reflected_{cause}"]
+        m[f"reflection_ratio_{cause}"] = counts[f"recovered_{cause}"] / of if of else None
     if recoveries:
         cs = CriticStats()
         for r in recoveries:
@@ -173,6 +180,8 @@ def format_recovery(r: dict[str, Any], variant: str) -> list[str]:
         f"recovery ({variant}): {num(r['failed'])} failed rollouts of {num(r['rollouts'])} "
         f"({num(r['failed_env_fault'])} env fault, {num(r['failed_policy_error'])} policy error); "
         f"{num(r['recovered_by_retry'])} recovered by the client's retries; "
+        + (f"{num(r['recovered_by_policy'])} recovered by the policy calling again; "
+           if r.get("recovered_by_policy") else "") +
         f"{num(r['recovered_by_reflection'])} recovered by reflection "
         f"(ratio {'n/a' if r['recovered_ratio'] is None else format(r['recovered_ratio'], '.1%')}, "
         f"{num(r['retries'])} retries in {num(r['generate_calls'])} batched generate calls; repaired "

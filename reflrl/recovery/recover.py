@@ -5,7 +5,9 @@ A rollout of several steps (faults the policy sees, ``env.fault_exposure="policy
 came back and the policy answered it) is repaired at its LAST step: q is the conversation before the
 last answer (the request, the earlier answers and the tool's errors), the failed action is that last
 answer, and each retry under q* is executed by replaying the episode (same env seed: the same tool
-answers and faults for the same earlier answers) and stepping the retry in its place. The repair keeps
+answers and faults for the same earlier answers) and stepping the retry in its place, with fresh fault
+draws for that step derived from (episode seed, attempt): replays stay deterministic, and a retry that
+meets a fault does not meet the same one at every attempt. The repair keeps
 the earlier steps and replaces the last answer, so it trains on the original prompt with the retry's
 behaviour log-probs under q* (eq. 2). Under that exposure a masked rollout (a fault no action could
 handle) is not reflected on: a replay meets the same fault."""
@@ -19,6 +21,7 @@ from reflrl import config as C
 from reflrl import rollout as R
 from reflrl.critic.base import CriticStats
 from reflrl.envs.rewards import normalize_value
+from reflrl.envs.seeding import derive_seed
 from reflrl.envs.types import ToolCall
 
 from .accounting import COUNT_KEYS, RecoveryResult, triage
@@ -118,8 +121,8 @@ async def arecover(trajs: list[R.Trajectory], *, cfg: C.Config, engine: Any, tok
     for k, t in enumerate(trajs):
         counts["rollout_tool_calls"] += float(t.last.billed_calls if t.last else 0)
         tri = triage(t)
-        if tri == "recovered_by_retry":
-            counts["recovered_by_retry"] += 1
+        if tri in ("recovered_by_retry", "recovered_by_policy"):
+            counts[tri] += 1
         if tri in ("env_fault", "policy_error"):
             counts["failed"] += 1
             counts[f"failed_{tri}"] += 1
@@ -157,12 +160,16 @@ async def arecover(trajs: list[R.Trajectory], *, cfg: C.Config, engine: Any, tok
 
         async def step_env(text: str) -> EnvFeedback:
             attempt[0] += 1
-            if len(t.steps) > 1 and t.seed is not None:  # replay the earlier steps, then the retry in the last one's place
-                await R.reset_episode(env, t.task, t.seed)
+            # each attempt meets its own fault draws, derived from (episode seed, attempt): deterministic,
+            # and a retry that meets a fault does not meet the same one at every attempt
+            if len(t.steps) > 1 and t.seed is not None:
+                # replay the earlier steps (the same faults), then the retry in the last one's place
+                await R.reset_episode(env, t.task, t.seed, fault_draw=(len(t.steps) - 1, attempt[0]))
                 for earlier in t.texts[:-1]:
                     await R.step_episode(env, earlier)
-            else:
-                await R.reset_episode(env, t.task, seed + 104729 * attempt[0] + k)  # a fresh episode of the same task
+            else:  # a fresh episode of the same task
+                base = t.seed if t.seed is not None else seed + k
+                await R.reset_episode(env, t.task, derive_seed(base, attempt[0], bits=31), fault_draw=(0, attempt[0]))
             _obs, reward, _term, _trunc, info = await R.step_episode(env, text)
             return feedback_from_step(info, reward)
 

@@ -167,14 +167,16 @@ class Trainer:
 
     # -------------------------------------------------------------------------------- evaluation
     def evaluate(self, split: str = "test") -> dict[str, Any]:
-        """Greedy exact-match accuracy on a split (reflrl.heldout)."""
+        """The held-out evaluation of a split (reflrl.heldout): greedy exact-match accuracy; with faults,
+        the greedy episodes under them (:meth:`evaluate_episodes`) are the one evaluation."""
         from reflrl.heldout import evaluate
 
         t0 = time.perf_counter()
-        res = evaluate(self.eval_engine, self.tokenizer, self.splits[split], self.messages, self.eval_cfg,
-                       batch_size=self.eval_batch).to_dict()
-        if self.cfg.env.faults:  # the same tasks as episodes under the run's faults (reflrl.heldout)
-            res.update(self.evaluate_episodes(split))
+        if self.cfg.env.faults:
+            res = self.evaluate_episodes(split)
+        else:
+            res = evaluate(self.eval_engine, self.tokenizer, self.splits[split], self.messages, self.eval_cfg,
+                           batch_size=self.eval_batch).to_dict()
         self.state["timers"]["eval_s"] += time.perf_counter() - t0
         return res
 
@@ -187,9 +189,9 @@ class Trainer:
         from reflrl.train.setup import make_envs
 
         tasks = self.splits[split]
-        if getattr(self, "_eval_envs", None) is None:
-            self._eval_envs, self._eval_server = make_envs(self.cfg, tasks, min(len(tasks), self.eval_batch),
-                                                           prefix="e", fault_seed=None)
+        if len(getattr(self, "_eval_envs", None) or []) < len(tasks):  # one env per task: one batched evaluation
+            self._close_eval_envs()
+            self._eval_envs, self._eval_server = make_envs(self.cfg, tasks, len(tasks), prefix="e", fault_seed=None)
         envs, seed = self._eval_envs, int(self.cfg.env.eval_fault_seed)
 
         def recover(trajs):
@@ -583,6 +585,18 @@ class Trainer:
                              prefilter_skipped=self.sampler.skipped, sampling=self.sampling,
                              faults=ledger_totals(self.envs))
 
+    def _close_eval_envs(self) -> None:
+        """Close the held-out evaluation's envs and their tool server (best-effort)."""
+        for env in getattr(self, "_eval_envs", None) or []:
+            try:
+                if getattr(env, "_client", None) is not None:
+                    self.loop.run_until_complete(env.aclose())
+            except Exception:  # noqa: BLE001  closing is best-effort
+                pass
+        if getattr(self, "_eval_server", None) is not None:
+            self._eval_server.shutdown()
+        self._eval_envs, self._eval_server = None, None
+
     def close(self) -> None:
         for env in self.envs:
             try:
@@ -590,14 +604,7 @@ class Trainer:
                     self.loop.run_until_complete(env.aclose())
             except Exception:  # noqa: BLE001  closing is best-effort at shutdown
                 pass
-        for env in getattr(self, "_eval_envs", None) or []:
-            try:
-                if getattr(env, "_client", None) is not None:
-                    self.loop.run_until_complete(env.aclose())
-            except Exception:  # noqa: BLE001  closing is best-effort at shutdown
-                pass
-        if getattr(self, "_eval_server", None) is not None:
-            self._eval_server.shutdown()
+        self._close_eval_envs()
         if not self.loop.is_closed():
             self.loop.close()
         self.tool_server.shutdown()

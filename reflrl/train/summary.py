@@ -39,17 +39,34 @@ def heldout_numbers(ev: dict[str, Any] | None, faults: bool) -> dict[str, Any] |
     ``_policy_error``, None when the variant does not reflect) and the counts behind them."""
     if not ev:
         return None
-    if not faults or "episode_accuracy" not in ev:
+    if not faults or "clean_accuracy" not in ev:
         return {"accuracy": ev.get("accuracy"), "clean_accuracy": ev.get("accuracy"), "recovery_under_faults": None,
                 "n": ev.get("n"), "n_clean": ev.get("n"), "n_faulted": 0,
                 "reflection_ratio_env_fault": None, "reflection_ratio_policy_error": None}
-    return {"accuracy": ev["episode_accuracy"], "first_answer_accuracy": ev.get("accuracy"),
+    return {"accuracy": ev.get("episode_accuracy", ev.get("accuracy")),
+            "first_answer_accuracy": ev.get("first_answer_accuracy"),
             "clean_accuracy": ev.get("clean_accuracy"), "recovery_under_faults": ev.get("recovery_under_faults"),
-            "n": ev.get("n_episodes"), "n_clean": ev.get("n_clean"), "n_faulted": ev.get("n_faulted"),
+            "n": ev.get("n_episodes", ev.get("n")), "n_clean": ev.get("n_clean"), "n_faulted": ev.get("n_faulted"),
+            "recovered_by_policy": ev.get("recovered_by_policy"),
             "masked": ev.get("masked"), "eval_fault_seed": ev.get("eval_fault_seed"),
             **{k: ev.get(k) for k in ("reflection_ratio_env_fault", "reflection_ratio_policy_error",
                                       "reflected_env_fault", "recovered_env_fault", "reflected_policy_error",
                                       "recovered_policy_error")}}
+
+
+def time_split(st: dict[str, Any], *, load_s: float, elapsed_s: float) -> dict[str, Any]:
+    """Where the run's wall time went: loading the model, the held-out evaluations (with the warm-up's
+    format probes and validation), the warm-up, the RL steps, and the rest (run folder, checkpoints,
+    report); each in seconds and as a share of the total. ``rl_share``: the RL steps' share."""
+    t = st.get("timers", {})
+    parts = {"load_s": float(load_s), "eval_s": float(t.get("eval_s", 0.0)),
+             "warmup_s": float(t.get("warmup_s", 0.0)), "rl_s": float(st.get("rl_seconds", 0.0))}
+    total = max(float(elapsed_s), 1e-9)
+    parts["other_s"] = max(0.0, float(elapsed_s) - sum(parts.values()))
+    out: dict[str, Any] = {k: round(v, 1) for k, v in parts.items()}
+    out["total_s"] = round(float(elapsed_s), 1)
+    out.update({f"{k[:-2]}_share": round(v / total, 4) for k, v in parts.items()})
+    return out
 
 
 def build_summary(st: dict[str, Any], *, cfg: C.Config, run_dir: str, step: int, precision: DtypeChoice,
@@ -94,6 +111,8 @@ def build_summary(st: dict[str, Any], *, cfg: C.Config, run_dir: str, step: int,
         # repair rate by cause (env.fault_exposure says who met the faults)
         "heldout": {name: heldout_numbers(st.get(key), bool(cfg.env.faults)) for name, key in STAGES},
         "fault_exposure": cfg.env.fault_exposure,
+        # the wall time by phase: load, evaluations, warm-up, RL steps (rl_share: RL's part of the run)
+        "time_split": time_split(st, load_s=load_s, elapsed_s=elapsed_s),
     }
 
 
@@ -113,10 +132,17 @@ def format_by_gold_calls(s: dict[str, Any]) -> str | None:
                           for name, b in stages))
 
 
+HELDOUT_LINES = (("no fault met", "clean_accuracy"),
+                 ("recovery under faults", "recovery_under_faults"),
+                 ("reflection repaired, fault-caused failures", "reflection_ratio_env_fault"),
+                 ("reflection repaired, policy errors", "reflection_ratio_policy_error"))
+
+
 def format_heldout(s: dict[str, Any]) -> list[str]:
-    """Lines: per evaluation, overall accuracy, no fault met, recovery under faults, reflection's repair
-    rate (fault-caused / policy errors); none when the run had no faults."""
-    h = {k: v for k, v in (s.get("heldout") or {}).items() if v and v.get("n_faulted") is not None}
+    """Lines: one per held-out metric, its three points base -> after warm-up -> after RL (the stages the
+    run evaluated) and RL's gain over the warm-up: no fault met, recovery under faults, reflection's repair
+    rate by cause (the overall accuracy has its own line); none when the run had no faults."""
+    h = {k: v for k, v in (s.get("heldout") or {}).items() if v}
     if not h or not any("first_answer_accuracy" in v for v in h.values()):
         return []
 
@@ -126,12 +152,36 @@ def format_heldout(s: dict[str, Any]) -> list[str]:
     names = {"before": "base", "after_warmup": "after warm-up", "after": "after RL"}
     seed = next((v.get("eval_fault_seed") for v in h.values() if v.get("eval_fault_seed") is not None), None)
     out = [f"  under the run's faults ({s.get('fault_exposure', 'client')} sees them; evaluation fault seed {seed}):"]
-    for k, v in h.items():
-        out.append(f"    {names.get(k, k)}: overall {pct(v['accuracy'])}, no fault met {pct(v['clean_accuracy'])} "
-                   f"({v.get('n_clean')}), recovery under faults {pct(v['recovery_under_faults'])} ({v.get('n_faulted')} "
-                   f"met one); reflection repaired {pct(v.get('reflection_ratio_env_fault'))} of fault-caused failures, "
-                   f"{pct(v.get('reflection_ratio_policy_error'))} of policy errors")
+    for label, key in HELDOUT_LINES:
+        vals = [(names[k], h[k].get(key), h[k]) for k in ("before", "after_warmup", "after") if k in h]
+        if all(v is None for _n, v, _h in vals):
+            continue
+        line = f"    {label}: " + " -> ".join(f"{n} {pct(v)}" + _count(key, e) for n, v, e in vals)
+        w, a = (h.get("after_warmup") or {}).get(key), (h.get("after") or {}).get(key)
+        if w is not None and a is not None:
+            line += f"  (RL {(a - w) * 100:+.1f} points)"
+        out.append(line)
     return out
+
+
+def _count(key: str, e: dict[str, Any]) -> str:
+    """`` (n of m)``: the episodes behind a held-out number (none for the overall accuracy)."""
+    of = {"clean_accuracy": "n_clean", "recovery_under_faults": "n_faulted",
+          "reflection_ratio_env_fault": "reflected_env_fault",
+          "reflection_ratio_policy_error": "reflected_policy_error"}.get(key)
+    return f" (of {e[of]:.0f})" if of and isinstance(e.get(of), (int, float)) else ""
+
+
+def format_time_split(s: dict[str, Any]) -> str | None:
+    """``time split: load 20s (4%), evaluations 60s (12%), warm-up 100s (20%), RL 300s (60%), other 20s
+    (4%) of 500s; RL 60% of the run``; None for a summary without it."""
+    t = s.get("time_split")
+    if not t:
+        return None
+    parts = [("load", "load"), ("evaluations", "eval"), ("warm-up", "warmup"), ("RL", "rl"), ("other", "other")]
+    return ("time split: " + ", ".join(f"{name} {t[k + '_s']:.0f}s ({t[k + '_share']:.0%})" for name, k in parts
+                                       if k + "_s" in t)
+            + f" of {t['total_s']:.0f}s; RL {t['rl_share']:.0%} of the run")
 
 
 def format_summary(s: dict[str, Any]) -> str:
@@ -145,7 +195,8 @@ def format_summary(s: dict[str, Any]) -> str:
     lines = [
         "",
         f"held-out accuracy: {pct(s['accuracy_before'])} -> {pct(s['accuracy_after'])}"
-        f"  ({s['eval_after'].get('n', 0)} test tasks, greedy exact match)",
+        f"  ({s['eval_after'].get('n', 0)} test tasks, greedy exact match"
+        + (", episodes under the run's faults)" if (s.get("config") or {}).get("faults") else ")"),
     ]
     if s.get("accuracy_after_warmup") is not None:
         gain = s.get("rl_gain")
@@ -177,6 +228,9 @@ def format_summary(s: dict[str, Any]) -> str:
     if s.get("recovery"):
         lines += format_recovery(s["recovery"], s["recovery"].get("variant", "grpo"))
     ev = s.get("eval_seconds") or {}
+    split = format_time_split(s)
+    if split:
+        lines.append(split)
     lines += [
         "time: " + ", ".join(f"{k[:-2]} {v:.0f}s" for k, v in s["time_s"].items())
         + ("; evaluations: " + ", ".join(f"{k.replace('_', ' ')} {v:.0f}s" for k, v in ev.items()) if ev else ""),
