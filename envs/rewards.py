@@ -94,7 +94,7 @@ def normalize_value(v: Any) -> Hashable:
 
 def call_key(c: ToolCall) -> Hashable:
     """What exact match compares of one call: its name and its normalised arguments (also used to match
-    single calls against the gold ones, e.g. reflrl.train.credit)."""
+    single calls against the gold ones)."""
     return (c.name, normalize_value(dict(c.arguments)))
 
 

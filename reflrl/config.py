@@ -148,14 +148,6 @@ class AlgoConfig:
     grad_clip: float = _f(1.0, "max global grad norm (0 = no clipping)")
     epochs_per_batch: int = _f(1, "optimisation passes over each rollout batch (1 = on-policy)")
     micro_batch_size: int = _f(8, "sequences per forward/backward (gradient accumulation over the batch)")
-    credit: str = _f("sequence", "which tokens a negative advantage applies to: 'sequence' (every token of the answer, GRPO as written) | 'call' (only the tool-call blocks that match no gold call, and the end of the turn when calls are missing; hermes single-turn answers, else every token: reflrl.train.credit)")
-    self_distill: float = _f(0.0, "weight of self-distillation (SDPO, 'Reinforcement Learning via Self-Distillation', arXiv:2601.20802): every failed rollout is re-scored by the policy itself under a teacher prompt holding the critic's analysis of it (reflection.critic / reflection.reveal) and a correct answer of its group when there is one, and the policy on the original prompt is pulled toward that teacher (self_distill_mode), so all-wrong groups still give a signal; 0 = off (reflrl.train.distill)")
-    self_distill_mode: str = _f("topk", "how the self-teacher's predictions are distilled: 'topk' (forward KL(teacher || policy) on the teacher's top-k tokens at every action token of a failed rollout, plus a tail bucket: pulls the policy toward the tokens the teacher prefers, sampled or not) | 'sampled_token' (SDPO's default: the per-token advantage log pi_teacher - log pi on the sampled tokens only)")
-    self_distill_topk: int = _f(20, "'topk' self-distillation: teacher tokens per position")
-    self_distill_span: str = _f("all", "'topk' self-distillation: which action tokens of a failed rollout are distilled: 'all' | 'first_divergence' (up to and including the first token whose teacher top-1 differs from the sampled token, after which the teacher scores a prefix it already rejects)")
-    self_distill_teacher: str = _f("frozen", "whose weights the self-teacher uses: 'frozen' (the policy as RL started, or as a resumed run restarted: SDPO's 'base' teacher; a copy of the model in memory) | 'live' (the current policy as it trains)")
-    self_distill_clip: float = _f(5.0, "'sampled_token' self-distillation: clamp of the per-token advantage (|teacher - student log-prob| at most this)")
-    negative_weight: float = _f(1.0, "scale of the negative advantages after the group normalisation: 1 = GRPO as written; < 1 leans on the correct samples (positive sample reinforcement, which raises pass@1 fastest; 0 = only them), > 1 on the wrong ones (W-REINFORCE up-weights the negatives for pass@k): 'The Surprising Effectiveness of Negative Reinforcement in LLM Reasoning', arXiv:2506.01347, sec. 3-4")
     downsample_m: int = _f(0, "max-variance down-sampling (efficiency paper, arXiv:2606.00135, sec. 4.2): train on m of n rollouts; 0 = off")
     prefilter_k: int = _f(1, "online pre-rollout filter (efficiency paper, arXiv:2606.00135, sec. 4.1): skip prompts all-correct for k epochs; 0 = off")
 
@@ -200,7 +192,6 @@ class WarmupConfig:
     batch_size: int = _f(4, "SFT examples per step")
     time_budget_min: float | None = _f(None, "guard: cut the warm-up after this many minutes (reported as a cut: the result is then not the recipe's); null = no limit")
     eval_after: bool = _f(True, "evaluate the held-out split right after the warm-up, so the summary tells the warm-up's gain from RL's (one more evaluation)")
-    reflection_share: float = _f(0.0, "reflection practice: this share of the warm-up's examples (on top of the plain ones) are q* -> the gold call, q* holding a mistaken first attempt and the critic's analysis of it, so a small policy learns to act on a critique (reflrl.recovery.practice); 0 = off")
 
 
 @dataclass
@@ -239,7 +230,6 @@ class ReflectionConfig:
     mode: str = _f("replace", "how q* is rendered: 'replace' (the user message becomes appendix C's retry prompt) | 'append' (attempt + retry prompt appended)")
     group: str = _f("add", "how a repair enters its GRPO group: 'replace' (tau* takes the failed rollout's place, as the paper's transformed trajectory) | 'add' (tau* joins the group beside the failure, which keeps its negative advantage)")
     think: bool | None = _f(None, "ask for a <think> block before the calls; null = the variant's default (true for cot and cot_is)")
-    train_on_qstar: bool = _f(False, "also train each repair under its retry prompt q* (on-policy there, with the repair's advantage), beside the repair on q with eq. 2's weight: the paper trains on q only; for a small policy this keeps it acting on critiques during RL (reflrl.recovery.qstar_trajectory)")
     level: str = _f("sequence", "importance ratio level (reflrl.algos.importance): 'sequence' (eq. 2) | 'token' | 'sequence_mean'")
     log_cap: float = _f(5.0, "clamp of the repaired trajectories' log importance ratio (weights within [e^-cap, e^cap])")
     dpo_beta: float = _f(0.1, "'dpo': beta of the DPO loss on (repaired, failed) pairs")
@@ -482,7 +472,6 @@ def _algo_names(cfg: "Config") -> Problems:
     yield from _one_of("algo.policy_loss", a.policy_loss, "policy_loss")
     yield from _one_of("algo.loss_agg", a.loss_agg, "loss_agg")
     yield from _one_of("algo.kl_estimator", a.kl_estimator, "kl_estimator")
-    yield from _one_of("algo.credit", a.credit, ("sequence", "call"))
 
 
 @_check("algo")
@@ -491,7 +480,7 @@ def _algo_ranges(cfg: "Config") -> Problems:
     if not 0 <= a.clip_low < 1:
         yield f"algo.clip_low: must be in [0, 1), got {a.clip_low}"
     yield from _at_least(a, "algo", 0, "clip_high", "kl_coef", "entropy_coef", "value_coef", "weight_decay",
-                         "grad_clip", "adv_eps", "negative_weight", "prefilter_k")
+                         "grad_clip", "adv_eps", "prefilter_k")
     yield from _at_least(a, "algo", 0, "lr", strict=True)
     yield from _at_least(a, "algo", 1, "epochs_per_batch", "micro_batch_size")
     if a.dual_clip_c is not None and a.dual_clip_c <= 1:
@@ -501,20 +490,6 @@ def _algo_ranges(cfg: "Config") -> Problems:
         yield f"algo.value_clip: must be > 0 or null, got {a.value_clip}"
     if not (a.downsample_m == 0 or 2 <= a.downsample_m < r.n):
         yield f"algo.downsample_m: must be 0 (off) or in 2..rollout.n-1 = {r.n - 1}, got {a.downsample_m}"
-
-
-@_check("algo")
-def _self_distill(cfg: "Config") -> Problems:
-    a = cfg.algo
-    yield from _one_of("algo.self_distill_mode", a.self_distill_mode, ("topk", "sampled_token"))
-    yield from _one_of("algo.self_distill_teacher", a.self_distill_teacher, ("frozen", "live"))
-    yield from _one_of("algo.self_distill_span", a.self_distill_span, ("first_divergence", "all"))
-    yield from _at_least(a, "algo", 0, "self_distill")
-    yield from _at_least(a, "algo", 1, "self_distill_topk")
-    yield from _at_least(a, "algo", 0, "self_distill_clip", strict=True)
-    if a.self_distill != 0 and _variant(cfg).dpo:
-        yield (f"algo.self_distill={a.self_distill}: the 'dpo' variant trains DPO pairs only; "
-               "self-distillation needs a policy-gradient variant")
 
 
 @_check("sampling")
@@ -539,7 +514,7 @@ def _warmup(cfg: "Config") -> Problems:
     w = cfg.warmup
     if w.enabled not in ("auto", True, False):
         yield f"warmup.enabled: expected 'auto', true or false, got {_show(w.enabled)}"
-    yield from _in_unit(w, "warmup", "format_rate_threshold", "reflection_share")
+    yield from _in_unit(w, "warmup", "format_rate_threshold")
     yield from _at_least(w, "warmup", 0, "steps", "probe_n")
     yield from _at_least(w, "warmup", 1, "batch_size")
     yield from _at_least(w, "warmup", 0, "lr", strict=True)

@@ -71,12 +71,5 @@ def resolve_precision(requested: str, device: Any) -> Any:
     return DtypeChoice(requested, requested, f"as configured; {where}", where, warning=warn)
 
 
-def check_device_support(cfg: Any, device: Any) -> None:
-    """Raise ConfigError for a setting the trainer runs on the CPU only: self-distillation
-    (``algo.self_distill``) builds its teacher batches on the CPU."""
-    if getattr(device, "type", str(device)) != "cpu" and cfg.algo.self_distill > 0:
-        raise ConfigError(f"algo.self_distill={cfg.algo.self_distill} runs on the CPU only; set train.device=cpu "
-                          "or algo.self_distill=0")
 
-
-__all__ = ["DEVICES", "check_device_support", "cuda_available", "resolve_device", "resolve_precision"]
+__all__ = ["DEVICES", "cuda_available", "resolve_device", "resolve_precision"]

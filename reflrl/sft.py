@@ -85,15 +85,6 @@ def build_examples(tasks: Sequence[Task], tokenizer: Any, messages_fn: Callable[
     return out
 
 
-def example_from_messages(messages: list[dict], gold: Sequence[Any], tokenizer: Any, fmt: str = "hermes",
-                          task_id: str = "") -> SFTExample:
-    """An example with an explicit prompt: ``messages`` rendered with the chat template (e.g. a q* of
-    :mod:`reflrl.recovery.practice`) followed by the gold calls written in ``fmt`` and the end of turn."""
-    ids = tokenizer(format_calls(list(gold), fmt), add_special_tokens=False)["input_ids"]
-    return SFTExample(render_prompt(tokenizer, messages), list(ids) + [end_of_turn_id(tokenizer)], task_id,
-                      shows_fault(messages))
-
-
 def collate(examples: Sequence[SFTExample], pad_id: int) -> dict[str, torch.Tensor]:
     """Right-padded batch: input_ids, attention_mask, response_mask, all [B, L] (L = longest P+A).
 

@@ -108,7 +108,7 @@ def run_config(model_dir: Path, device: str, steps: int, out_dir: Path, max_new_
         "env.faults=", "env.concurrency=8",
         "rollout.n=4", "rollout.batch_prompts=2", f"rollout.max_new_tokens={max_new_tokens}",
         "rollout.temperature=1.0", "rollout.engine=transformers", "rollout.answer_cap=null",
-        "algo.lr=1e-5", "algo.micro_batch_size=8", "algo.downsample_m=0", "algo.prefilter_k=0", "algo.self_distill=0",
+        "algo.lr=1e-5", "algo.micro_batch_size=8", "algo.downsample_m=0", "algo.prefilter_k=0",
         "reflection.variant=grpo", "warmup.enabled=false",
         f"train.steps={steps}", "train.save_every=1", "train.keep_checkpoints=2", "train.eval_every=0",
         "train.time_budget_min=null", "train.rl_minutes=null", f"train.device={device}", "train.seed=0",

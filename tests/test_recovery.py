@@ -390,44 +390,6 @@ def test_logged_rollouts_show_each_rollout_once_with_its_advantage_and_a_repair_
     assert all(r["advantage"] is None for r in fails if r["group"] not in with_rep)
 
 
-def test_train_on_qstar_trains_each_repair_once_more_under_its_retry_prompt(tmp_path):
-    """reflection.train_on_qstar: each repair enters the update twice, on q (eq. 2's weight) and on q*
-    (on-policy there: its behaviour log-probs are its old log-probs, no weight); q never holds the answer."""
-    seen = {}
-    for on in (False, True):
-        cfg = tiny_cfg(tmp_path / str(on), "tool_rerl", **{"reflection.max_per_step": 2, "reflection.group": "add",
-                                                           "reflection.train_on_qstar": on})
-        tr = make_trainer(cfg, tmp_path / str(on) / "run", gold_on_retry)
-        try:
-            m = tr.train_step()
-        finally:
-            tr.close()
-        seen[on] = m
-    off, on = seen[False], seen[True]
-    assert off["repaired_trained"] == on["repaired_trained"] == 2 and "qstar_trained" not in off
-    assert on["qstar_trained"] == 2 and on["update_sequences"] == off["update_sequences"] + 2
-    assert on["rerl/count"] == off["rerl/count"]  # the q* rows carry no importance weight
-
-
-def test_qstar_trajectory_is_the_repair_on_its_retry_prompt(tmp_path):
-    cfg = tiny_cfg(tmp_path, "tool_rerl", **{"reflection.max_per_step": 1})
-    tr = make_trainer(cfg, tmp_path / "run")
-    try:
-        trajs = tr.rollout([0], 0, {})
-        tr.recover(trajs, 0)
-        rep = next(t for t in trajs if t.repaired)
-        render = lambda msgs: R.render_prompt(tr.tokenizer, msgs)  # noqa: E731
-        q_star = RC.qstar_trajectory(rep, render)
-        assert not q_star.repaired and q_star.reward == rep.reward and q_star.group == rep.group
-        assert q_star.response_ids == rep.response_ids and q_star.old_logprobs == rep.old_logprobs
-        assert RETRY_HEADER in tr.tokenizer.decode(q_star.prompt_ids)
-        assert RETRY_HEADER not in tr.tokenizer.decode(rep.prompt_ids)
-        with pytest.raises(ValueError, match="repaired"):
-            RC.qstar_trajectory(rep.original, render)
-    finally:
-        tr.close()
-
-
 def test_ref_variant_trains_repairs_without_weight(tmp_path):
     cfg = tiny_cfg(tmp_path, "ref", **{"reflection.max_per_step": 1})
     tr = make_trainer(cfg, tmp_path / "run")
@@ -515,38 +477,3 @@ def test_group_add_keeps_the_failures_negative_signal(tmp_path):
         assert len(RC.own_rollouts(trajs)) == 4 and sum(t.repaired for t in trajs) == 2
     finally:
         tr.close()
-
-
-# ----------------------------------------------------------------------------- reflection practice
-def test_reflection_practice_pairs_are_real_q_stars_of_mistaken_attempts():
-    """warmup.reflection_share: each practice example is q* built exactly as for a real failure (the
-    retry prompt with a mistaken attempt and the critic's negative analysis) -> the task's gold call;
-    the task's own prompt q carries no ground truth."""
-    from reflrl.envs import datasets as ds
-    from reflrl.envs.parsing import parse
-    from reflrl.envs.rewards import calls_match
-    from reflrl.recovery.practice import MISTAKES, mistake, practice_messages
-    from reflrl.train.setup import messages_fn
-
-    cfg = C.load_config(ROOT / "configs" / "default.yaml")
-    tasks = ds.synthetic_splits(n_train=40, n_val=0, n_test=0, seed=0, kinds=("single", "parallel"))["train"]
-    msgs = messages_fn(cfg)
-    pairs = practice_messages(tasks, messages_fn=msgs, critic=RuleCritic(), fmt="hermes", count=12, seed=3)
-    assert len(pairs) == 12
-    for task, qstar in pairs:
-        q = msgs(task)
-        assert qstar[0] == q[0]  # the same system prompt with the tools
-        retry = qstar[-1]["content"]
-        assert retry.startswith(RETRY_HEADER) and f'Original request: "{task.query}"' in retry
-        attempt = retry.split("Attempt 1: ", 1)[1].split("\nFeedback: ", 1)[0]
-        assert not calls_match(list(parse(attempt).calls), list(task.gold[0]))  # really a mistake
-        assert gold_text(task) not in q[-1]["content"]  # q never holds the answer
-    same = practice_messages(tasks, messages_fn=msgs, critic=RuleCritic(), fmt="hermes", count=12, seed=3)
-    assert [m for _, m in same] == [m for _, m in pairs]  # seeded
-    import random
-
-    gold = [ToolCall("a", {"x": 1, "y": "b"}), ToolCall("c", {"z": 2})]
-    tools = [{"name": n, "parameters": {}} for n in ("a", "c", "d")]
-    for kind in MISTAKES:
-        bad = mistake(gold, tools, random.Random(0), pool=[5, "q"], kind=kind)
-        assert bad is not None and not calls_match(bad, gold), kind

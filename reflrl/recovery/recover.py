@@ -87,23 +87,6 @@ def repaired_trajectory(t: R.Trajectory, rec: RepairRecord) -> R.Trajectory:
     return new
 
 
-def qstar_trajectory(t: R.Trajectory, render: Callable[[list[dict]], list[int]]) -> R.Trajectory:
-    """A repair ``t`` as a sample of its OWN prompt q*: q*'s tokens (``render(t.repair.augmented_messages)``),
-    tau*'s ids with their log-probs under q* at sampling time, so it is on-policy there (ratio 1 at one
-    epoch) and no importance weight applies. ``reflection.train_on_qstar`` trains it beside the repair on
-    q: Tool-ReRL (eq. 2) trains tau* on q only, and a small policy's acting on a critique, which nothing
-    else trains during RL, then drifts away. Raises ValueError for a trajectory that is not a repair."""
-    if not t.repaired:
-        raise ValueError("qstar_trajectory needs a reflection-repaired trajectory")
-    new = R.Trajectory(task=t.task, group=t.group, prompt_ids=render(t.repair.augmented_messages))
-    cut = _last_action_start(t)  # q* holds the earlier steps: tau* alone is the answer to it
-    new.response_ids, new.loss_mask = list(t.response_ids[cut:]), list(t.loss_mask[cut:])
-    new.old_logprobs = list(t.old_logprobs[cut:])
-    new.reward, new.correct, new.turns, new.texts, new.steps = t.reward, t.correct, t.turns, list(t.texts), list(t.steps)
-    new.added = True
-    return new
-
-
 async def arecover(trajs: list[R.Trajectory], *, cfg: C.Config, engine: Any, tokenizer: Any, envs: Sequence[Any],
                    critic: Any, messages_of: Callable[[Any], list[dict]], rollout_cfg: R.RolloutSpec,
                    seed: int = 0) -> RecoveryResult:

@@ -95,15 +95,9 @@ class UpdateBatch:
         return out
 
 
-def make_batch(trajs: Sequence[Trajectory], advantages: Sequence[float], pad_id: int,
-               token_weights: Sequence[Sequence[float] | None] | None = None,
-               token_bonus: Sequence[Sequence[float] | None] | None = None) -> UpdateBatch:
+def make_batch(trajs: Sequence[Trajectory], advantages: Sequence[float], pad_id: int) -> UpdateBatch:
     """Pack trajectories into an :class:`UpdateBatch`; the per-rollout advantage is broadcast over
-    its action tokens (loss_mask 1) only, so observation tokens carry none. ``token_weights[i]``
-    (length R of rollout i, or None = all 1) scales rollout i's advantage per token (per-call credit,
-    :mod:`reflrl.train.credit`); ``token_bonus[i]`` (length R, or None) is then ADDED per action token
-    (self-distillation, :mod:`reflrl.train.distill`). The response mask, and so the token-mean
-    denominator, is unchanged."""
+    its action tokens (loss_mask 1) only, so observation tokens carry none."""
     if len(trajs) != len(advantages):
         raise ValueError(f"{len(trajs)} trajectories but {len(advantages)} advantages")
     prompts: list[list[int]] = []
@@ -128,16 +122,6 @@ def make_batch(trajs: Sequence[Trajectory], advantages: Sequence[float], pad_id:
         resp[i, :n] = torch.tensor(t.loss_mask, dtype=torch.long)
         elp[i, :n] = torch.tensor(t.old_logprobs, dtype=torch.float32)
         adv[i, :n] = float(a) * resp[i, :n].float()
-        w = token_weights[i] if token_weights is not None else None
-        if w is not None:
-            if len(w) != n:
-                raise ValueError(f"token_weights[{i}] has {len(w)} entries for {n} response tokens")
-            adv[i, :n] *= torch.tensor(list(w), dtype=torch.float32)
-        b = token_bonus[i] if token_bonus is not None else None
-        if b is not None:
-            if len(b) != n:
-                raise ValueError(f"token_bonus[{i}] has {len(b)} entries for {n} response tokens")
-            adv[i, :n] += torch.tensor(list(b), dtype=torch.float32) * resp[i, :n].float()
     return UpdateBatch(prompts, torch.tensor(owner, dtype=torch.long), ids, attn, resp, elp, adv, pad_id=pad_id,
                        repaired=torch.tensor([bool(getattr(t, "repaired", False)) for t in trajs], dtype=torch.bool))
 

@@ -49,13 +49,12 @@ from reflrl.budget import budget_cut_text, cut_record
 from reflrl.errors import DiskSpaceError
 from reflrl.envs.seeding import derive_seed
 from reflrl.progress import Progress
-from reflrl.recovery import RecoveryLedger, own_rollouts, qstar_trajectory, step_accounting
+from reflrl.recovery import RecoveryLedger, own_rollouts, step_accounting
 from reflrl.runlog import RunLog, latest_checkpoint, load_checkpoint, refuse_existing_run, refuse_slimmed_resume
 from reflrl.threads import fix_threads
 
 from . import step as S
 from .batch import make_batch
-from .credit import blamed_fraction, trajectory_credit
 from .data import PromptSampler, splits_from_config
 from .setup import EngineFactory, answer_format, build_components, check_checkpoint_space, messages_fn
 from .summary import build_summary, ledger_totals
@@ -124,8 +123,6 @@ class Trainer:
             raise C.ConfigError(f"model.trainable={cfg.model.trainable!r} leaves no trainable parameter")
         self.optimizer = torch.optim.AdamW(params, lr=cfg.algo.lr, weight_decay=cfg.algo.weight_decay)
         self.ref_model = None  # KL / DPO reference: the policy as RL starts, see run()
-        self._sd_critic: Any = None  # self-distillation's critic and frozen teacher, made at first use
-        self._sd_teacher: torch.nn.Module | None = None
         self.loop = asyncio.new_event_loop()
 
         # ---- run folder and state -------------------------------------------------------
@@ -240,20 +237,11 @@ class Trainer:
                          messages=self.messages, fmt=answer_format(self.cfg), format_rate_before=before,
                          over_budget=self._over_budget, reserve_s=n_evals * self._eval_estimate_s(),
                          progress=self.progress_out, log=lambda s, m: self.log.log(s, m, phase="warmup"),
-                         say=self.say, probe=self.probe_format_rate if w.probe_n > 0 else None,
-                         critic=self.critic or self._practice_critic())
+                         say=self.say, probe=self.probe_format_rate if w.probe_n > 0 else None)
         self.state["timers"]["warmup_s"] += out.get("seconds", 0.0)
         if out.get("sft_cut"):
             self._record_cut("warm-up", out["sft_steps"], w.steps)
         return out
-
-    def _practice_critic(self) -> Any:
-        """The critic of reflection practice when the variant itself does not reflect: the rule critic."""
-        if self.cfg.warmup.reflection_share <= 0:
-            return None
-        from reflrl.recovery import get_critic
-
-        return get_critic("rule", reveal=self.cfg.reflection.reveal)
 
     # -------------------------------------------------------------------------------- one RL step
     def collect(self, want: int, round_: int, timings: dict[str, float]) -> tuple[list[int], list[R.Trajectory]]:
@@ -332,18 +320,13 @@ class Trainer:
         """Advantages over the kept groups, then the optimiser step(s); (metrics, trajectories with a signal)."""
         cfg, a = self.cfg, self.cfg.algo
         train_trajs, adv, group_ids = S.group_advantages(kept, a)
-        sd = self.self_distill(kept) if a.self_distill > 0 else None  # the config refuses it with 'dpo'
         # rollouts with zero advantage give exactly zero gradient: leave them out of the compute
-        # (a self-distilled rollout has a per-token signal even where GRPO's is zero)
-        use = [i for i, v in enumerate(adv) if (v != 0.0 or (sd is not None and id(train_trajs[i]) in sd.token_adv))
-               and train_trajs[i].n_action_tokens > 0]
+        use = [i for i, v in enumerate(adv) if v != 0.0 and train_trajs[i].n_action_tokens > 0]
         self._advantages = {id(train_trajs[i]): adv[i] for i in use}  # for train.log_rollouts
         m: dict[str, Any] = {"groups_trained": len({group_ids[i] for i in use}),
                              "adv_abs_mean": float(np.mean(np.abs(adv))) if adv else 0.0,
                              "repaired_trained": float(sum(bool(train_trajs[i].repaired) for i in use)),
                              "trained_rollouts": len(train_trajs)}
-        if sd is not None:
-            m.update(sd.metrics)
         n_signal = len(use)
         if self.variant.dpo:  # Tool-ReRL's DPO baseline: DPO on (repaired, failed) pairs only
             from reflrl.recovery import dpo_pairs
@@ -354,60 +337,16 @@ class Trainer:
                 if self.ref_model is None:  # the policy as DPO starts (no update happened before the first pair)
                     self.ref_model = frozen_copy(self.model)
                 m.update(dpo_update(self.model, self.optimizer, self.ref_model, pairs, cfg, self.pad_id))
-        elif use or (sd is not None and sd.targets is not None and sd.targets.rows):
-            rows, row_adv = [train_trajs[i] for i in use], [adv[i] for i in use]
-            if cfg.reflection.train_on_qstar:  # each repair once more, on its own prompt q*
-                render = lambda msgs: R.render_prompt(self.tokenizer, msgs)  # noqa: E731
-                extra = [(qstar_trajectory(t, render), v) for t, v in zip(rows, row_adv) if t.repaired]
-                rows += [t for t, _ in extra]
-                row_adv += [v for _, v in extra]
-                m["qstar_trained"] = float(len(extra))
-            weights = None
-            if a.credit == "call":  # negative advantages blame only the wrong calls (reflrl.train.credit)
-                fmt = answer_format(cfg)
-                weights = [trajectory_credit(t, self.tokenizer, fmt) if v < 0 else None for t, v in zip(rows, row_adv)]
-                m["credit_blamed_frac"] = blamed_fraction(rows, row_adv, weights)
-            bonus = None
-            if sd is not None:  # SDPO's per-token advantage on the failed rollouts (reflrl.train.distill)
-                bonus = [[a.self_distill * x for x in sd.token_adv[id(t)]] if id(t) in sd.token_adv else None
-                         for t in rows]
-            batch = make_batch(rows, row_adv, self.pad_id, weights, bonus) if rows else None
+        elif use:
+            batch = make_batch([train_trajs[i] for i in use], [adv[i] for i in use], self.pad_id)
             imp = ({"level": cfg.reflection.level, "log_cap": cfg.reflection.log_cap}
                    if self.variant.importance else None)  # eq. 2 on repaired rows (tool_rerl, cot_is, external_is)
             m.update(policy_update(self.model, self.optimizer, batch, a, importance=imp,
-                                   temperature=cfg.rollout.temperature, ref_model=self.ref_model,
-                                   distill=sd.targets if sd is not None else None, pad_id=self.pad_id))
+                                   temperature=cfg.rollout.temperature, ref_model=self.ref_model))
         m["update_skipped"] = float("loss" not in m)
         if "loss" in m and cfg.rollout.engine == "vllm":
             self.remote_engine.update_weights(self.model)  # the next rollouts sample the updated policy
         return m, n_signal
-
-    def self_distill(self, kept: list[list[R.Trajectory]]) -> Any:
-        """Self-distillation advantages of the kept groups' failed rollouts (``algo.self_distill``,
-        :mod:`reflrl.train.distill`): the critic of the variant, else the rule critic."""
-        from .distill import distill_signal, distill_targets, teacher_prompts
-
-        critic = self.critic
-        if critic is None:  # the variant does not reflect (grpo): the rule critic at reflection.reveal
-            if self._sd_critic is None:
-                from reflrl.recovery import get_critic
-
-                self._sd_critic = get_critic("rule", reveal=self.cfg.reflection.reveal)
-            critic = self._sd_critic
-        scored = teacher_prompts(kept, critic=critic, messages_of=self.messages,
-                                 render=lambda msgs: R.render_prompt(self.tokenizer, msgs), fmt=answer_format(self.cfg))
-        a = self.cfg.algo
-        teacher = self.model
-        if a.self_distill_teacher == "frozen":  # the policy as RL started (in this process), SDPO's 'base' teacher
-            if self._sd_teacher is None:
-                self._sd_teacher = frozen_copy(self.model)
-            teacher = self._sd_teacher
-        if a.self_distill_mode == "topk":
-            return distill_targets(teacher, scored, pad_id=self.pad_id, temperature=self.cfg.rollout.temperature,
-                                   k=a.self_distill_topk, span=a.self_distill_span,
-                                   micro_batch_size=a.micro_batch_size)
-        return distill_signal(self.model, scored, pad_id=self.pad_id, temperature=self.cfg.rollout.temperature,
-                              clip=a.self_distill_clip, micro_batch_size=a.micro_batch_size, teacher=teacher)
 
     def account(self, got: S.StepRollouts, n_signal: int, update_metrics: dict[str, Any], timings: dict[str, float],
                 rollout_s: float, update_s: float, t_step: float) -> dict[str, Any]:

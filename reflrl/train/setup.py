@@ -12,7 +12,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from reflrl import config as C
-from reflrl.device import check_device_support, resolve_device, resolve_precision
+from reflrl.device import resolve_device, resolve_precision
 from reflrl.precision import DtypeChoice
 from reflrl.threads import fix_threads
 from reflrl.recovery import Variant, build_critic, think_of, variant_of
@@ -85,7 +85,6 @@ def load_policy(cfg: C.Config, say: Callable[[str], None]) -> tuple[torch.nn.Mod
     t0 = time.perf_counter()
     m = cfg.model
     device = resolve_device(cfg.train.device)  # ConfigError: train.device=cuda where torch sees no GPU
-    check_device_support(cfg, device)
     # 'auto': on the CPU bfloat16 only where it computes it natively; on CUDA bfloat16 where supported
     precision = resolve_precision(m.dtype, device)
     say(precision.log_line() + (f" on {device}" if device.type != "cpu" else ""))

@@ -92,8 +92,7 @@ def group_advantages(groups: Sequence[Sequence[Trajectory]], a: C.AlgoConfig
     Per group: masked rollouts are dropped (they neither get an advantage nor shift the baseline);
     with ``a.downsample_m`` the m live rollouts of maximal reward variance are kept (efficiency paper
     sec. 4.2, eq. 7); the advantage estimator (GRPO eq. 2 by default) runs on what is left
-    (:func:`reflrl.algos.live_group_advantages`), and ``a.negative_weight`` scales the negative
-    advantages. Zero-variance groups get advantage 0.
+    (:func:`reflrl.algos.live_group_advantages`). Zero-variance groups get advantage 0.
     """
     trajs: list[Trajectory] = []
     group_ids: list[int] = []
@@ -108,8 +107,6 @@ def group_advantages(groups: Sequence[Sequence[Trajectory]], a: C.AlgoConfig
     rewards = torch.tensor([t.reward for t in trajs], dtype=torch.float32)
     adv = live_group_advantages(rewards, torch.ones(len(trajs), dtype=torch.bool), group_ids,
                                 estimator=a.advantage, eps=a.adv_eps, gamma=a.gamma, lam=a.lam)
-    if a.negative_weight != 1.0:  # PSR/NSR weighting (arXiv:2506.01347)
-        adv = torch.where(adv < 0, adv * a.negative_weight, adv)
     return trajs, [float(x) for x in adv], group_ids
 
 

@@ -12,13 +12,11 @@ from reflrl.algos import dpo_loss, get_policy_loss_fn, kl_loss, pooled_weight_st
 from reflrl.rollout import Trajectory
 
 from .batch import UpdateBatch, batch_logprobs, make_batch, micro_batches
-from .distill import TopKTargets, topk_distill_loss
 
 
 def policy_update(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: UpdateBatch | None,
                   cfg: C.AlgoConfig, *, temperature: float = 1.0, ref_model: torch.nn.Module | None = None,
-                  share_prompt: bool = True, importance: dict[str, Any] | None = None,
-                  distill: TopKTargets | None = None, pad_id: int = 0) -> dict[str, float]:
+                  share_prompt: bool = True, importance: dict[str, Any] | None = None) -> dict[str, float]:
     """One rollout batch -> ``cfg.epochs_per_batch`` optimiser steps of the clipped surrogate.
 
     Token-mean over the whole batch with gradient accumulation over micro-batches
@@ -34,9 +32,6 @@ def policy_update(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batc
     rows are trained like any rollout (variant ``ref``: no weight). ``rerl/*`` metrics are pooled
     exactly over the repaired rows of the first epoch (the weights at the update's start).
 
-    ``distill`` (``algo.self_distill_mode: topk``): the teacher's top-k targets of the failed rollouts;
-    ``cfg.self_distill`` x their mean per-token forward KL (:func:`reflrl.train.distill.topk_distill_loss`)
-    is added to the loss of every epoch. ``batch`` may then be None (no rollout with a GRPO advantage).
     """
     loss_fn = get_policy_loss_fn("tool_rerl" if importance is not None else cfg.policy_loss)
     rerl_parts: list[dict[str, float]] = []
@@ -45,8 +40,6 @@ def policy_update(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batc
     mbs = [mb.to(dev) for mb in micro_batches(batch, cfg.micro_batch_size)] if batch is not None else []
     total_tokens = float(batch.response_mask.sum()) if batch is not None else 0.0
     n_seq = float((batch.response_mask.sum(-1) > 0).sum()) if batch is not None else 0.0
-    sd_tokens = distill.n_tokens if distill is not None else 0
-    sd_sum = 0.0
     denom = total_tokens if cfg.loss_agg == "token-mean" else n_seq
     old: list[torch.Tensor | None] = [None] * len(mbs)
     if cfg.epochs_per_batch > 1:  # recompute old log-probs once with the current (= sampling) policy
@@ -95,14 +88,6 @@ def policy_update(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batc
                 if k not in ("pg_loss", "tokens", "kl") and not k.startswith("rerl/"):
                     tok_sums[k] = tok_sums.get(k, 0.0) + w * float(v)
             tok_count += w
-        for s0 in range(0, len(distill.rows) if sd_tokens else 0, cfg.micro_batch_size):
-            kl = topk_distill_loss(model, distill, range(s0, min(s0 + cfg.micro_batch_size, len(distill.rows))),
-                                   pad_id=pad_id, temperature=temperature)
-            if not torch.isfinite(kl):
-                raise FloatingPointError(f"self-distillation loss is {float(kl)}; check the learning rate")
-            (cfg.self_distill * kl / sd_tokens).backward()
-            loss_total += float(cfg.self_distill * kl.detach() / sd_tokens)
-            sd_sum += float(kl.detach())
         gn = torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip if cfg.grad_clip > 0 else float("inf"))
         optimizer.step()
         losses.append(loss_total)
@@ -115,8 +100,6 @@ def policy_update(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batc
     out["grad_norm"] = float(np.mean(grad_norms))
     out["update_tokens"] = total_tokens
     out["update_sequences"] = float(len(batch)) if batch is not None else 0.0
-    if sd_tokens:
-        out["sd_kl"] = sd_sum / (sd_tokens * cfg.epochs_per_batch)  # mean per-token forward KL, over the epochs
     if importance is not None:
         out.update(pooled_weight_stats(rerl_parts))
     return out

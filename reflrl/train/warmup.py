@@ -8,21 +8,19 @@ from typing import Any, Callable
 from reflrl import config as C
 from reflrl.envs.seeding import derive_seed
 from reflrl.progress import Progress
-from reflrl.sft import build_examples, example_from_messages, train_sft
+from reflrl.sft import build_examples, train_sft
 
 
 def run_warmup(cfg: C.Config, *, model: Any, tokenizer: Any, train_tasks: list, messages: Callable[[Any], list],
                fmt: str, format_rate_before: tuple[float, str], over_budget: Callable[[float], bool],
                reserve_s: float, progress: Progress, log: Callable[[int, dict], None],
-               say: Callable[[str], None], probe: Callable[[], float] | None = None,
-               critic: Any = None) -> dict[str, Any]:
+               say: Callable[[str], None], probe: Callable[[], float] | None = None) -> dict[str, Any]:
     """Run the warm-up if ``warmup.enabled`` says so (``auto``: when the format rate is below the
     threshold) and return its record (``ran``, ``sft_*`` results, format rates, ``sft_cut``).
 
     format_rate_before: (rate, where it comes from); over_budget(upcoming_s): the run's time guard,
     asked before each step with the step's cost and ``reserve_s`` (the evaluations still to come);
-    probe: a sampled format-rate probe to run after the warm-up (``warmup.probe_n > 0``); critic: the
-    critic of reflection practice (``warmup.reflection_share > 0``)."""
+    probe: a sampled format-rate probe to run after the warm-up (``warmup.probe_n > 0``)."""
     w = cfg.warmup
     out: dict[str, Any] = {"ran": False}
     if w.enabled is False or w.steps == 0:
@@ -34,14 +32,6 @@ def run_warmup(cfg: C.Config, *, model: Any, tokenizer: Any, train_tasks: list, 
         return out
     t0 = time.perf_counter()
     examples = build_examples(train_tasks, tokenizer, messages, fmt=fmt)
-    if w.reflection_share > 0 and critic is not None:  # reflection practice (reflrl.recovery.practice)
-        from reflrl.recovery.practice import practice_messages
-
-        pairs = practice_messages(train_tasks, messages_fn=messages, critic=critic, fmt=fmt,
-                                  count=round(w.reflection_share * len(examples)), mode=cfg.reflection.mode,
-                                  seed=derive_seed(cfg.train.seed, 13, bits=31))
-        examples += [example_from_messages(m, t.gold[0], tokenizer, fmt, t.id) for t, m in pairs]
-        out["practice_examples"] = len(pairs)
 
     # demonstrations are gold answers of fault-free episodes: none shows a fault or a recovery (counted)
     out["demonstrations"] = len(examples)

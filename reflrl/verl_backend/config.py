@@ -231,7 +231,6 @@ _ARR, _ACT, _EP = "actor_rollout_ref.", "actor_rollout_ref.actor.", "reflrl."
 _VERL_VARIANTS = ("grpo", "ppo", "cot", "ref", "tool_rerl")
 _ONLY_POLICY = "only read with env.fault_exposure='policy', which the verl backend refuses"
 _ONLY_SAMPLER = "only read with sampling.sampler != 'none' or sampling.curriculum, which the verl backend refuses"
-_ONLY_SD = "only read with algo.self_distill > 0, which the verl backend refuses"
 _ONLY_WARMUP = "only read by the SFT warm-up, which the verl backend refuses (warmup.enabled must be false)"
 
 #: every key of our Config (dotted) -> its :class:`Decision`; tests/test_verl_config.py walks the Config
@@ -332,18 +331,6 @@ KEYS: dict[str, Decision] = {
     "algo.micro_batch_size": _mapped("actor.ppo_micro_batch_size_per_gpu when verl.micro_batch_size_per_gpu "
                                      "is null (sequences per forward/backward, per GPU)",
                                      _ACT + "ppo_micro_batch_size_per_gpu", 2),
-    "algo.credit": _refused("the verl backend gives every token its sequence advantage; per-call credit is a "
-                            "CPU-trainer option", _is("sequence"), "call"),
-    "algo.self_distill": _refused("self-distillation re-scores rollouts under the critic's teacher prompt in the "
-                                  "CPU trainer (reflrl.train.distill); the verl backend has no such step",
-                                  _is(0, 0.0), 0.5),
-    "algo.self_distill_mode": _not_needed(_ONLY_SD),
-    "algo.self_distill_topk": _not_needed(_ONLY_SD),
-    "algo.self_distill_span": _not_needed(_ONLY_SD),
-    "algo.self_distill_teacher": _not_needed(_ONLY_SD),
-    "algo.self_distill_clip": _not_needed(_ONLY_SD),
-    "algo.negative_weight": _refused("the verl backend trains with GRPO's advantages as computed (1.0); "
-                                     "negative_weight is a CPU-trainer option", _is(1.0, 1), 0.5),
     "algo.downsample_m": _refused("max-variance down-sampling runs in the CPU trainer only (on verl 0.9.1 its "
                                   "place is the v1 trainer's sampler, not wired)", _is(0), 2),
     "algo.prefilter_k": _refused("the pre-rollout filter runs in the CPU trainer only (on verl 0.9.1 its place "
@@ -360,8 +347,7 @@ KEYS: dict[str, Decision] = {
     "warmup.enabled": _refused("the verl backend runs RL only; warm up with the CPU trainer and point "
                                "model.name at the result", _is(False), "auto"),
     **{f"warmup.{k}": _not_needed(_ONLY_WARMUP) for k in (
-        "format_rate_threshold", "probe_n", "steps", "lr", "batch_size", "time_budget_min", "eval_after",
-        "reflection_share")},
+        "format_rate_threshold", "probe_n", "steps", "lr", "batch_size", "time_budget_min", "eval_after")},
     # train
     "train.steps": _mapped("trainer.total_training_steps", "trainer.total_training_steps", 5),
     "train.time_budget_min": _refused("verl has no time budget; stop it with train.steps", _is(None), 30.0),
@@ -407,8 +393,6 @@ KEYS: dict[str, Decision] = {
     "reflection.group": _refused("on verl a repair takes the failed episode's place in its group ('replace')",
                                  _is("replace"), "add"),
     "reflection.think": _mapped("reflrl.think (a <think> block in the prompts)", _EP + "think", True),
-    "reflection.train_on_qstar": _refused("the verl backend trains repairs on q only; train_on_qstar is a "
-                                          "CPU-trainer option", _is(False), True),
     "reflection.level": _mapped("the loss: reflrl_tool_rerl (sequence), _token, _seqmean"),
     "reflection.log_cap": _refused(f"the verl losses are registered with log_cap {DEFAULT_LOG_CAP} "
                                    "(reflrl.verl_backend.losses.register_losses)", _is(DEFAULT_LOG_CAP), 3.0),
@@ -422,13 +406,11 @@ VERL_BASE: dict[str, dict[str, Any]] = {
     "model": {"trainable": "all", "dtype": "auto"},
     "env": {"fault_exposure": "client"},
     "rollout": {"answer_cap": None, "stop_at_complete": False, "engine": "transformers"},
-    "algo": {"downsample_m": 0, "prefilter_k": 0, "self_distill": 0.0, "negative_weight": 1.0, "credit": "sequence",
-             "adv_eps": DEFAULT_EPS},
+    "algo": {"downsample_m": 0, "prefilter_k": 0, "adv_eps": DEFAULT_EPS},
     "sampling": {"sampler": "none", "curriculum": False},
     "warmup": {"enabled": False},
     "train": {"time_budget_min": None, "rl_minutes": None, "log_every": 1, "log_rollouts": False, "device": "auto"},
-    "reflection": {"variant": "grpo", "critic": "rule", "max_per_step": 0, "group": "replace", "train_on_qstar": False,
-                   "log_cap": DEFAULT_LOG_CAP},
+    "reflection": {"variant": "grpo", "critic": "rule", "max_per_step": 0, "group": "replace", "log_cap": DEFAULT_LOG_CAP},
 }
 
 
