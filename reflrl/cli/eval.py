@@ -21,8 +21,8 @@ def add_eval_commands(subparsers: Any) -> None:
                     "with the benchmarks' own metrics over several seeds and writes results.json, "
                     "manifest.json, report.md and predictions.jsonl. The data ships with reflrl (TaskBench's "
                     "whole files are downloaded once when a run needs them). By default it runs a fixed "
-                    "subset sized for about 20 minutes on 2 CPU cores (the first samples of every subset, "
-                    "2 seeds) and says so; --full runs everything. "
+                    "subset sized for about 20 minutes on 2 CPU cores (the first samples of every subset) "
+                    "and says so; --full runs everything. "
                     "'reflrl eval compare RUN_A RUN_B' compares two such runs against seed noise.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     ev.add_argument("targets", nargs="+", metavar="BENCH",
@@ -41,12 +41,15 @@ def add_eval_commands(subparsers: Any) -> None:
                          "rotbench/first_turn/<level>.json, taskbench/data_<domain>/{data,tool_desc}.json, "
                          "seal-tools/{test_in_domain,test_out_domain,tool}.jsonl (default "
                          "$REFLRL_BENCH_DATA); BFCL's data comes with the bfcl-eval package")
-    ev.add_argument("--limit", default=None,
+    from reflrl.eval.plan import DEFAULT_LIMIT, DEFAULT_SEEDS, FULL_SEEDS
+
+    ev.add_argument("--limit", default=argparse.SUPPRESS,
                     help="first N samples of each subset (level / category / domain / split): N for every "
-                         "benchmark or bench=N,... (default: rotbench=8,taskbench=5,bfcl=6,sealtools=20)")
-    ev.add_argument("--seeds", default=None,
-                    help="number of seeds (0..K-1), K or bench=K,...; results are mean ± std "
-                         "(default: 2 per benchmark, 3 with --full)")
+                         "benchmark or bench=N,... (default, a subset: "
+                         f"{','.join(f'{b}={n}' for b, n in DEFAULT_LIMIT.items())})")
+    ev.add_argument("--seeds", default=argparse.SUPPRESS,
+                    help="number of seeds (0..K-1), K or bench=K,...; results are mean ± std (default: "
+                         f"{','.join(f'{b}={n}' for b, n in DEFAULT_SEEDS.items())}; {FULL_SEEDS} with --full)")
     ev.add_argument("--full", action="store_true",
                     help="every sample of every subset (hours on a CPU; TaskBench's whole files are "
                          "downloaded once)")
@@ -129,7 +132,8 @@ def cmd_eval(args: argparse.Namespace) -> int:
     t_start = time.monotonic()
     benchmarks = list(dict.fromkeys(args.targets))
     try:
-        limits, nseeds, mode = sizes(benchmarks, limit=args.limit, seeds=args.seeds, full=args.full)
+        limits, nseeds, mode = sizes(benchmarks, limit=getattr(args, "limit", None),
+                                     seeds=getattr(args, "seeds", None), full=args.full)
     except ValueError as e:
         raise UserError(str(e)) from None
     if "bfcl" in benchmarks:
