@@ -43,13 +43,20 @@ def make_run(path: Path, *, seed: int = 0, fault_rate: float = 0.1, reflection: 
              "correct_rate": 0.2 + 0.5 * progress, "zero_var_ratio": max(0.0, 0.8 - 0.5 * progress),
              "masked": rng.randint(0, 2), "groups_trained": rng.randint(1, 4), "time_rollout_s": 2 + rng.random(),
              "time_update_s": 1 + rng.random(), "reflect/failed": 6, "reflect/recovered_by_retry": 2,
-             "tool_calls": 20, "signal_trajectories": 8}
+             "tool_calls": 20, "signal_trajectories": 8,
+             # the held-out numbers on the step's own rollouts (reflrl.rollout.rollout_stats, step_accounting)
+             "rollout_accuracy": 0.18 + 0.5 * progress, "rollout_clean_accuracy": 0.25 + 0.5 * progress,
+             "rollout_recovery_under_faults": 0.1 + 0.6 * progress if fault_rate else None,
+             "reflection_ratio_env_fault": (0.3 + 0.4 * progress) if reflection and fault_rate else None,
+             "reflection_ratio_policy_error": 0.1 + 0.05 * rng.random() if reflection else None}
         if reflection:
             r["rerl/weight_mean"] = 0.12 * math.exp(-step / 6) + 0.015
             r["rerl/weight_std"] = 0.3 * r["rerl/weight_mean"]
         rows.append(r)
         if step % 8 == 0:
-            rows.append({"step": step, "phase": "eval", "val_accuracy": 0.2 + 0.4 * progress, "val_n": 20})
+            rows.append({"step": step, "phase": "eval", "val_accuracy": 0.2 + 0.4 * progress, "val_n": 20,
+                         "val_clean_accuracy": 0.25 + 0.4 * progress,
+                         "val_recovery_under_faults": 0.1 + 0.5 * progress if fault_rate else None})
     rows.append({"step": steps, "phase": "eval", "test_accuracy": acc_after, "test_stderr": 0.06, "test_n": 40})
     (path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     refl = 30.0 if reflection else 0.0
@@ -62,6 +69,16 @@ def make_run(path: Path, *, seed: int = 0, fault_rate: float = 0.1, reflection: 
         "time_s": {"rollout_s": 60.0, "update_s": 30.0, "eval_s": 10.0, "warmup_s": 0.0, "load_s": 4.0,
                    "total_s": 110.0},
         "config": {"faults": cfg["env"]["faults"], "model": "tiny-random", "seed": seed},
+        "heldout": {stage: {"accuracy": acc, "clean_accuracy": acc + 0.05,
+                            "recovery_under_faults": rec if fault_rate else None, "n": 40, "n_clean": 30,
+                            "n_faulted": 10 if fault_rate else 0,
+                            "reflection_ratio_env_fault": (rec + 0.1) if reflection and fault_rate else None,
+                            "reflection_ratio_policy_error": 0.1 if reflection else None, "eval_fault_seed": 1234}
+                    for stage, acc, rec in (("before", 0.2, 0.0), ("after_warmup", 0.45, 0.2),
+                                            ("after", acc_after, 0.5))},
+        "time_split": {"load_s": 4.0, "eval_s": 10.0, "warmup_s": 0.0, "rl_s": 90.0, "other_s": 6.0,
+                       "total_s": 110.0, "load_share": 4 / 110, "eval_share": 10 / 110, "warmup_share": 0.0,
+                       "rl_share": 90 / 110, "other_share": 6 / 110},
         "recovery": {"variant": cfg["reflection"]["variant"], "rollouts": 384.0, "failed": 140.0,
                      "failed_env_fault": 9.0 + 0.2 * refl, "failed_policy_error": 131.0 - 0.2 * refl,
                      "recovered_by_retry": 40 * (1 + fault_rate), "reflected": refl * 1.5,

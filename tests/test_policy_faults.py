@@ -358,7 +358,8 @@ def test_a_run_under_policy_faults_reports_the_three_accuracies_and_clean_demons
             return gold_text(task)
         return answer
 
-    cfg = tiny_cfg(tmp_path, **{"train.steps": 1, "train.save_every": 0, "env.faults": "server_error=0.3",
+    cfg = tiny_cfg(tmp_path, **{"train.steps": 2, "train.save_every": 0, "env.faults": "server_error=0.3",
+                                "data.n_val": 2, "train.eval_every": 1,
                                 "env.fault_exposure": "policy", "warmup.enabled": "true", "warmup.steps": 1,
                                 "warmup.eval_after": "true", "reflection.variant": "tool_rerl",
                                 "reflection.critic": "rule", "env.eval_fault_seed": 5,
@@ -388,3 +389,144 @@ def test_a_run_under_policy_faults_reports_the_three_accuracies_and_clean_demons
             assert h["reflection_ratio_env_fault"] == h["recovered_env_fault"] / h["reflected_env_fault"]
     assert s["heldout"]["after"]["n_faulted"] == again["n_faulted"] > 0
     assert s["heldout"]["before"]["n_faulted"] == again["n_faulted"]
+    _check_fault_metrics_report_and_printout(tmp_path / "run", s)
+
+
+def _check_fault_metrics_report_and_printout(run_dir, s):
+    """The per-step numbers in metrics.jsonl, the report's held-out table and learning curves, the printed
+    three-point lines and the time split, against the run's own numbers."""
+    from reflrl.report import build_report, load_run
+    from reflrl.report import derive as D
+    from reflrl.train.summary import format_summary
+
+    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    train = [r for r in rows if r["phase"] == "train"]
+    assert [r["step"] for r in train] == [1, 2]
+    for r in train:  # the scripted policy answers gold unless it was shown a fault, then it gives up
+        assert r["rollout_clean_accuracy"] in (1.0, None) and r["rollout_recovery_under_faults"] in (0.0, None)
+        assert r["rollout_n_clean"] + r["rollout_n_faulted"] == r["reflect/rollouts"]
+        of = r["reflect/reflected_env_fault"]
+        assert r["reflection_ratio_env_fault"] == (r["reflect/recovered_env_fault"] / of if of else None)
+    vals = [r for r in rows if r["phase"] == "eval" and "val_accuracy" in r]
+    assert [r["step"] for r in vals] == [1, 2] and all(r["val_clean_accuracy"] in (1.0, None) for r in vals)
+    # one evaluation per stage: the episodes under faults give every number, no separate plain evaluation
+    for key in ("eval_before", "eval_after_warmup", "eval_after"):
+        ev = s[key]
+        assert ev["n"] == 4 and "format_rate" in ev and sum(b[1] for b in ev["by_gold_calls"].values()) == 4
+        assert sum(b[0] for b in ev["by_gold_calls"].values()) == round(ev["accuracy"] * 4)
+    # time split: load, evaluations, warm-up, RL, the rest add up to the run's wall time
+    t = s["time_split"]
+    assert abs(sum(t[k] for k in ("load_s", "eval_s", "warmup_s", "rl_s", "other_s")) - t["total_s"]) < 0.5
+    assert t["rl_s"] == s["rl_seconds"] and abs(t["rl_share"] - t["rl_s"] / t["total_s"]) < 0.01
+
+    rep = build_report(run_dir)
+    assert (run_dir / "plots" / "learning_curves.png").stat().st_size > 8000
+    run = load_run(run_dir)
+    curves = {c.key: c for c in D.learning_curves(run)}
+    assert curves["recovery_under_faults"].rollout_steps == [r["step"] for r in train
+                                                             if r["rollout_recovery_under_faults"] is not None]
+    assert curves["accuracy"].val_steps == [1, 2] and curves["accuracy"].val == [r["val_accuracy"] for r in vals]
+    assert curves["clean_accuracy"].val_steps == [r["step"] for r in vals if r["val_clean_accuracy"] is not None]
+    for key, _label in D.HELDOUT_METRICS:
+        pts = {name: v for name, _step, v in curves[key].points}
+        for stage, name in D.HELDOUT_STAGES:
+            assert pts.get(name) == s["heldout"][stage][key]
+    md = rep.markdown.read_text()
+    assert "## Held-out: base, after warm-up, after RL" in md
+    h = s["heldout"]
+
+    def pct(x):
+        return "n/a" if x is None else f"{100 * x:.1f}%"
+
+    line = next(x for x in md.splitlines() if x.startswith("| recovery under faults |"))
+    for stage in ("before", "after_warmup", "after"):
+        assert pct(h[stage]["recovery_under_faults"]) in line
+    assert "recovery under faults" in rep.html.read_text() and "learning_curves" in rep.html.read_text()
+    text = format_summary(s)
+    assert re.search(r"recovery under faults: base \S+ \(of \d+\) -> after warm-up \S+ \(of \d+\) -> after RL", text)
+    assert "no fault met: base 100.0%" in text and "time split: load" in text and "% of the run" in text
+
+
+# ------------------------------------------------- fresh fault draws per attempt, counting, multi-turn
+def test_each_reflection_attempt_meets_fresh_fault_draws_and_the_earlier_steps_replay_the_same():
+    """Reset option fault_draw=(1, d): step 0 meets the seed's own faults whatever d is, step 1 meets
+    draw d's faults, the same for the same (seed, d) and different across attempts."""
+    env = _env(PARALLEL, "server_error=0.5")
+    gold = gold_actions(PARALLEL)[0]
+
+    def faults(seed: int, draw: int):
+        env.reset(seed=seed, options={"task": PARALLEL, "fault_draw": (1, draw)})
+        _o, _r, term, _t, i0 = env.step(gold)
+        if term:
+            return None
+        _o, _r, _term, _t, i1 = env.step(gold)
+        return [f["call_index"] for f in i0["shown_faults"]], [f["call_index"] for f in i1["shown_faults"]]
+
+    seed = next(s for s in range(50) if faults(s, 0) is not None)  # a seed whose first step meets a fault
+    runs = {d: faults(seed, d) for d in range(8)}
+    assert len({tuple(r[0]) for r in runs.values()}) == 1          # the replayed step: the same faults
+    assert len({tuple(r[1]) for r in runs.values()}) > 1           # the new try: each draw its own
+    assert faults(seed, 3) == runs[3]                              # deterministic
+    with pytest.raises(ValueError, match="fault_draw"):
+        env.reset(seed=0, options={"task": PARALLEL, "fault_draw": "x"})
+    env.close()
+
+
+def test_a_policy_that_calls_again_after_a_fault_is_counted_recovered_by_policy():
+    import asyncio
+
+    from reflrl import rollout as R
+    from reflrl.models import load_tokenizer
+    from reflrl.recovery import count_rollouts, triage
+
+    from doubles import ScriptedEngine, gold_text
+
+    tok = load_tokenizer("tiny-random")
+    tasks = [WEATHER, FILE]
+    eng = ScriptedEngine(tok, lambda text, j: gold_text(next(t for t in tasks if t.query in text)))
+    envs = [gymnasium.make(reflrl.envs.SINGLE_TURN_ID, dataset=tasks, faults="server_error=0.4", seed=k,
+                           fault_exposure="policy", timeout=1.0).unwrapped for k in range(16)]
+    trajs = asyncio.run(R.arollout(eng, tok, envs, tasks, 8, R.RolloutSpec(max_new_tokens=96), seed=3))
+    again = [t for t in trajs if t.recovered_by_policy]
+    assert again  # it met a fault, was shown it, called again and ended right
+    for t in again:
+        assert t.correct and not t.masked and t.met_fault and len(t.steps) >= 2
+        assert triage(t) == "recovered_by_policy"
+    assert count_rollouts(trajs)["recovered_by_policy"] == len(again)
+    out = R.fault_outcomes(trajs)
+    hit = [t for t in trajs if t.met_fault]
+    assert out["n_faulted"] == len(hit) and out["n_clean"] == len(trajs) - len(hit)
+    assert out["recovery_under_faults"] == sum(t.correct and not t.masked for t in hit) / len(hit)
+    assert out["recovered_by_policy"] == len(again)
+    stats = R.rollout_stats(trajs)
+    assert stats["rollout_recovery_under_faults"] == out["recovery_under_faults"]
+    assert stats["rollout_clean_accuracy"] == 1.0  # gold whenever no fault is met
+    for e in envs:
+        e.close()
+
+
+def test_multi_turn_failure_with_an_open_fault_is_fault_caused():
+    """The multi-turn env attributes a wrong turn to a fault as the single-turn env does: right had the
+    turn's open faults' calls been answered (fault_caused, open_faults); a wrong call is the policy's."""
+    gold = gold_actions(WEATHER)[0]
+
+    def episode(seed: int, after_fault: list[str]):
+        env = gymnasium.make(reflrl.envs.MULTI_TURN_ID, dataset=[WEATHER], faults="server_error=0.5",
+                             fault_exposure="policy", timeout=1.0).unwrapped
+        env.reset(seed=seed, options={"task": WEATHER})
+        _o, _r, term, _tr, info = env.step(gold)
+        if not info["shown_faults"]:
+            env.close()
+            return None
+        for text in after_fault:
+            _o, _r, term, trunc, info = env.step(text)
+        env.close()
+        return term, info
+
+    seed = next(s for s in range(50) if episode(s, []) is not None)
+    term, info = episode(seed, ["The tool failed, sorry."])
+    assert term and not info["correct"] and not info["masked"]
+    assert info["fault_caused"] and [f["name"] for f in info["open_faults"]] == ["get_current_weather"]
+    wrong = '<tool_call>\n{"name": "get_stock_quote", "arguments": {"symbol": "X"}}\n</tool_call>'
+    term, info = episode(seed, [wrong, "Done."])
+    assert term and not info["correct"] and not info["fault_caused"]

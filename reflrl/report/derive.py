@@ -302,3 +302,96 @@ def mean_std(xs: Sequence[float]) -> tuple[float, float, int]:
     m = sum(xs) / len(xs)
     sd = math.sqrt(sum((x - m) ** 2 for x in xs) / (len(xs) - 1)) if len(xs) > 1 else 0.0
     return m, sd, len(xs)
+
+
+# ============================================================================ held-out stages and learning curves
+# (key, label): the held-out numbers a run reports at base / after the warm-up / after RL (summary ``heldout``)
+HELDOUT_METRICS = (("accuracy", "overall accuracy"), ("clean_accuracy", "accuracy, no fault met"),
+                   ("recovery_under_faults", "recovery under faults"),
+                   ("reflection_ratio_env_fault", "reflection's repair rate, fault-caused failures"),
+                   ("reflection_ratio_policy_error", "reflection's repair rate, policy errors"))
+HELDOUT_STAGES = (("before", "base"), ("after_warmup", "after warm-up"), ("after", "after RL"))
+# per-step keys of the RL rollouts (metrics.jsonl) for each held-out metric
+ROLLOUT_KEYS = {"accuracy": "rollout_accuracy", "clean_accuracy": "rollout_clean_accuracy",
+                "recovery_under_faults": "rollout_recovery_under_faults",
+                "reflection_ratio_env_fault": "reflection_ratio_env_fault",
+                "reflection_ratio_policy_error": "reflection_ratio_policy_error"}
+
+
+def heldout_stages(run: RunData) -> dict[str, dict[str, float | None]]:
+    """stage (``before`` / ``after_warmup`` / ``after``) -> metric (:data:`HELDOUT_METRICS`) -> value, for
+    the stages the run evaluated: from summary ``heldout``, else from the eval rows of metrics.jsonl
+    (``test_*`` at step 0 and the last step, ``test_after_warmup_*``). A run without faults has its
+    accuracy as the no-fault accuracy and no recovery under faults."""
+    out: dict[str, dict[str, float | None]] = {}
+    h = (run.summary or {}).get("heldout")
+    if isinstance(h, dict) and any(isinstance(v, dict) for v in h.values()):
+        for stage, _ in HELDOUT_STAGES:
+            v = h.get(stage)
+            if isinstance(v, dict):
+                out[stage] = {k: _num(v.get(k)) for k, _ in HELDOUT_METRICS}
+        return out
+    rows = run.eval_rows()
+    faults = run.faults != "none"
+
+    def pick(r: dict[str, Any], prefix: str) -> dict[str, float | None]:
+        d = {k: _num(r.get(prefix + k)) for k, _ in HELDOUT_METRICS}
+        if not faults and d["clean_accuracy"] is None:
+            d["clean_accuracy"] = d["accuracy"]
+        return d
+
+    tests = [r for r in rows if _num(r.get("test_accuracy")) is not None]
+    if tests:
+        out["before"] = pick(tests[0], "test_")
+        if len(tests) > 1:
+            out["after"] = pick(tests[-1], "test_")
+    warm = [r for r in rows if _num(r.get("test_after_warmup_accuracy")) is not None]
+    if warm:
+        out["after_warmup"] = pick(warm[-1], "test_after_warmup_")
+    return {k: out[k] for k, _ in HELDOUT_STAGES if k in out}
+
+
+@dataclass
+class Curve:
+    """One held-out metric over RL steps: the RL rollouts' value per step (``rollout_*``; the policy's own
+    samples at the rollout temperature), the held-out points (``points``: (label, step, value) for base,
+    after warm-up, after RL, greedy) and validation (``val_*``: the validation split when
+    ``train.eval_every`` is set)."""
+
+    key: str
+    label: str
+    rollout_steps: list[int]
+    rollout: list[float]
+    points: list[tuple[str, int, float]]
+    val_steps: list[int]
+    val: list[float]
+
+    @property
+    def empty(self) -> bool:
+        return not self.rollout_steps and not self.points and not self.val_steps
+
+
+def learning_curves(run: RunData) -> list[Curve]:
+    """One :class:`Curve` per metric of :data:`HELDOUT_METRICS`: per-step values from the training rows,
+    held-out points at step 0 (base, after warm-up) and at the last RL step (after RL), validation
+    points from the eval rows."""
+    rows, evals = run.train_rows(), run.eval_rows()
+    stages = heldout_stages(run)
+    last = (run.summary or {}).get("steps")
+    if last is None:
+        steps = [int(r["step"]) for r in rows] + [int(r["step"]) for r in evals]
+        last = max(steps) if steps else 0
+    where = {"before": 0, "after_warmup": 0, "after": int(last)}
+    faults = run.faults != "none"
+    out = []
+    for key, label in HELDOUT_METRICS:
+        rs, rv = series(rows, ROLLOUT_KEYS[key])
+        if not rs and key in ("accuracy", "clean_accuracy") and not faults:
+            rs, rv = series(rows, "correct_rate")  # a run without faults: every rollout is clean
+        pts = [(name, where[stage], stages[stage][key]) for stage, name in HELDOUT_STAGES
+               if stage in stages and stages[stage].get(key) is not None]
+        vs, vv = series(evals, f"val_{key}")
+        if not vs and key == "clean_accuracy" and not faults:
+            vs, vv = series(evals, "val_accuracy")
+        out.append(Curve(key, label, rs, rv, [(n, s, float(v)) for n, s, v in pts], vs, vv))
+    return out

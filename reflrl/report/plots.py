@@ -253,12 +253,67 @@ def time_split(run: RunData) -> Figure:
     return fig
 
 
+STAGE_STYLE = {"base": ("s", "#555555"), "after warm-up": ("D", COLORS[3]), "after RL": ("o", COLORS[1])}
+
+
+def learning_curves_plot(run: RunData) -> Figure:
+    """Four panels: overall accuracy, accuracy with no fault met, recovery under faults, reflection's repair
+    rate by cause; each with the RL rollouts' value per step, the held-out points (base, after warm-up,
+    after RL) and validation."""
+    curves = {c.key: c for c in D.learning_curves(run)}
+    if all(c.empty for c in curves.values()):
+        raise NoData("no per-step rollout metrics and no held-out evaluation")
+    fig = Figure(figsize=(11.0, 7.2), layout="constrained")
+    panels = [("overall accuracy", ["accuracy"]), ("accuracy, no fault met", ["clean_accuracy"]),
+              ("recovery under faults (episodes that met a fault, share right)", ["recovery_under_faults"]),
+              ("reflection's repair rate by cause", ["reflection_ratio_env_fault", "reflection_ratio_policy_error"])]
+    names = {"reflection_ratio_env_fault": "fault-caused", "reflection_ratio_policy_error": "policy errors"}
+    for i, (title, keys) in enumerate(panels):
+        ax = fig.add_subplot(2, 2, i + 1)
+        ax.grid(True, alpha=0.3)
+        drew = False
+        for j, key in enumerate(keys):
+            c = curves[key]
+            tag = f"{names[key]}: " if key in names else ""
+            ls = "-" if j == 0 else "--"
+            if c.rollout_steps:
+                ax.plot(c.rollout_steps, [100 * v for v in c.rollout], ls, color=COLORS[0 if j == 0 else 4], lw=1,
+                        alpha=0.7, marker=".", ms=4, label=f"{tag}RL rollouts (per step)")
+            if c.val_steps:
+                ax.plot(c.val_steps, [100 * v for v in c.val], ls, color=COLORS[2], marker="^", ms=5,
+                        label=f"{tag}validation (greedy)")
+            for name, step, v in c.points:
+                marker, color = STAGE_STYLE.get(name, ("o", COLORS[7]))
+                ax.plot([step], [100 * v], marker=marker, color=color, ms=8 if j == 0 else 6, ls="none",
+                        mfc=color if j == 0 else "none", label=f"{tag}held-out, {name}")
+            drew = drew or not c.empty
+        if not drew:
+            _note(ax, "not recorded in this run" + (" (no faults: no episode met one)"
+                                                    if run.faults == "none" and keys[0] != "accuracy" else ""))
+        else:
+            ax.legend(fontsize=7)
+        ax.set_ylim(-3, 103)
+        ax.set_xlabel("RL step (policy updates)")
+        ax.set_ylabel("% of episodes" if not keys[0].startswith("reflection") else "% of failures reflected on")
+        ax.set_title(title, fontsize=10)
+    return fig
+
+
 RUN_PLOTS: tuple[PlotSpec, ...] = (
     PlotSpec("reward_accuracy", "Reward and held-out accuracy",
              "Left: mean reward of the live (unmasked) rollouts per RL step. Right: held-out test accuracy "
              "before and after training (greedy exact match, ± standard error), validation accuracy when "
              "evaluated during training, and the share of training rollouts that were correct.",
              reward_accuracy),
+    PlotSpec("learning_curves", "Learning curves: accuracy, no fault met, recovery under faults, reflection",
+             "Per RL step, the RL rollouts' own numbers (sampled at the rollout temperature): overall accuracy "
+             "(share of episodes that ended right), accuracy of the episodes that met no fault, recovery under "
+             "faults (of the episodes that met at least one fault, the share that still ended right) and "
+             "reflection's repair rate on the failures it reflected on, fault-caused vs policy errors. The large "
+             "markers are the held-out evaluations (greedy, the evaluation's fixed fault seed): base model and "
+             "after the warm-up at step 0, after RL at the last step; triangles are validation evaluations "
+             "(train.eval_every).",
+             learning_curves_plot),
     PlotSpec("zero_variance", "Zero-variance prompts",
              "Share of prompt groups per step whose rollout rewards have no variance (no learning signal), and "
              "the share whose rollouts were all correct (efficiency paper (arXiv:2606.00135), sec. 4.1, Fig. 4).",

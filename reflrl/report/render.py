@@ -231,6 +231,7 @@ def run_sections(run: RunData) -> tuple[list[Section], list[Section]]:
             ("recovered ratio", f"{num(ratio)} ({unit})"),
             ("tool calls per learning signal", f"{num(cps)} ({num(calls)} tool calls / {num(signals)} learning signals)"),
             ("time", ", ".join(f"{k[:-2]} {v:.0f}s" for k, v in t.items() if isinstance(v, (int, float)))),
+            ("time split", _time_split_text(s.get("time_split"))),
             ("evaluations", ", ".join(f"{k.replace('_', ' ')} {v:.0f}s" for k, v in (s.get("eval_seconds") or {}).items()
                                       if isinstance(v, (int, float))) or NOT_RECORDED),
         ]
@@ -243,6 +244,7 @@ def run_sections(run: RunData) -> tuple[list[Section], list[Section]]:
         rows = run.train_rows()
         res.rows = [("RL steps logged", str(len(rows))),
                     ("last step", str(rows[-1]["step"]) if rows else "none")]
+    held = heldout_section(run)
     refl = D.reflection_accounting(run)
     refl_sec = Section("Reflection accounting (Tool-ReRL)")
     if refl:
@@ -260,7 +262,50 @@ def run_sections(run: RunData) -> tuple[list[Section], list[Section]]:
 
         first.append(Section("RESULT INCOMPLETE: the time budget cut this run",
                              notes=[budget_cut_text(c) for c in cuts]))
-    return [*first, prov, res, refl_sec], [cfg]
+    return [*first, prov, res, *([held] if held else []), refl_sec], [cfg]
+
+
+def heldout_section(run: RunData) -> Section | None:
+    """The held-out numbers at base / after warm-up / after RL (summary ``heldout``): overall accuracy,
+    accuracy with no fault met, recovery under faults, reflection's repair rate by cause; and RL's gain
+    over the warm-up. None when the run recorded no held-out evaluation."""
+    stages = D.heldout_stages(run)
+    if not stages:
+        return None
+    cols = [(k, name) for k, name in D.HELDOUT_STAGES if k in stages]
+    h = (run.summary or {}).get("heldout") or {}
+
+    def count(stage: str, key: str) -> str:
+        of = {"clean_accuracy": "n_clean", "recovery_under_faults": "n_faulted",
+              "reflection_ratio_env_fault": "reflected_env_fault",
+              "reflection_ratio_policy_error": "reflected_policy_error"}.get(key)
+        n = (h.get(stage) or {}).get(of) if of else None
+        return f" (of {n:.0f})" if isinstance(n, (int, float)) and not isinstance(n, bool) else ""
+
+    body = []
+    for key, label in D.HELDOUT_METRICS:
+        vals = [stages[k].get(key) for k, _ in cols]
+        w, a = stages.get("after_warmup", {}).get(key), stages.get("after", {}).get(key)
+        gain = f"{(a - w) * 100:+.1f} points" if w is not None and a is not None else "n/a"
+        body.append([label] + [(pct(v) + count(k, key)) if v is not None else "n/a"
+                               for (k, _), v in zip(cols, vals)] + [gain])
+    seed = next((v.get("eval_fault_seed") for v in h.values() if isinstance(v, dict) and v.get("eval_fault_seed")
+                 is not None), None)
+    note = (f"Greedy episodes under the run's faults ({run.faults}; {(run.summary or {}).get('fault_exposure', 'client')} "
+            f"sees them), evaluation fault seed {seed}: every checkpoint meets the same faults."
+            if run.faults != "none" else "No faults: every episode is clean, so there is no recovery under faults.")
+    return Section("Held-out: base, after warm-up, after RL",
+                   table=(["metric"] + [name for _, name in cols] + ["RL gain (after RL - after warm-up)"], body),
+                   rows=[("how", note)])
+
+
+def _time_split_text(t: Any) -> str:
+    """``load 20s (4%), evaluations 60s (12%), warm-up 100s (20%), RL 300s (60%), other 20s (4%)``."""
+    if not isinstance(t, dict) or "total_s" not in t:
+        return NOT_RECORDED
+    parts = [("load", "load"), ("evaluations", "eval"), ("warm-up", "warmup"), ("RL", "rl"), ("other", "other")]
+    return ", ".join(f"{name} {t[k + '_s']:.0f}s ({t[k + '_share']:.0%})" for name, k in parts if k + "_s" in t) \
+        + f" of {t['total_s']:.0f}s"
 
 
 def write_run_report(run: RunData) -> Report:
