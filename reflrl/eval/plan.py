@@ -29,7 +29,7 @@ FULL_SEEDS = 3
 
 #: seconds per sample (one model answer at the default max_new_tokens 256) of the embedded model on
 #: 2 CPU cores, per benchmark (prompt lengths differ: TaskBench lists a whole domain's tools)
-SECONDS_PER_SAMPLE = {"rotbench": 3.5, "taskbench": 6.0, "bfcl": 3.0, "sealtools": 3.5}
+SECONDS_PER_SAMPLE = {"rotbench": 3.5, "taskbench": 6.0, "bfcl": 3.0, "sealtools": 3.0}
 #: loading the model, bfcl-eval and the data, writing the outputs
 SETUP_SECONDS = 45.0
 #: what the rates above were measured with
