@@ -530,3 +530,49 @@ def test_multi_turn_failure_with_an_open_fault_is_fault_caused():
     wrong = '<tool_call>\n{"name": "get_stock_quote", "arguments": {"symbol": "X"}}\n</tool_call>'
     term, info = episode(seed, [wrong, "Done."])
     assert term and not info["correct"] and not info["fault_caused"]
+
+
+def test_the_held_out_evaluation_under_faults_is_one_batched_episode_evaluation():
+    """Every task's first answer in one engine call, the continuing episodes batched turn by turn; without
+    faults the episodes give the plain evaluation's numbers."""
+    import asyncio
+
+    from reflrl import rollout as R
+    from reflrl.envs.datasets import synthetic_splits
+    from reflrl.envs.parsing import format_calls
+    from reflrl.envs.prompts import build_messages
+    from reflrl.heldout import aevaluate_episodes, evaluate
+    from reflrl.models import load_tokenizer
+
+    from doubles import ScriptedEngine, gold_text
+
+    tok = load_tokenizer("tiny-random")
+    tasks = synthetic_splits(n_train=0, n_val=0, n_test=10, seed=4, kinds=("single", "parallel"))["test"]
+    spec = R.RolloutSpec(max_new_tokens=160, temperature=0.0)
+
+    def answer(text: str, j: int) -> str:  # gold, but a parallel task is answered with its first call only
+        task = next(t for t in tasks if t.query in text)
+        if '"error"' in text:
+            return gold_text(task)  # calls again after a fault
+        return gold_text(task) if len(task.gold[0]) == 1 else format_calls([task.gold[0][0]], "hermes")
+
+    def run(faults):
+        envs = [gymnasium.make(reflrl.envs.SINGLE_TURN_ID, dataset=tasks, faults=faults, fault_exposure="policy",
+                               timeout=1.0).unwrapped for _ in tasks]
+        eng = ScriptedEngine(tok, answer)
+        out = asyncio.run(aevaluate_episodes(eng, tok, envs, tasks, spec, seed=9))
+        for e in envs:
+            e.close()
+        return out, eng.calls
+
+    out, calls = run("server_error=0.3")
+    assert calls[0] == len(tasks)  # all first answers in one engine call
+    assert 1 < len(calls) <= 8 and all(c < len(tasks) for c in calls[1:])  # then the continuing ones, batched
+    assert out["n"] == out["n_clean"] + out["n_faulted"] == len(tasks) and out["n_faulted"] > 0
+    assert out["recovered_by_policy"] > 0 and out["format_rate"] == 1.0
+    assert sum(b[0] for b in out["by_gold_calls"].values()) == round(out["accuracy"] * len(tasks))
+    clean, _ = run(None)
+    plain = evaluate(ScriptedEngine(tok, answer), tok, tasks, build_messages, spec).to_dict()
+    for key in ("accuracy", "format_rate", "n", "stderr", "by_gold_calls", "new_tokens", "capped"):
+        assert clean[key] == plain[key], key
+    assert clean["first_answer_accuracy"] == plain["accuracy"] and clean["n_faulted"] == 0
