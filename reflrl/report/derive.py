@@ -132,7 +132,7 @@ def temporal_stability(rows: Sequence[dict[str, Any]], ks: Sequence[int] = (1, 2
 
 # ============================================================================ failures and recovery
 ROLLOUT_COUNTS = ("rollouts", "failed", "failed_env_fault", "failed_policy_error", "recovered_by_retry",
-                  "recovered_by_reflection", "recovered_env_fault", "recovered_policy_error", "discarded")
+                  "recovered_by_policy", "recovered_by_reflection", "recovered_env_fault", "recovered_policy_error", "discarded")
 
 
 @dataclass
@@ -144,7 +144,8 @@ class Recovery:
     ``calls_policy_errors``. Rollouts (``reflrl.recovery``'s triage, summary ``recovery`` or per-step
     ``reflect/*``; empty when not recorded): ``failed_env_fault`` (unrecovered env fault after the
     retries: masked), ``failed_policy_error`` (wrong, unparseable or no call), ``recovered_by_retry``
-    (an env fault the retries recovered, answer right), ``recovered_by_reflection`` and its split
+    (an env fault the retries recovered, answer right), ``recovered_by_policy`` (faults the policy sees: it
+    was shown a fault, called again and ended right), ``recovered_by_reflection`` and its split
     ``recovered_env_fault`` / ``recovered_policy_error`` (Tool-ReRL sec. 3.2).
     """
 
@@ -161,16 +162,18 @@ class Recovery:
     @property
     def recovered_ratio(self) -> tuple[float | None, str]:
         """(recovered-trajectory ratio, unit). Over rollouts that went wrong at some point (an env
-        fault, recovered by the retries or not, or a policy error): the share that ended usable,
-        recovered by the client's retries or by reflection::
+        fault, recovered by the retries, by the policy or not, or a policy error): the share that ended
+        usable, recovered by the client's retries, by the policy calling again or by reflection::
 
-            (recovered_by_retry + recovered_by_reflection) / (recovered_by_retry + failed)
+            (recovered_by_retry + recovered_by_policy + recovered_by_reflection)
+                / (recovered_by_retry + recovered_by_policy + failed)
 
         Without rollout counts (older runs): tool calls recovered / (recovered + given up)."""
         r = self.rollouts
         if r:
-            den = r.get("recovered_by_retry", 0) + r.get("failed", 0)
-            num = r.get("recovered_by_retry", 0) + r.get("recovered_by_reflection", 0)
+            done = r.get("recovered_by_retry", 0) + r.get("recovered_by_policy", 0)
+            den = done + r.get("failed", 0)
+            num = done + r.get("recovered_by_reflection", 0)
             return (num / den if den else None), "rollouts"
         if self.calls_recovered is not None and self.calls_given_up is not None:
             d = self.calls_recovered + self.calls_given_up

@@ -200,11 +200,12 @@ def failures(run: RunData) -> Figure:
     r = rec.rollouts
     if r:
         causes = ["env fault", "policy error"]
-        retry = [r["recovered_by_retry"], 0.0]
+        retry = [r["recovered_by_retry"] + r.get("recovered_by_policy", 0.0), 0.0]
         refl = [r["recovered_env_fault"], r["recovered_policy_error"]]
         lost = [max(0.0, r["failed_env_fault"] - r["recovered_env_fault"]),
                 max(0.0, r["failed_policy_error"] - r["recovered_policy_error"])]
-        a3.bar(causes, retry, color=COLORS[2], label="recovered by the client's retries")
+        a3.bar(causes, retry, color=COLORS[2], label="recovered by the client's retries or the policy calling again"
+               if r.get("recovered_by_policy") else "recovered by the client's retries")
         a3.bar(causes, refl, bottom=retry, color=COLORS[4], label="recovered by reflection")
         a3.bar(causes, lost, bottom=[x + y for x, y in zip(retry, refl)], color=COLORS[7],
                label="not recovered (env-fault rollouts masked)")
