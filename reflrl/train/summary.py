@@ -237,7 +237,7 @@ def format_summary(s: dict[str, Any]) -> str:
         f"run folder: {s['run_dir']}  (summary.json, metrics.jsonl, TensorBoard events, checkpoints/)",
     ]
     if s.get("report"):
-        lines.append(f"report: {s['report']}  (plots: reward, accuracy, zero-variance prompts, faults and "
+        lines.append(f"report: {s['report']}  (plots: reward, accuracy, learning curves, zero-variance prompts, faults and "
                      "recovery, time; open it in a browser)")
     cuts = s.get("budget_cuts") or []
     if cuts:
