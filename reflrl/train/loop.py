@@ -191,8 +191,11 @@ class Trainer:
             self._eval_envs, self._eval_server = make_envs(self.cfg, tasks, len(tasks), prefix="e", fault_seed=None)
         envs, seed = self._eval_envs, int(self.cfg.env.eval_fault_seed)
 
+        # every failure of the evaluation is reflected on (reflection.max_per_step caps a training step only)
+        cfg = dataclasses.replace(self.cfg, reflection=dataclasses.replace(self.cfg.reflection, max_per_step=0))
+
         def recover(trajs):
-            return arecover(trajs, cfg=self.cfg, engine=self.eval_engine, tokenizer=self.tokenizer, envs=envs,
+            return arecover(trajs, cfg=cfg, engine=self.eval_engine, tokenizer=self.tokenizer, envs=envs,
                             critic=self.critic, messages_of=self.messages, rollout_cfg=self.eval_cfg, seed=seed)
 
         return self.loop.run_until_complete(aevaluate_episodes(
