@@ -73,7 +73,7 @@ def real_trajectories(engine, tok, tasks, n, max_new_tokens, style="compact"):
 def bench_downsample(model, tok, trajs, n, repeats):
     from reflrl import config as C
     from reflrl.train.batch import make_batch
-    from reflrl.train.update import policy_update
+    from reflrl.train.step import policy_update
     from reflrl.algos import max_variance_subset
 
     a = C.AlgoConfig(micro_batch_size=8, lr=1e-6)
@@ -143,7 +143,7 @@ def bench_overhead(model, tok, trajs, repeats):
     the prompt computed once per group (the default) and with full sequences like the bare step."""
     from reflrl import config as C
     from reflrl.train.batch import make_batch
-    from reflrl.train.update import policy_update
+    from reflrl.train.step import policy_update
 
     a = C.AlgoConfig(micro_batch_size=len(trajs), lr=1e-6)
     params = [p for p in model.parameters() if p.requires_grad]

@@ -18,7 +18,7 @@ from reflrl import precision as P
 from reflrl import train as T
 from reflrl.cli import main as cli_main
 from reflrl.train.batch import batch_logprobs, make_batch
-from reflrl.train.update import policy_update
+from reflrl.train.step import policy_update
 from reflrl.engines.transformers_engine import TransformersEngine, cut_at, Sample
 from reflrl.envs.parsing import answer_complete, format_calls
 from reflrl.envs.types import Task, ToolCall

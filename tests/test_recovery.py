@@ -18,7 +18,7 @@ from reflrl import rollout as R
 from reflrl import train as T
 from reflrl.cli import main as cli_main
 from reflrl.train.batch import batch_logprobs, make_batch
-from reflrl.train.update import policy_update
+from reflrl.train.step import policy_update
 from reflrl.critic import Critique, CritiqueRequest, RuleCritic
 from reflrl.envs.parsing import format_calls
 from reflrl.envs.types import ToolCall
@@ -263,7 +263,7 @@ def test_tool_rerl_step_trains_the_repairs_on_q_with_eq2s_weight(tmp_path, monke
     recipe's), the update really runs, the repaired rows are trained on the ORIGINAL prompt q, and each
     carries eq. 2's weight pi(tau*|q) / pi_rfl(tau*|q*) computed from the behaviour log-probs recorded
     under q* -- checked against an independent computation on the batch the update received."""
-    import reflrl.train.loop as L
+    import reflrl.train.step as L
 
     cfg = tiny_cfg(tmp_path, "tool_rerl", **{"reflection.group": "add", "algo.lr": 1e-3})
     tr = make_trainer(cfg, tmp_path / "run")

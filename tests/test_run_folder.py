@@ -16,7 +16,7 @@ from reflrl import config as C
 from reflrl import train as T
 from reflrl.cli import main as cli_main
 from reflrl.train.batch import batch_logprobs, make_batch
-from reflrl.train.update import policy_update
+from reflrl.train.step import policy_update
 from reflrl.runlog import RunLog, latest_checkpoint, list_checkpoints
 
 from doubles import ScriptedEngine, answer_by_task, run_until_killed, scripted, tb_scalars, tiny_cfg

@@ -12,7 +12,7 @@ from reflrl import rollout as R
 from reflrl import train as T
 from reflrl.cli import main as cli_main
 from reflrl.train.batch import batch_logprobs, make_batch
-from reflrl.train.update import policy_update
+from reflrl.train.step import policy_update
 from reflrl.train.data import splits_from_config
 from reflrl.train.step import group_advantages
 from reflrl.train.summary import ledger_totals
@@ -153,16 +153,17 @@ def test_masked_rollouts_get_no_advantage_and_no_baseline_shift():
 
     grp = [traj(1.0, False), traj(0.0, False), traj(0.0, True), traj(0.0, True)]
     a = C.AlgoConfig()
-    trajs, adv, gids = group_advantages([grp], a)
-    assert trajs == grp[:2]  # the masked rollouts are out
+    rows = group_advantages([grp], a)
+    assert [r.traj for r in rows] == grp[:2] and [r.group for r in rows] == [0, 0]  # the masked rollouts are out
+    adv = [r.advantage for r in rows]  # advantages travel on the rows
     assert adv[0] > 0 > adv[1] and adv[0] == pytest.approx(-adv[1])
     # a group whose only live rollout is right: zero variance, zero advantage (never negative)
-    trajs, adv, _ = group_advantages([[traj(1.0, False), traj(0.0, True)]], a)
-    assert adv == [0.0]
+    rows = group_advantages([[traj(1.0, False), traj(0.0, True)]], a)
+    assert [r.advantage for r in rows] == [0.0]
     # down-sampling m=2 keeps one of each class (eq. 7)
     grp = [traj(r, False) for r in (1.0, 1.0, 1.0, 0.0)]
-    trajs, adv, _ = group_advantages([grp], C.AlgoConfig(downsample_m=2))
-    assert sorted(t.reward for t in trajs) == [0.0, 1.0]
+    rows = group_advantages([grp], C.AlgoConfig(downsample_m=2))
+    assert sorted(r.traj.reward for r in rows) == [0.0, 1.0]
 
 
 def test_env_faults_on_one_prompt_are_masked_not_penalised_in_a_training_step(tmp_path):
@@ -380,7 +381,7 @@ def test_rollout_engine_vllm_needs_vllm_and_gets_the_weights_after_every_update(
     pushed = []
 
     class Recording(ScriptedEngine):
-        def update_weights(self, model):
+        def on_weights_updated(self, model):  # the engine hook the trainer calls after each optimiser step
             pushed.append({k: v.detach().clone() for k, v in model.named_parameters() if v.requires_grad})
 
     import reflrl.engines as engines

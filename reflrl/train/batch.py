@@ -32,6 +32,9 @@ class UpdateBatch:
     advantages: torch.Tensor
     pad_id: int = 0
     repaired: torch.Tensor | None = None  # [B] bool: reflection-repaired rows (Tool-ReRL, reflrl.recovery)
+    # set on micro-batches by a critic estimator (reflrl.train.extras 'gae'), not carried by select/to:
+    returns: torch.Tensor | None = None   # [B, R] value targets
+    values: torch.Tensor | None = None    # [B, R] the value head's values when the batch was made (old values)
 
     def __len__(self) -> int:
         return int(self.resp_ids.shape[0])

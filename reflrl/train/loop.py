@@ -44,7 +44,7 @@ import torch
 
 from reflrl import config as C
 from reflrl import rollout as R
-from reflrl.algos import PreRolloutFilter, groups_to_request
+from reflrl.algos import PreRolloutFilter, advantage_needs_critic
 from reflrl.budget import budget_cut_text, cut_record
 from reflrl.errors import DiskSpaceError
 from reflrl.envs.seeding import derive_seed
@@ -54,11 +54,13 @@ from reflrl.runlog import RunLog, latest_checkpoint, load_checkpoint, refuse_exi
 from reflrl.threads import fix_threads
 
 from . import step as S
-from .batch import make_batch
+from .callbacks import Callback, CallbackList, Notices, RolloutLog
 from .data import PromptSampler, splits_from_config
-from .setup import EngineFactory, answer_format, build_components, check_checkpoint_space, messages_fn
+from .extras import value_head_for
+from .setup import EngineFactory, EnvFactory, answer_format, build_components, check_checkpoint_space, messages_fn
+from .state import RunState
 from .summary import build_summary, ledger_totals
-from .update import dpo_update, policy_update
+from .update import dpo_update
 from .warmup import run_warmup
 
 
@@ -66,14 +68,29 @@ class Trainer:
     """Holds everything a run needs; :meth:`run` executes it (see the module docstring).
 
     ``run_dir``: the run folder (created; with ``resume=True`` the run continues from its last
-    checkpoint with the same data order and filter state). ``engine``: a factory
-    ``(model, tokenizer) -> RolloutEngine`` replacing the transformers engines (tests: a scripted one).
+    checkpoint with the same data order and filter state). Components, each built from ``cfg`` when not
+    given (as TRL's trainers take theirs):
+
+    * ``model``, ``tokenizer``: the policy (a causal LM with trainable parameters) and its tokenizer;
+    * ``tasks``: the splits, ``{"train": [...], "val": [...], "test": [...]}`` of
+      :class:`reflrl.envs.types.Task` (a missing split comes from ``cfg.data``);
+    * ``env_factory``: ``(cfg, tasks, count) -> (envs, server or None)``, the rollout environments
+      (default :func:`reflrl.train.setup.make_envs`);
+    * ``critic``: the reflection critic of a variant that reflects (``reflrl.recovery.get_critic``);
+    * ``engine``: a factory ``(model, tokenizer) -> RolloutEngine`` for rollouts, retries and evaluation;
+    * ``callbacks``: :class:`reflrl.train.callbacks.Callback` s, called after the built-in ones (notices
+      unless ``quiet``; the rollout log with ``train.log_rollouts``).
     """
 
     def __init__(self, cfg: C.Config, run_dir: str | Path, *, resume: bool = False, progress: bool = True,
-                 quiet: bool = False, engine: EngineFactory | None = None):
+                 quiet: bool = False, engine: EngineFactory | None = None, model: torch.nn.Module | None = None,
+                 tokenizer: Any = None, tasks: dict[str, list] | None = None, env_factory: EnvFactory | None = None,
+                 critic: Any = None, callbacks: list[Callback] | tuple[Callback, ...] = ()):
         self.cfg = cfg
         self.quiet = quiet
+        self.callbacks = CallbackList(([] if quiet else [Notices()]) + ([RolloutLog()] if cfg.train.log_rollouts
+                                                                         else []) + list(callbacks))
+        self.state = RunState()
         self.t_start = time.perf_counter()
         if not resume:
             refuse_existing_run(run_dir)  # before the model loads
@@ -90,7 +107,8 @@ class Trainer:
         C.check_trainer(cfg)  # this trainer's limits (e.g. reflection.variant='ppo' needs a value head)
 
         # ---- data ------------------------------------------------------------------
-        self.splits = splits_from_config(cfg.data)
+        self.splits = {**(splits_from_config(cfg.data) if set(tasks or {}) < {"train", "val", "test"} else {}),
+                       **(tasks or {})}
         self.train_tasks = self.splits["train"]
         self.prefilter = PreRolloutFilter(cfg.algo.prefilter_k)
         self.sampler = PromptSampler([t.id for t in self.train_tasks], tr.seed, self.prefilter)
@@ -105,7 +123,8 @@ class Trainer:
         self.messages = messages_fn(cfg)
 
         # ---- model, engines, critic, envs -------------------------------------------------
-        parts = build_components(cfg, self.train_tasks, say=self.say, engine=engine)
+        parts = build_components(cfg, self.train_tasks, say=self.say, engine=engine, model=model, tokenizer=tokenizer,
+                                 env_factory=env_factory, critic=critic)
         self.model, self.tokenizer, self.precision = parts.model, parts.tokenizer, parts.precision
         self.engine, self.eval_engine, self.remote_engine = parts.engine, parts.eval_engine, parts.remote_engine
         self.variant, self.critic, self.envs, self.tool_server = parts.variant, parts.critic, parts.envs, parts.tool_server
@@ -113,7 +132,8 @@ class Trainer:
         try:
             check_checkpoint_space(cfg, run_dir, self.model, resume=resume)  # before minutes of work are lost
         except DiskSpaceError:
-            parts.tool_server.shutdown()
+            if parts.tool_server is not None:
+                parts.tool_server.shutdown()
             raise
         self.eval_cfg = dataclasses.replace(self.rollout_cfg, temperature=0.0)  # greedy, same caps and early stop
         self.eval_batch = 64  # greedy evaluation: prompts decoded together (sorted by length)
@@ -121,7 +141,12 @@ class Trainer:
         params = [p for p in self.model.parameters() if p.requires_grad]
         if not params:
             raise C.ConfigError(f"model.trainable={cfg.model.trainable!r} leaves no trainable parameter")
-        self.optimizer = torch.optim.AdamW(params, lr=cfg.algo.lr, weight_decay=cfg.algo.weight_decay)
+        groups = [{"params": params}]
+        self.value_head = None  # PPO's critic (algo.advantage=gae): a value head on the policy's trunk
+        if advantage_needs_critic(cfg.algo.advantage):
+            self.value_head = value_head_for(self.model)
+            groups.append({"params": list(self.value_head.parameters())})
+        self.optimizer = torch.optim.AdamW(groups, lr=cfg.algo.lr, weight_decay=cfg.algo.weight_decay)
         self.ref_model = None  # KL / DPO reference: the policy as RL starts, see run()
         self.loop = asyncio.new_event_loop()
 
@@ -131,11 +156,6 @@ class Trainer:
             C.save_config(cfg, self.log.path / "config.yaml", header="resolved config of this run "
                           "(reflrl train --resume RUN_DIR reads it back)")
         self.step = 0
-        self._advantages: dict[int, float] = {}  # id(trajectory) -> advantage of the last update (train.log_rollouts)
-        self.state: dict[str, Any] = {"phase": "start", "timers": {"rollout_s": 0.0, "update_s": 0.0,
-                                                                    "eval_s": 0.0, "warmup_s": 0.0},
-                                      "elapsed_before_s": 0.0, "zero_var_ratio": [], "rewards": [],
-                                      "masked": 0, "trajectories": 0, "episodes": 0}
         if resume:
             ck = latest_checkpoint(self.log.path)
             if ck is None:  # killed before the first checkpoint: RunLog emptied the metrics
@@ -151,16 +171,23 @@ class Trainer:
 
     def elapsed(self) -> float:
         """Seconds of this run so far (across --resume)."""
-        before = self.state["elapsed_before_s"] if hasattr(self, "state") else 0.0
-        return before + (time.perf_counter() - self.t_start)
+        return self.state.elapsed_before_s + (time.perf_counter() - self.t_start)
+
+    def weights_updated(self) -> None:
+        """After each optimiser step: the engine hook ``on_weights_updated(model)`` of the engine that samples
+        rollouts, where it has one (vLLM copies the weights in; an engine sampling from the trained model
+        itself needs nothing)."""
+        hook = getattr(self.rollout_engine, "on_weights_updated", None)
+        if hook is not None:
+            hook(self.model)
 
     def _remaining_after(self) -> float | None:
         """Estimated seconds after the current phase (progress ETA): during RL, the final evaluation."""
         return self._eval_estimate_s() if self.state.get("phase") == "rl" else None
 
     def say(self, msg: str) -> None:
-        if not self.quiet:
-            print(f"[reflrl] {msg}", flush=True)
+        """A notice for the user, through the callbacks (printed by :class:`reflrl.train.callbacks.Notices`)."""
+        self.callbacks.on_notice(self, msg)
 
     # -------------------------------------------------------------------------------- evaluation
     def evaluate(self, split: str = "test") -> dict[str, Any]:
@@ -221,6 +248,7 @@ class Trainer:
         if self.progress_out.enabled:
             self.progress_out.line(f"{name}: {n} held-out tasks, greedy")
         res = self.evaluate(split)
+        self.callbacks.on_evaluate(self, name, res)
         if self.progress_out.enabled:
             self.progress_out.line(f"{name} done: accuracy {res['accuracy']:.1%} in {res['seconds']:.0f}s "
                                    f"({res.get('new_tokens', 0)} new tokens)")
@@ -247,16 +275,11 @@ class Trainer:
         return out
 
     # -------------------------------------------------------------------------------- one RL step
-    def collect(self, want: int, round_: int, timings: dict[str, float]) -> tuple[list[int], list[R.Trajectory]]:
-        """The next ``want`` prompts of the data order and their n rollouts each."""
-        idx = self.sampler.next(want)
-        return idx, self.rollout(idx, round_, timings)
-
     def rollout(self, task_idx: list[int], round_: int, timings: dict[str, float]) -> list[R.Trajectory]:
         """n rollouts of each training task in ``task_idx`` (seeded by the step and the sampling round)."""
         tasks = [self.train_tasks[i] for i in task_idx]
         seed = derive_seed(self.cfg.train.seed, self.step, round_, 1, bits=31)
-        self.state["episodes"] += len(tasks) * self.cfg.rollout.n
+        self.state.episodes += len(tasks) * self.cfg.rollout.n
         return self.loop.run_until_complete(
             R.arollout(self.rollout_engine, self.tokenizer, self.envs, tasks, self.cfg.rollout.n, self.rollout_cfg,
                        seed=seed, timings=timings))
@@ -270,86 +293,29 @@ class Trainer:
             trajs, cfg=self.cfg, engine=self.engine, tokenizer=self.tokenizer, envs=self.envs, critic=self.critic,
             messages_of=self.messages, rollout_cfg=self.rollout_cfg,
             seed=derive_seed(self.cfg.train.seed, self.step, round_, 2, bits=31)))
-        if res.errors and not self.state.get("reflection_error_shown"):
-            self.state["reflection_error_shown"] = True
+        if res.errors and not self.state.reflection_error_shown:
+            self.state.reflection_error_shown = True
             self.say(f"reflection failed for {len(res.errors)} rollout(s) (counted, training goes on): {res.errors[0]}")
         return res
 
     def train_step(self) -> dict[str, Any]:
-        """collect -> recover -> score -> select -> advantages -> update -> account (reflrl.train.step)."""
-        cfg = self.cfg
-        B = cfg.rollout.batch_prompts
-        t_step = time.perf_counter()
-        timings: dict[str, float] = {}
-        epoch_before = self.sampler.epoch
-        ctl = self.sampling
-        got = S.StepRollouts()
-        want = B
-        while want > 0:
-            idx, trajs = self.collect(want, got.rounds, timings)
-            if self.critic is not None:  # Tool-ReRL: failed rollouts repaired in place, in their groups
-                got.recoveries.append(self.recover(trajs, got.rounds))
-            groups = [[t for t in trajs if t.group == g] for g in range(len(idx))]  # n (+ added repairs)
-            got.groups.extend(groups)
-            if ctl is not None:
-                S.score_groups(groups, ctl, self.step, self.rollout_cfg.max_turns)
-            sel = S.select_groups(groups, prefilter=self.prefilter, ctl=ctl,
-                                  step=self.step, epoch=self.sampler.epoch, round_=got.rounds)
-            got.kept.extend(g for g, k in zip(groups, sel.keep) if k)
-            got.live_groups += sel.live_groups
-            got.zero_var += sel.zero_var
-            got.rounds += 1
-            if ctl is None or not ctl.refill or got.rounds > cfg.sampling.max_refill_rounds:
-                break
-            keep_rate = len(got.kept) / max(1, len(got.groups))
-            want = min(B, groups_to_request(B, len(got.kept), keep_rate, max_request=B))
-        rollout_s = time.perf_counter() - t_step
+        """One RL step: :func:`reflrl.train.step.train_step` (collect -> recover -> select -> advantages ->
+        batch -> loss -> optimiser step -> account); returns its metrics."""
+        return S.train_step(self)
 
-        t_up = time.perf_counter()
-        metrics, n_signal = self.update(got.kept[:B])
-        update_s = time.perf_counter() - t_up
-        metrics.update(self.account(got, n_signal, metrics, timings, rollout_s, update_s, t_step))
-        if cfg.train.log_rollouts:
-            self.log.log_rollouts(self.step + 1, S.rollout_records(got.groups, self._advantages))
-        if ctl is not None:
-            metrics.update(ctl.step_metrics())
-        if self.sampler.epoch != epoch_before:
-            metrics["new_epoch"] = True
-            if ctl is not None and epoch_before >= 0:  # the finished epoch's category shares (reflrl.algos.dscl)
-                self.log.log(self.step, ctl.epoch_record(epoch_before), phase="epoch")
-        return metrics
+    def dpo_step(self, kept: list[list[R.Trajectory]]) -> tuple[int, dict[str, Any]]:
+        """DPO's own update (the ``dpo`` variant, Tool-ReRL's baseline): one step of DPO on the (repaired,
+        failed) pairs of the kept groups against the policy as DPO started; (rollouts with a signal, metrics)."""
+        from reflrl.recovery import dpo_pairs
 
-    def update(self, kept: list[list[R.Trajectory]]) -> tuple[dict[str, Any], int]:
-        """Advantages over the kept groups, then the optimiser step(s); (metrics, trajectories with a signal)."""
-        cfg, a = self.cfg, self.cfg.algo
-        train_trajs, adv, group_ids = S.group_advantages(kept, a)
-        # rollouts with zero advantage give exactly zero gradient: leave them out of the compute
-        use = [i for i, v in enumerate(adv) if v != 0.0 and train_trajs[i].n_action_tokens > 0]
-        self._advantages = {id(train_trajs[i]): adv[i] for i in use}  # for train.log_rollouts
-        m: dict[str, Any] = {"groups_trained": len({group_ids[i] for i in use}),
-                             "adv_abs_mean": float(np.mean(np.abs(adv))) if adv else 0.0,
-                             "repaired_trained": float(sum(bool(train_trajs[i].repaired) for i in use)),
-                             "trained_rollouts": len(train_trajs)}
-        n_signal = len(use)
-        if self.variant.dpo:  # Tool-ReRL's DPO baseline: DPO on (repaired, failed) pairs only
-            from reflrl.recovery import dpo_pairs
-
-            pairs = dpo_pairs([t for g in kept for t in g])
-            n_signal = 2 * len(pairs)
-            if pairs:
-                if self.ref_model is None:  # the policy as DPO starts (no update happened before the first pair)
-                    self.ref_model = frozen_copy(self.model)
-                m.update(dpo_update(self.model, self.optimizer, self.ref_model, pairs, cfg, self.pad_id))
-        elif use:
-            batch = make_batch([train_trajs[i] for i in use], [adv[i] for i in use], self.pad_id)
-            imp = ({"level": cfg.reflection.level, "log_cap": cfg.reflection.log_cap}
-                   if self.variant.importance else None)  # eq. 2 on repaired rows (tool_rerl, cot_is, external_is)
-            m.update(policy_update(self.model, self.optimizer, batch, a, importance=imp,
-                                   temperature=cfg.rollout.temperature, ref_model=self.ref_model))
-        m["update_skipped"] = float("loss" not in m)
-        if "loss" in m and cfg.rollout.engine == "vllm":
-            self.remote_engine.update_weights(self.model)  # the next rollouts sample the updated policy
-        return m, n_signal
+        pairs = dpo_pairs([t for g in kept for t in g])
+        if not pairs:
+            return 0, {}
+        if self.ref_model is None:  # the policy as DPO starts (no update happened before the first pair)
+            self.ref_model = frozen_copy(self.model)
+        m = dpo_update(self.model, self.optimizer, self.ref_model, pairs, self.cfg, self.pad_id)
+        self.weights_updated()
+        return 2 * len(pairs), m
 
     def account(self, got: S.StepRollouts, n_signal: int, update_metrics: dict[str, Any], timings: dict[str, float],
                 rollout_s: float, update_s: float, t_step: float) -> dict[str, Any]:
@@ -363,12 +329,12 @@ class Trainer:
         masked = sum(t.masked for t in all_trajs)
         zvr = got.zero_var / max(1, got.live_groups)
         st = self.state
-        st["masked"] += masked
-        st["trajectories"] += len(all_trajs)
-        st["zero_var_ratio"].append(zvr)
-        st["rewards"].append(stats["reward_mean"])
-        st["timers"]["rollout_s"] += rollout_s
-        st["timers"]["update_s"] += update_s
+        st.masked += masked
+        st.trajectories += len(all_trajs)
+        st.zero_var_ratio.append(zvr)
+        st.rewards.append(stats["reward_mean"])
+        st.timers.rollout_s += rollout_s
+        st.timers.update_s += update_s
         return {**rec_metrics, **stats,
                 "epoch": self.sampler.epoch, "groups": len(got.groups), "zero_var_ratio": zvr, "masked": masked,
                 "sampling_rounds": got.rounds, "prefilter_skipped_epoch": self.sampler.skipped.get(self.sampler.epoch, 0),
@@ -380,7 +346,7 @@ class Trainer:
 
     # -------------------------------------------------------------------------------- checkpoints
     def checkpoint_state(self) -> dict[str, Any]:
-        s = dict(self.state)
+        s = self.state.to_dict()
         s["step"] = self.step
         s["elapsed_before_s"] = self.elapsed()
         s["sampler"] = self.sampler.state_dict()
@@ -390,12 +356,17 @@ class Trainer:
         return s
 
     def save(self) -> Path:
-        return self.log.save_checkpoint(self.step, model=self.model, tokenizer=self.tokenizer,
+        path = self.log.save_checkpoint(self.step, model=self.model, tokenizer=self.tokenizer,
                                         optimizer=self.optimizer, state=self.checkpoint_state(),
                                         keep_last=self.cfg.train.keep_checkpoints)
+        if self.value_head is not None:  # PPO's critic travels with the checkpoint
+            torch.save(self.value_head.state_dict(), Path(path) / "value_head.pt")
+        return path
 
     def _load(self, ck: Path) -> None:
         s = load_checkpoint(ck, model=self.model, optimizer=self.optimizer)
+        if self.value_head is not None and (ck / "value_head.pt").exists():
+            self.value_head.load_state_dict(torch.load(ck / "value_head.pt", map_location="cpu", weights_only=True))
         self.step = int(s.pop("step"))
         self.sampler.load_state_dict(s.pop("sampler"))
         self.prefilter.load_state_dict(s.pop("prefilter"))
@@ -453,6 +424,7 @@ class Trainer:
         self.save()
         summary = self.summary()
         self.log.write_summary(summary)
+        self.callbacks.on_train_end(self, summary)
         return summary
 
     def _rl_phase(self) -> None:
@@ -465,7 +437,7 @@ class Trainer:
         phase = self.progress_out.phase("RL", tr.steps, initial=self.step) if tr.steps else None
         while self.step < tr.steps:
             est = float(np.mean(step_times[-3:])) if step_times else 0.0
-            rl_s = self.state.get("rl_seconds", 0.0)  # RL step time so far (kept across --resume)
+            rl_s = self.state.rl_seconds  # RL step time so far (kept across --resume)
             if tr.rl_minutes is not None and rl_s > 0 and rl_s + est > tr.rl_minutes * 60:
                 stop_reason = "rl_minutes"  # the equal-time rule the user chose: not a cut, but said
                 self.say(f"RL stopped by train.rl_minutes={tr.rl_minutes:g} after {self.step} steps "
@@ -479,7 +451,7 @@ class Trainer:
             m = self.train_step()
             self.step += 1
             step_times.append(m["time_step_s"])
-            self.state["rl_seconds"] = self.state.get("rl_seconds", 0.0) + float(m["time_step_s"])
+            self.state.rl_seconds += float(m["time_step_s"])
             if self.step % tr.log_every == 0 or self.step == tr.steps:
                 self.log.log(self.step, m)
             if tr.eval_every and self.step % tr.eval_every == 0 and self.splits["val"]:
@@ -522,7 +494,7 @@ class Trainer:
 
     # -------------------------------------------------------------------------------- the end
     def summary(self) -> dict[str, Any]:
-        return build_summary(self.state, cfg=self.cfg, run_dir=str(self.log.path), step=self.step,
+        return build_summary(self.state.to_dict(), cfg=self.cfg, run_dir=str(self.log.path), step=self.step,
                              precision=self.precision, load_s=self.load_s, elapsed_s=self.elapsed(),
                              prefilter_skipped=self.sampler.skipped, sampling=self.sampling,
                              faults=ledger_totals(self.envs))
@@ -549,7 +521,8 @@ class Trainer:
         self._close_eval_envs()
         if not self.loop.is_closed():
             self.loop.close()
-        self.tool_server.shutdown()
+        if self.tool_server is not None:
+            self.tool_server.shutdown()
         self.log.close()
 
 
@@ -562,12 +535,14 @@ def frozen_copy(model: torch.nn.Module) -> torch.nn.Module:
 
 
 def train(cfg: C.Config, run_dir: str | Path, *, resume: bool = False, progress: bool = True,
-          quiet: bool = False, report: bool = True, engine: EngineFactory | None = None) -> dict[str, Any]:
+          quiet: bool = False, report: bool = True, engine: EngineFactory | None = None,
+          **components: Any) -> dict[str, Any]:
     """Run a whole training job; returns the summary (also in run_dir/summary.json). With ``report``
     the run report (reflrl.report: report.html, report.md, plots/) is written at the end and its
     path returned as ``summary["report"]`` (None, with the reason on stderr, if it failed: the
-    finished training is never lost to a report error)."""
-    trainer = Trainer(cfg, run_dir, resume=resume, progress=progress, quiet=quiet, engine=engine)
+    finished training is never lost to a report error). ``components``: :class:`Trainer`'s (model,
+    tokenizer, tasks, env_factory, critic, callbacks)."""
+    trainer = Trainer(cfg, run_dir, resume=resume, progress=progress, quiet=quiet, engine=engine, **components)
     try:
         summary = trainer.run()
     finally:

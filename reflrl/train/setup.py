@@ -21,6 +21,7 @@ from reflrl.diskspace import check_disk_space, human_bytes
 from reflrl.runlog import checkpoint_bytes, list_checkpoints, load_checkpoint
 
 EngineFactory = Callable[[torch.nn.Module, Any], Any]
+EnvFactory = Callable[..., tuple[list[Any], Any]]  # (cfg, tasks, count) -> (envs, server or None), as make_envs
 
 
 def answer_format(cfg: C.Config) -> str:
@@ -117,7 +118,11 @@ def remote_engine(cfg: C.Config, tokenizer: Any) -> Any:
         from reflrl.models import EMBEDDED_NAME, _convert_embedded
 
         path = str(_convert_embedded()) if cfg.model.name == EMBEDDED_NAME else cfg.model.name
-        return get_engine("vllm", model_path=path, dtype=cfg.model.dtype, seed=cfg.train.seed)
+        eng = get_engine("vllm", model_path=path, dtype=cfg.model.dtype, seed=cfg.train.seed)
+        if getattr(eng, "on_weights_updated", None) is None and hasattr(eng, "update_weights"):
+            # the trainer's hook after each optimiser step: vLLM copies the weights in
+            eng.on_weights_updated = eng.update_weights
+        return eng
     print(f"[reflrl] warning: rollouts come from {r.engine_base_url} (rollout.engine=openai), whose weights "
           "are never synced with the trained model: off-policy after the first update", file=sys.stderr)
     return get_engine("openai", base_url=r.engine_base_url, model=r.engine_model or cfg.model.name,
@@ -149,15 +154,26 @@ def make_envs(cfg: C.Config, tasks: Sequence[Any], count: int, *, prefix: str = 
 
 
 def build_components(cfg: C.Config, train_tasks: Sequence[Any], *, say: Callable[[str], None] = lambda _m: None,
-                     engine: EngineFactory | None = None) -> Components:
-    """Load the policy and build its engines, the critic of the variant and the environments.
+                     engine: EngineFactory | None = None, model: torch.nn.Module | None = None, tokenizer: Any = None,
+                     env_factory: EnvFactory | None = None, critic: Any = None) -> Components:
+    """Load the policy and build its engines, the critic of the variant and the environments; a part
+    given is used as it is.
 
     ``engine``: a factory ``(model, tokenizer) -> RolloutEngine`` used for rollouts, reflection
-    retries and evaluation alike (tests pass a scripted one); default: the transformers engine."""
+    retries and evaluation alike (tests pass a scripted one); default: the transformers engine.
+    ``model`` and ``tokenizer`` (both or neither): the policy, on its device; ``env_factory``: ``(cfg, tasks,
+    count) -> (envs, server or None)`` (default :func:`make_envs`); ``critic``: the variant's critic."""
     from reflrl.engines.transformers_engine import TransformersEngine
     from reflrl.engines.trunk_cache import TrunkCache
 
-    model, tok, precision, load_s = load_policy(cfg, say)
+    if (model is None) != (tokenizer is None):
+        raise C.ConfigError("Trainer: pass model and tokenizer together (or neither, to load model.name)")
+    if model is None:
+        model, tok, precision, load_s = load_policy(cfg, say)
+    else:
+        tok, load_s = tokenizer, 0.0
+        precision = resolve_precision(str(next(model.parameters()).dtype).removeprefix("torch."),
+                                      next(model.parameters()).device)
     if engine is not None:
         rollout_engine = eval_engine = engine(model, tok)
     else:
@@ -165,8 +181,11 @@ def build_components(cfg: C.Config, train_tasks: Sequence[Any], *, say: Callable
         # held-out evaluations see the same prompts each time: the frozen bottom layers run once per prompt
         eval_engine = TransformersEngine(model, tok, max_batch_size=64, trunk_cache=TrunkCache(model))
     variant = variant_of(cfg)  # Tool-ReRL variant (reflection.variant): its critic when it repairs failures
-    critic = build_critic(cfg, rollout_engine, tok) if variant.reflect else None
-    envs, server = make_envs(cfg, train_tasks, cfg.rollout.n * cfg.rollout.batch_prompts)
+    if variant.reflect and critic is None:
+        critic = build_critic(cfg, rollout_engine, tok)
+    elif not variant.reflect:
+        critic = None
+    envs, server = (env_factory or make_envs)(cfg, train_tasks, cfg.rollout.n * cfg.rollout.batch_prompts)
     spec = RolloutSpec.from_config(cfg, fmt=answer_format(cfg), think=think_of(cfg))
     return Components(model=model, tokenizer=tok, precision=precision, engine=rollout_engine, eval_engine=eval_engine,
                       remote_engine=remote_engine(cfg, tok), variant=variant, critic=critic, envs=envs,

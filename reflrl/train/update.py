@@ -1,5 +1,6 @@
-"""The policy update: one rollout batch -> optimiser steps of the clipped surrogate (or, for the DPO
-baseline, of DPO on (repair, failure) pairs)."""
+"""What the update step needs beside the loss itself: :class:`LossMeter` (the metrics of
+:func:`reflrl.train.step.policy_update`) and DPO's own update, :func:`dpo_update` (Tool-ReRL's DPO
+baseline trains (repair, failure) pairs instead of the clipped surrogate)."""
 from __future__ import annotations
 
 from typing import Any, Sequence
@@ -8,102 +9,62 @@ import numpy as np
 import torch
 
 from reflrl import config as C
-from reflrl.algos import dpo_loss, get_policy_loss_fn, kl_loss, pooled_weight_stats
+from reflrl.algos import dpo_loss, pooled_weight_stats
 from reflrl.rollout import Trajectory
 
-from .batch import UpdateBatch, batch_logprobs, make_batch, micro_batches
+from .batch import UpdateBatch, batch_logprobs, make_batch
 
 
-def policy_update(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: UpdateBatch | None,
-                  cfg: C.AlgoConfig, *, temperature: float = 1.0, ref_model: torch.nn.Module | None = None,
-                  share_prompt: bool = True, importance: dict[str, Any] | None = None) -> dict[str, float]:
-    """One rollout batch -> ``cfg.epochs_per_batch`` optimiser steps of the clipped surrogate.
+class LossMeter:
+    """Metrics of one update over its epochs and micro-batches: the loss function's metrics weighted by
+    action tokens; the loss per epoch (micro-batch losses summed) and the grad norm, averaged over epochs;
+    auxiliary losses' metrics summed over micro-batches and averaged over epochs; the gap between the
+    engine's and the trainer's log-probs on rows sampled under their own prompt; eq. 2's weight
+    statistics pooled over the repaired rows of the first epoch."""
 
-    Token-mean over the whole batch with gradient accumulation over micro-batches
-    (``global_denominator`` = action tokens of the batch), so the result equals one full-batch
-    step. Returns averaged loss metrics, grad norm and the engine/trainer log-prob gap.
+    def __init__(self) -> None:
+        self.tok_sums: dict[str, float] = {}
+        self.tok_count = 0.0
+        self.aux: dict[str, float] = {}
+        self.rerl_parts: list[dict[str, float]] = []
+        self.losses: list[float] = []
+        self.grad_norms: list[float] = []
+        self._epoch_loss = 0.0
 
-    ``importance`` (Tool-ReRL variants with the weight, ``{"level": ..., "log_cap": ...}``): the loss is
-    ``tool_rerl`` (:mod:`reflrl.algos.importance`, eq. 2). ``lp`` is always log pi_theta of the response
-    under the row's OWN prompt tokens, which for a repaired row are the ORIGINAL prompt q's, so the
-    numerator is log pi_theta(tau*|q); the repaired rows' old log-probs are their recorded behaviour
-    log-probs log pi_theta(tau*|q*) at sampling time (``engine_logprobs``, Assumption 1), the other
-    rows' stay as above (ratio 1 at one epoch: the plain clipped loss exactly). Without it, repaired
-    rows are trained like any rollout (variant ``ref``: no weight). ``rerl/*`` metrics are pooled
-    exactly over the repaired rows of the first epoch (the weights at the update's start).
+    def add(self, epoch: int, loss: torch.Tensor, lm: dict[str, float], lp: torch.Tensor, mb: UpdateBatch) -> None:
+        """One micro-batch's loss and its loss function's metrics ``lm``."""
+        if epoch == 0:
+            self.rerl_parts.append({k: v for k, v in lm.items() if k.startswith("rerl/")})
+        self._epoch_loss += float(loss.detach())
+        mask = mb.response_mask.bool()
+        on_q = mask & ~mb.repaired[:, None]  # repaired rows' engine log-probs are under q*, not q
+        if bool(on_q.any()):
+            lm["engine_logprob_gap"] = float((lp.detach() - mb.engine_logprobs)[on_q].abs().mean())
+        w = float(mask.sum())
+        for k, v in lm.items():
+            if k not in ("pg_loss", "tokens", "kl") and not k.startswith("rerl/"):
+                self.tok_sums[k] = self.tok_sums.get(k, 0.0) + w * float(v)
+        self.tok_count += w
 
-    """
-    loss_fn = get_policy_loss_fn("tool_rerl" if importance is not None else cfg.policy_loss)
-    rerl_parts: list[dict[str, float]] = []
-    params = [p for p in model.parameters() if p.requires_grad]
-    dev = next(model.parameters()).device  # train.device: micro-batches go where the model is
-    mbs = [mb.to(dev) for mb in micro_batches(batch, cfg.micro_batch_size)] if batch is not None else []
-    total_tokens = float(batch.response_mask.sum()) if batch is not None else 0.0
-    n_seq = float((batch.response_mask.sum(-1) > 0).sum()) if batch is not None else 0.0
-    denom = total_tokens if cfg.loss_agg == "token-mean" else n_seq
-    old: list[torch.Tensor | None] = [None] * len(mbs)
-    if cfg.epochs_per_batch > 1:  # recompute old log-probs once with the current (= sampling) policy
-        with torch.no_grad():
-            old = [batch_logprobs(model, mb, temperature, share_prompt) for mb in mbs]
-    ref: list[torch.Tensor | None] = [None] * len(mbs)
-    if ref_model is not None and cfg.kl_coef > 0:
-        with torch.no_grad():
-            ref = [batch_logprobs(ref_model, mb, temperature, share_prompt) for mb in mbs]
-    tok_sums: dict[str, float] = {}  # token-weighted sums of the loss function's metrics
-    tok_count = 0.0
-    losses, grad_norms = [], []
-    kl_sum = 0.0
-    model.train()
-    for _epoch in range(cfg.epochs_per_batch):
-        optimizer.zero_grad(set_to_none=True)
-        loss_total = 0.0
-        for j, mb in enumerate(mbs):
-            lp = batch_logprobs(model, mb, temperature, share_prompt)
-            old_lp = old[j] if old[j] is not None else lp.detach()
-            rep = mb.repaired if mb.repaired is not None else torch.zeros(len(mb), dtype=torch.bool, device=dev)
-            extra: dict[str, Any] = {}
-            if importance is not None:
-                old_lp = torch.where(rep[:, None], mb.engine_logprobs, old_lp)
-                extra = {"repaired": rep, "level": importance["level"], "log_cap": importance["log_cap"]}
-            loss, m = loss_fn(lp, old_lp, mb.advantages, mb.response_mask, clip_low=cfg.clip_low,
-                              clip_high=cfg.clip_high, dual_clip_c=cfg.dual_clip_c,
-                              loss_agg_mode=cfg.loss_agg, global_denominator=denom, **extra)
-            if _epoch == 0:
-                rerl_parts.append({k: v for k, v in m.items() if k.startswith("rerl/")})
-            if ref[j] is not None:
-                kl, km = kl_loss(lp, ref[j], mb.response_mask, cfg.kl_estimator, cfg.loss_agg,
-                                 global_denominator=denom)
-                loss = loss + cfg.kl_coef * kl
-                kl_sum += float(km["kl"])  # partial sums over micro-batches add up to the batch's KL
-            if not torch.isfinite(loss):
-                raise FloatingPointError(f"policy loss is {float(loss)}; check the learning rate")
-            loss.backward()
-            loss_total += float(loss.detach())
-            mask = mb.response_mask.bool()
-            w = float(mask.sum())
-            on_q = mask & ~rep[:, None]  # repaired rows' engine log-probs are under q*, not q
-            if bool(on_q.any()):
-                m["engine_logprob_gap"] = float((lp.detach() - mb.engine_logprobs)[on_q].abs().mean())
-            for k, v in m.items():
-                if k not in ("pg_loss", "tokens", "kl") and not k.startswith("rerl/"):
-                    tok_sums[k] = tok_sums.get(k, 0.0) + w * float(v)
-            tok_count += w
-        gn = torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip if cfg.grad_clip > 0 else float("inf"))
-        optimizer.step()
-        losses.append(loss_total)
-        grad_norms.append(float(gn))
-    optimizer.zero_grad(set_to_none=True)
-    out = {k: v / max(tok_count, 1.0) for k, v in tok_sums.items()}
-    out["loss"] = float(np.mean(losses))
-    if ref_model is not None and cfg.kl_coef > 0:
-        out["kl"] = kl_sum / cfg.epochs_per_batch
-    out["grad_norm"] = float(np.mean(grad_norms))
-    out["update_tokens"] = total_tokens
-    out["update_sequences"] = float(len(batch)) if batch is not None else 0.0
-    if importance is not None:
-        out.update(pooled_weight_stats(rerl_parts))
-    return out
+    def add_aux(self, metrics: dict[str, float]) -> None:
+        for k, v in metrics.items():
+            self.aux[k] = self.aux.get(k, 0.0) + float(v)
 
+    def end_epoch(self, grad_norm: torch.Tensor) -> None:
+        self.losses.append(self._epoch_loss)
+        self.grad_norms.append(float(grad_norm))
+        self._epoch_loss = 0.0
+
+    def metrics(self, epochs: int, batch: UpdateBatch, *, pooled: bool) -> dict[str, float]:
+        out = {k: v / max(self.tok_count, 1.0) for k, v in self.tok_sums.items()}
+        out["loss"] = float(np.mean(self.losses))
+        out.update({k: v / epochs for k, v in self.aux.items()})
+        out["grad_norm"] = float(np.mean(self.grad_norms))
+        out["update_tokens"] = float(batch.response_mask.sum())
+        out["update_sequences"] = float(len(batch))
+        if pooled:
+            out.update(pooled_weight_stats(self.rerl_parts))
+        return out
 
 
 def dpo_update(model: Any, optimizer: Any, ref_model: Any, pairs: Sequence[tuple[Trajectory, Trajectory]],
