@@ -129,7 +129,7 @@ class RolloutConfig:
 class AlgoConfig:
     """The RL algorithm (see reflrl.algos)."""
 
-    advantage: str = _f("grpo", "advantage estimator: 'grpo' (efficiency paper, arXiv:2606.00135, eq. 2) | 'dr_grpo' | 'rloo' | 'gae' (PPO, needs a value head)")
+    advantage: str = _f("grpo", "advantage estimator: 'grpo' (efficiency paper, arXiv:2606.00135, eq. 2) | 'dr_grpo' | 'rloo' | 'gae' (PPO: per-token GAE from a value head on the policy's trunk, trained with the clipped value loss)")
     adv_eps: float = _f(1e-6, "epsilon added to the group std in GRPO")
     gamma: float = _f(1.0, "discount (GAE)")
     lam: float = _f(1.0, "GAE lambda")
@@ -576,10 +576,11 @@ def _reflection_needs(cfg: "Config") -> Problems:
 @_check("algo", trainer=True)
 def _cpu_algo(cfg: "Config") -> Problems:
     a = cfg.algo
-    if a.advantage == "gae" or a.entropy_coef > 0:
-        yield ("the CPU trainer supports outcome advantages (grpo, dr_grpo, rloo) without an entropy bonus; "
-               "algo.advantage='gae' and algo.entropy_coef>0 need a value head / full-vocabulary logits it "
-               "does not compute (the verl backend has them)")
+    if a.entropy_coef > 0:
+        yield ("algo.entropy_coef>0: the CPU trainer computes log-probs of the sampled tokens only, not the "
+               "full-vocabulary logits an entropy bonus needs (the verl backend has them)")
+    if cfg.reflection.variant == "ppo" and a.advantage != "gae":
+        yield f"reflection.variant='ppo' trains with a value head and GAE: set algo.advantage=gae (got {a.advantage!r})"
 
 
 @_check("model", trainer=True)

@@ -1,6 +1,6 @@
 """Tool-ReRL's comparison (Tool-ReRL, Table 1) on the embedded default, several seeds each.
 
-    .venv/bin/python scripts/paper_table.py [--variants grpo,ref,cot_is,tool_rerl] [--seeds 3]
+    .venv/bin/python scripts/paper_table.py [--variants grpo,ppo,ref,cot_is,tool_rerl] [--seeds 3]
         [--faults rate_limit=0.1] [--budget-minutes M] [--rl-minutes M [--max-steps N]]
         [--set key=value ...] [--out runs/paper_table]
         [--json FILE]
@@ -13,7 +13,7 @@ reflection / failed rollouts, over all seeds), tool calls per trajectory with a 
 steps and wall time; then whether the paper's ordering holds (tool_rerl > cot_is > grpo; ref not better
 than cot when both ran).
 
-With the real model each run takes the recipe's 14-minute budget (4 variants x 3 seeds: about 3 hours
+With the real model each run takes the recipe's 14-minute budget (5 variants x 3 seeds: about 3.5 hours
 on 2 cores); --budget-minutes shortens every run (train.time_budget_min), and --warm-start pays the warm-up once
 per seed instead of once per run (every variant of a seed then starts RL from the same checkpoint,
 which is also the fairer comparison).
@@ -39,7 +39,7 @@ from datetime import datetime
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-DEFAULT_VARIANTS = "grpo,ref,cot_is,tool_rerl"
+DEFAULT_VARIANTS = "grpo,ppo,ref,cot_is,tool_rerl"
 
 
 from reflrl.experiment.runner import fmt_mean_std as mean_std, run_train, train_command, WARM_START_HELP, warm_starts

@@ -68,10 +68,10 @@ def test_validation_is_named_checks_per_section_that_ask_the_registries():
 
 
 def test_trainer_checks_are_apart_from_validation():
-    """A config the verl backend can run (PPO, GAE) validates; the CPU trainer's own limits refuse it."""
+    """A config the verl backend can run (an entropy bonus) validates; the CPU trainer's own limits refuse it."""
     from reflrl.config import check_trainer
 
-    for sets, needle in ((["reflection.variant=ppo"], "value head"), (["algo.advantage=gae"], "value head"),
+    for sets, needle in ((["reflection.variant=ppo"], "algo.advantage=gae"), (["algo.entropy_coef=0.01"], "entropy"),
                          (["model.trainable=none"], "no trainable parameter"),
                          (["reflection.variant=dpo", "algo.epochs_per_batch=2"], "one DPO step")):
         cfg = load_config(None, sets)  # valid as a config

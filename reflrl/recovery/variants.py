@@ -32,10 +32,7 @@ class Variant:
 VARIANTS: Registry[Variant] = Registry("reflection variant")
 for _v in (
     Variant("grpo"),
-    Variant("ppo", cpu_error=(
-        "reflection.variant='ppo' is PPO with a learned value function (GAE, Tool-ReRL appendix A.2); the "
-        "CPU trainer has no value head -- use 'grpo' here, or the verl backend (reflrl train --backend verl "
-        "--config configs/verl/tool_rerl_qwen2.5-7b.yaml, algo.advantage=gae)")),
+    Variant("ppo"),  # PPO: a value head and GAE (algo.advantage=gae, Tool-ReRL appendix A.2; reflrl.train.extras)
     Variant("cot", think=True),
     Variant("ref", reflect=True, source="critic"),
     Variant("cot_is", reflect=True, source="self", importance=True, think=True),
