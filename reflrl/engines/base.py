@@ -105,7 +105,11 @@ def cut_at(sample: Sample, stop_when: Callable[[str], bool], decode: Callable[[i
 
 @dataclass
 class GenerateStats:
-    """Counters of the last ``generate`` call (for run logs)."""
+    """Counters of the last ``generate`` call (for run logs and the floor benchmark).
+
+    prefill_s / decode_s: seconds in prompt forward passes / in the token-by-token loop (sampling
+    included); decode_rows: for each decode forward, the rows that still sampled (what the floor of
+    that step is computed from)."""
 
     prompts: int = 0
     samples: int = 0
@@ -113,4 +117,7 @@ class GenerateStats:
     new_tokens: int = 0
     forward_calls: int = 0
     seconds: float = 0.0
+    prefill_s: float = 0.0
+    decode_s: float = 0.0
+    decode_rows: list[int] = field(default_factory=list)
     extra: dict[str, Any] = field(default_factory=dict)

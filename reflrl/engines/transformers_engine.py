@@ -235,7 +235,10 @@ class TransformersEngine:
             mask[i, width - len(p) :] = 1
         mask = mask.to(self.device)
         st.prompt_tokens += int(mask.sum())
+        t_pre = time.perf_counter()
         h, cache = self._prefill(decoder, prompts, width)
+        st.prefill_s += time.perf_counter() - t_pre
+        t_dec = time.perf_counter()
         if n > 1:  # one prefill per prompt, copied to its n samples
             cache.batch_repeat_interleave(n)
             mask = mask.repeat_interleave(n, dim=0)
@@ -280,6 +283,7 @@ class TransformersEngine:
             n_live = sum(live)
             if step == max_new - 1 or n_live == 0:
                 break
+            st.decode_rows.append(n_live)
             # Finished rows leave the batch: at once on the transformers path; on the lean path only when at
             # most half the rows still sample (a step costs about the same for a few rows more, a compaction
             # copies the KV cache).
@@ -306,6 +310,7 @@ class TransformersEngine:
             st.forward_calls += 1
             next_pos = next_pos + 1
         st.new_tokens += sum(len(t) for t in toks)
+        st.decode_s += time.perf_counter() - t_dec
         return [
             Sample(
                 prompt_index=offset + r // n,
