@@ -63,6 +63,10 @@ class RolloutEngine(Protocol):
         """Make the engine sample from ``model``'s current weights."""
         ...
 
+    # Optional: ``on_weights_updated(model)``, called by the trainer after each optimiser step (an engine
+    # holding its own copy of the weights, as vLLM does, copies them in; one that samples from the trained
+    # model itself needs none).
+
 
 def per_prompt_caps(max_new_tokens: int | Sequence[int], n_prompts: int) -> list[int]:
     """``max_new_tokens`` as one cap per prompt (ValueError naming a bad cap or a length mismatch)."""

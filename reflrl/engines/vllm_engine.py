@@ -108,6 +108,10 @@ class VLLMEngine:
         self.llm.reset_prefix_cache()
         self.weight_version += 1
 
+    def on_weights_updated(self, model: Any) -> None:
+        """The trainer's hook after each optimiser step: the next rollouts sample the updated weights."""
+        self.update_weights(model)
+
     def generate(self, prompts: list[list[int]], n: int = 1, max_new_tokens: int | Sequence[int] = 256,
                  temperature: float = 1.0, top_p: float = 1.0, stop_ids: list[int] | None = None, seed: int = 0,
                  stop_when: Callable[[str], bool] | None = None) -> list[Sample]:

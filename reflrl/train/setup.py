@@ -118,11 +118,7 @@ def remote_engine(cfg: C.Config, tokenizer: Any) -> Any:
         from reflrl.models import EMBEDDED_NAME, _convert_embedded
 
         path = str(_convert_embedded()) if cfg.model.name == EMBEDDED_NAME else cfg.model.name
-        eng = get_engine("vllm", model_path=path, dtype=cfg.model.dtype, seed=cfg.train.seed)
-        if getattr(eng, "on_weights_updated", None) is None and hasattr(eng, "update_weights"):
-            # the trainer's hook after each optimiser step: vLLM copies the weights in
-            eng.on_weights_updated = eng.update_weights
-        return eng
+        return get_engine("vllm", model_path=path, dtype=cfg.model.dtype, seed=cfg.train.seed)
     print(f"[reflrl] warning: rollouts come from {r.engine_base_url} (rollout.engine=openai), whose weights "
           "are never synced with the trained model: off-policy after the first update", file=sys.stderr)
     return get_engine("openai", base_url=r.engine_base_url, model=r.engine_model or cfg.model.name,
