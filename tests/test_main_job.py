@@ -60,6 +60,14 @@ def test_auto_distrusts_a_capability_the_benchmark_contradicts(tmp_path):
     assert c.dtype == "float32" and "6.00x the time of float32" in c.reason
 
 
+def test_auto_keeps_native_bfloat16_on_a_busy_machine(tmp_path):
+    """A loaded machine can slow either side of the micro-benchmark a few times over: that must not
+    switch a native-bfloat16 CPU to float32 (the precision, and so the run's numbers, would then depend
+    on the load of the moment)."""
+    c = P.resolve_dtype("auto", features=AVX512_BF16, bench=lambda: 2.1, cache=False)
+    assert c.dtype == "bfloat16"
+
+
 def test_explicit_bfloat16_on_avx2_runs_with_a_warning_giving_the_measured_slowdown(tmp_path):
     c = P.resolve_dtype("bfloat16", features=AVX2, bench=lambda: 43.0, cache=False)
     assert c.dtype == "bfloat16"
