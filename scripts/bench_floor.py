@@ -1,159 +1,488 @@
-"""Floor of the embedded model on this CPU: sampling and forward+backward costs, one run.
+"""This CPU's floor for reflrl's work, and how far one RL step, one evaluation and one warm-up step are
+from it -- measured in one run, every figure a ratio of two timings taken here and now.
 
-Prints, for SmolLM2-135M-Instruct (the embedded GGUF) in several precision / trainable settings:
-- generation of 8 x 64 new tokens after a ~200-token prompt with reflrl's TransformersEngine
-  (8 distinct prompts, and 2 prompts x n=4 sharing their prefill), plus transformers'
-  ``model.generate`` on the same 8 prompts for reference (bfloat16 only);
-- forward+backward ms/token over a batch of 8 x 256 tokens (last 64 of each row are the
-  "response" whose log-probs enter the loss, via reflrl.logprobs.sequence_logprobs), the
-  forward alone (no grad), and the same batch as 2 prompts x n=4 with the shared 192-token
-  prompt run once (reflrl.logprobs.shared_prefix_logprobs).
+    .venv/bin/python scripts/bench_floor.py [--checkpoint RUN/checkpoints/step_N] [--dtype auto|float32]
+        [--threads 2] [--rl-steps 2] [--warmup-steps 3] [--peer] [--set KEY=VALUE ...] [--json FILE]
 
-Usage: .venv/bin/python scripts/bench_floor.py [--threads 2] [--skip-generate] [--skip-train]
-It is CPU-heavy (about 2-4 minutes on 2 cores); run it alone.
+1. The machine: matmul rate at the model's shapes (K=576, N=1536) for M = 1 .. 2048 rows, in the run's
+   precision; memory bandwidth (a 256 MB copy).
+2. Floors computed from those rates and each phase's own token counts:
+   - prefill: the prompt tokens' FLOPs (2 x linear parameters + attention) at the large-M matmul rate;
+   - decode: per decode step with b live rows, max(weight bytes / bandwidth, FLOPs(b) / rate(b));
+   - update and warm-up: a bare forward+backward of the model on the SAME token batches (captured while
+     the real step ran), plus one AdamW step over the trainable parameters.
+3. The default recipe's pieces, timed: RL steps (from --checkpoint, e.g. the warm-up checkpoint of a
+   run; without it the untrained policy writes longer, wrong answers), one greedy evaluation of the test
+   split (48 tasks), warm-up (SFT) steps. Each is printed beside its floor, with where an RL step's time
+   goes: prefill, decode, tools, critic, reflection (its prefill and decode), log-probs (the update's
+   forward), backward, optimiser and the rest (Python, batching, accounting).
+4. Decode throughput at batch 32 (64 new tokens after 200-token prompts) against what the measured
+   matmul rate and bandwidth allow.
+5. --peer: TRL's GRPOTrainer (where installed) on the same batch (the step's prompts, n rollouts,
+   same model and precision, no vLLM): its step time beside reflrl's.
+
+The RL step's rollouts per minute are printed too. CPU-heavy (a few minutes on 2 cores): run it
+alone; other busy processes make every multi-threaded operation wait.
 """
-
 from __future__ import annotations
 
 import argparse
+import contextlib
+import json
 import os
-import resource
+import statistics
+import sys
+import tempfile
 import time
+from pathlib import Path
+from typing import Any
 
 import torch
 
-from reflrl.engines.transformers_engine import TransformersEngine
-from reflrl.logprobs import sequence_logprobs, shared_prefix_logprobs
-from reflrl.models import count_parameters, load_model
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
 
-NAME = "smollm2-135m-instruct"
+K_DIM, N_DIM = 576, 1536  # SmolLM2-135M's hidden and MLP widths: the decode matmuls' shape
+ROWS = (1, 2, 4, 8, 16, 32, 64, 128, 512, 2048)
 
 
-def _prompts(tok, k: int, length: int = 200) -> list[list[int]]:
-    base = (
-        "You are a function calling assistant. Tools: get_weather(city), get_stock(symbol), "
-        "book_flight(origin, destination, date). Answer with a <tool_call> JSON object. "
-    )
-    out = []
-    for i in range(k):
-        text = f"Request {i}: " + base * 20
-        ids = tok.apply_chat_template(
-            [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=False
-        )
-        ids = tok(ids, add_special_tokens=False)["input_ids"]
-        out.append(ids[-length:])
+# ------------------------------------------------------------------------------------------ machine
+def matmul_rates(dtype: torch.dtype, reps: int = 20) -> dict[int, float]:
+    """FLOP/s of [M, 576] @ [576, 1536] for each M in ROWS (median of ``reps``)."""
+    out = {}
+    w = torch.randn(N_DIM, K_DIM).to(dtype)
+    for m in ROWS:
+        x = torch.randn(m, K_DIM).to(dtype)
+        for _ in range(3):
+            torch.nn.functional.linear(x, w)
+        n = max(3, reps if m <= 128 else 5)
+        ts = []
+        for _ in range(n):
+            t = time.perf_counter()
+            torch.nn.functional.linear(x, w)
+            ts.append(time.perf_counter() - t)
+        out[m] = 2 * m * K_DIM * N_DIM / statistics.median(ts)
     return out
 
 
-def bench_generate(model, tok, label: str, hf_too: bool) -> None:
-    eng = TransformersEngine(model, tok)
-    p8 = _prompts(tok, 8)
-    eng.generate(p8[:1], n=1, max_new_tokens=4, stop_ids=[], seed=0)  # warm-up
-    t = time.perf_counter()
-    out = eng.generate(p8, n=1, max_new_tokens=64, stop_ids=[], seed=0)
-    dt = time.perf_counter() - t
-    assert all(len(s.token_ids) == 64 for s in out)
-    t = time.perf_counter()
-    eng.generate(p8[:2], n=4, max_new_tokens=64, stop_ids=[], seed=0)
-    dt_shared = time.perf_counter() - t
-    line = (f"generate 8x64 after 200-token prompts [{label}]: engine {dt:.2f}s "
-            f"(2 prompts x n=4, shared prefill: {dt_shared:.2f}s)")
-    if hf_too:
-        ids = torch.tensor(p8)
-        model.eval()
-        with torch.inference_mode():
-            t = time.perf_counter()
-            model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=True,
-                           max_new_tokens=64, min_new_tokens=64, output_scores=True,
-                           return_dict_in_generate=True, pad_token_id=tok.pad_token_id)
-            dt_hf = time.perf_counter() - t
-        model.train()
-        line += f"; transformers generate(output_scores) {dt_hf:.2f}s (engine/HF {dt / dt_hf:.2f})"
-    print(line, flush=True)
-
-
-def bench_train(model, label: str, batch: int = 8, seqlen: int = 256, response: int = 64) -> None:
-    g = torch.Generator().manual_seed(0)
-    ids = torch.randint(3, 40000, (batch, seqlen), generator=g)
-    am = torch.ones_like(ids)
-    rm = torch.zeros_like(ids)
-    rm[:, seqlen - response :] = 1
-    # warm-up on a small slice
-    sequence_logprobs(model, ids[:2, :32], am[:2, :32], am[:2, :32]).sum().backward()
-    model.zero_grad(set_to_none=True)
-    with torch.no_grad():
+def bandwidth(mb: int = 256) -> float:
+    """Bytes/s of a large copy, read + write."""
+    a = torch.empty(mb * 2**20, dtype=torch.uint8)
+    b = torch.empty_like(a)
+    b.copy_(a)
+    ts = []
+    for _ in range(5):
         t = time.perf_counter()
-        sequence_logprobs(model, ids, am, rm)
-        fwd = time.perf_counter() - t
-    t = time.perf_counter()
-    lp = sequence_logprobs(model, ids, am, rm)
-    (-lp.sum() / rm.sum()).backward()
-    fb = time.perf_counter() - t
-    model.zero_grad(set_to_none=True)
-    ntok = batch * seqlen
-    # the same 8 rows as 2 prompts x n=4 sharing their first seqlen-response tokens
-    n, groups, plen = 4, batch // 4, seqlen - response
-    pid, pm = ids[::n, :plen], am[::n, :plen]
-    sid, sm = ids[:, plen:], am[:, plen:]
-    t = time.perf_counter()
-    lp = shared_prefix_logprobs(model, pid, pm, sid, sm, sm, n)
-    (-lp.sum() / sm.sum()).backward()
-    fb_shared = time.perf_counter() - t
-    model.zero_grad(set_to_none=True)
-    print(f"forward+backward {batch}x{seqlen} [{label}]: {1000 * fb / ntok:.2f} ms/token "
-          f"({fb:.1f}s; forward alone {1000 * fwd / ntok:.2f} ms/token); as {groups} prompts x "
-          f"n={n} with the prompt run once: {fb_shared:.1f}s ({fb / fb_shared:.2f}x faster)",
-          flush=True)
+        b.copy_(a)
+        ts.append(time.perf_counter() - t)
+    return 2 * a.numel() / min(ts)
 
 
-def main() -> None:
+def rate_at(rates: dict[int, float], m: int) -> float:
+    """Matmul FLOP/s for m rows, interpolated (log-linear) between the measured M."""
+    ks = sorted(rates)
+    if m <= ks[0]:
+        return rates[ks[0]]
+    for lo, hi in zip(ks, ks[1:]):
+        if m <= hi:
+            f = (m - lo) / (hi - lo)
+            return rates[lo] * (1 - f) + rates[hi] * f
+    return rates[ks[-1]]
+
+
+class Floors:
+    """Floors of a model on this machine (see the module doc)."""
+
+    def __init__(self, model: torch.nn.Module, rates: dict[int, float], bw: float):
+        cfg = model.config
+        self.rates, self.bw = rates, bw
+        emb = model.get_input_embeddings().weight
+        head = model.get_output_embeddings().weight
+        layer_params = sum(p.numel() for p in model.get_decoder().layers.parameters())
+        self.linear = layer_params  # FLOPs per token / 2, without the output head
+        self.head = head.numel()
+        self.layers, self.hidden = cfg.num_hidden_layers, cfg.hidden_size
+        tied = head.data_ptr() == emb.data_ptr()
+        self.weight_bytes = sum(p.numel() * p.element_size() for p in model.get_decoder().layers.parameters()) + \
+            head.numel() * head.element_size() + (0 if tied else 0)
+
+    def prefill(self, tokens: int, mean_len: float) -> float:
+        flops = tokens * (2 * self.linear + 4 * self.layers * self.hidden * mean_len) + 2 * self.head * 1
+        return flops / rate_at(self.rates, 2048)
+
+    def decode_step(self, rows: int, ctx: float) -> float:
+        flops = rows * (2 * (self.linear + self.head) + 4 * self.layers * self.hidden * ctx)
+        return max(self.weight_bytes / self.bw, flops / rate_at(self.rates, rows))
+
+    def decode(self, live_rows: list[int], ctx: float) -> float:
+        return sum(self.decode_step(b, ctx) for b in live_rows)
+
+
+# ------------------------------------------------------------------------------------ instrumentation
+class Tap:
+    """Wraps the trainer's parts to split a phase's time and keep what a floor is computed from."""
+
+    def __init__(self, trainer: Any):
+        self.t = trainer
+        self.reset()
+        self._wrap_engine(trainer.engine)
+        if trainer.eval_engine is not trainer.engine:
+            self._wrap_engine(trainer.eval_engine)
+        if trainer.critic is not None and hasattr(trainer.critic, "critique"):
+            self._wrap_method(trainer.critic, "critique", "critic")
+        for env in trainer.envs:
+            u = env.unwrapped
+            for name in ("areset", "astep"):
+                if hasattr(u, name):
+                    self._wrap_async(u, name, "tools")
+        self._wrap_method(trainer, "recover", None, flag="in_recover")
+        self._wrap_method(trainer.optimizer, "step", "optimizer")
+        self._orig_backward = torch.autograd.backward
+        tap = self
+
+        def backward(*a, **k):
+            t0 = time.perf_counter()
+            try:
+                return tap._orig_backward(*a, **k)
+            finally:
+                tap.add("backward", time.perf_counter() - t0)
+
+        torch.autograd.backward = backward
+        self.capture = False
+        dec = trainer.model.get_decoder()
+
+        def grab(_m, args, kwargs):  # full-sequence training forwards (the warm-up's)
+            if tap.capture and torch.is_grad_enabled() and kwargs.get("past_key_values") is None:
+                ids = kwargs.get("input_ids", args[0] if args else None)
+                if ids is not None:
+                    tap.batches.append((ids.detach().clone(), kwargs.get("attention_mask")))
+
+        dec.register_forward_pre_hook(grab, with_kwargs=True)
+        import reflrl.train.step as S
+
+        orig_update = S.policy_update
+
+        def policy_update(model, optimizer, batch, *a, **k):  # the RL update's rows, as full sequences
+            tap.update_batches.append(batch)
+            return orig_update(model, optimizer, batch, *a, **k)
+
+        S.policy_update = policy_update
+
+    def reset(self) -> None:
+        self.times: dict[str, float] = {}
+        self.gen: dict[str, dict[str, Any]] = {}
+        self.batches: list[tuple[torch.Tensor, torch.Tensor | None]] = []
+        self.update_batches: list[Any] = []
+        self.intervals: dict[str, list[tuple[float, float]]] = {}
+        self.in_recover = False
+
+    def add(self, key: str, dt: float) -> None:
+        self.times[key] = self.times.get(key, 0.0) + dt
+
+    def _wrap_engine(self, engine: Any) -> None:
+        orig, tap = engine.generate, self
+
+        def generate(*a, **k):
+            out = orig(*a, **k)
+            st = engine.last_stats
+            g = tap.gen.setdefault("reflection" if tap.in_recover else "rollout",
+                                   {"prefill_s": 0.0, "decode_s": 0.0, "prompt_tokens": 0, "prompts": 0,
+                                    "new_tokens": 0, "samples": 0, "rows": [], "ctx": []})
+            g["prefill_s"] += st.prefill_s
+            g["decode_s"] += st.decode_s
+            g["prompt_tokens"] += st.prompt_tokens
+            g["prompts"] += st.prompts
+            g["new_tokens"] += st.new_tokens
+            g["samples"] += st.samples
+            g["rows"] += list(st.decode_rows)
+            g["ctx"].append(st.prompt_tokens / max(1, st.prompts))
+            return out
+
+        engine.generate = generate
+
+    def _wrap_method(self, obj: Any, name: str, key: str | None, flag: str | None = None) -> None:
+        orig, tap = getattr(obj, name), self
+
+        def wrapped(*a, **k):
+            t0 = time.perf_counter()
+            if flag:
+                setattr(tap, flag, True)
+            try:
+                return orig(*a, **k)
+            finally:
+                if flag:
+                    setattr(tap, flag, False)
+                if key:
+                    tap.add(key, time.perf_counter() - t0)
+
+        setattr(obj, name, wrapped)
+
+    def _wrap_async(self, obj: Any, name: str, key: str) -> None:
+        """Env calls run concurrently: their time is the union of their intervals (wall time spent with at
+        least one tool call in flight)."""
+        orig, tap = getattr(obj, name), self
+
+        async def wrapped(*a, **k):
+            t0 = time.perf_counter()
+            try:
+                return await orig(*a, **k)
+            finally:
+                tap.intervals.setdefault(key, []).append((t0, time.perf_counter()))
+
+        setattr(obj, name, wrapped)
+
+    def union(self, key: str) -> float:
+        total, end = 0.0, float("-inf")
+        for a, b in sorted(self.intervals.get(key, [])):
+            if b > end:
+                total += b - max(a, end)
+                end = b
+        return total
+
+
+def bare_forward_backward(model: torch.nn.Module, batches: list, optimizer_params: list) -> float:
+    """Seconds of a bare forward+backward of ``model`` on the captured batches (decoder + output head
+    over every position, a mean log-likelihood) and one AdamW step over the trainable parameters."""
+    opt = torch.optim.AdamW(optimizer_params, lr=0.0)  # lr 0: the weights do not move
+    head = model.get_output_embeddings()
+    dec = model.get_decoder()
+    model.train()
+    t0 = time.perf_counter()
+    for ids, am in batches:
+        am = am if am is not None else torch.ones_like(ids)
+        pos = (am.cumsum(-1) - 1).clamp(min=0)
+        h = dec(input_ids=ids, attention_mask=am, position_ids=pos, use_cache=False).last_hidden_state
+        logits = head(h).float()
+        lp = torch.log_softmax(logits[:, :-1], -1).gather(-1, ids[:, 1:, None]).squeeze(-1)
+        (-(lp * am[:, 1:]).sum() / am[:, 1:].sum()).backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    return time.perf_counter() - t0
+
+
+def update_floor(model: torch.nn.Module, batches: list[Any]) -> float:
+    """The floor of the RL update on ``batches`` (UpdateBatch, prompts stored once): a bare
+    forward+backward's seconds per token, measured on the rows as full sequences, times the tokens the
+    update must process (each distinct prompt once, every response)."""
+    if not batches:
+        return 0.0
+    seqs, needed = [], 0
+    for b in batches:
+        needed += sum(len(p) for p in b.prompts) + int(b.resp_attn.sum())
+        for r in range(len(b)):
+            n = int(b.resp_attn[r].sum())
+            seqs.append(list(b.prompts[int(b.owner[r])]) + b.resp_ids[r, :n].tolist())
+    width = max(map(len, seqs))
+    ids = torch.zeros(len(seqs), width, dtype=torch.long)
+    am = torch.zeros_like(ids)
+    for i, q in enumerate(seqs):
+        ids[i, : len(q)] = torch.tensor(q)
+        am[i, : len(q)] = 1
+    mbs = [(ids[i: i + 8], am[i: i + 8]) for i in range(0, len(seqs), 8)]
+    t = bare_forward_backward(model, mbs, [p for p in model.parameters() if p.requires_grad])
+    return t / int(am.sum()) * needed
+
+
+def floor_of_generation(fl: Floors, g: dict[str, Any]) -> tuple[float, float]:
+    ctx = statistics.mean(g["ctx"]) if g["ctx"] else 0.0
+    return fl.prefill(g["prompt_tokens"], ctx), fl.decode(g["rows"], ctx + 32)
+
+
+# ------------------------------------------------------------------------------------------- main
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--checkpoint", default=None, help="start RL from this checkpoint (model.init_from)")
+    ap.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--skip-generate", action="store_true")
-    ap.add_argument("--skip-train", action="store_true")
-    ap.add_argument("--model", default=NAME, help="registry name / HF id / folder")
-    ap.add_argument("--top", type=int, default=6, help="K of the top_layers:K settings")
-    ap.add_argument("--all-dtypes", action="store_true",
-                    help="also time the bfloat16 settings on a CPU without native bfloat16 (very slow there)")
-    args = ap.parse_args()
+    ap.add_argument("--rl-steps", type=int, default=2)
+    ap.add_argument("--warmup-steps", type=int, default=3)
+    ap.add_argument("--faults", default="rate_limit=0.1")
+    ap.add_argument("--peer", action="store_true", help="also time TRL's GRPOTrainer on the same batch")
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
+    ap.add_argument("--json", default=None, help="write the figures to this file")
+    args = ap.parse_args(argv)
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
     torch.set_num_threads(args.threads)
-    print(f"torch threads {args.threads}; load average before: {os.getloadavg()[0]:.1f} "
-          "(other busy processes on the 2 cores slow every multi-threaded op many times over)",
-          flush=True)
-    from reflrl.precision import resolve_dtype
 
-    choice = resolve_dtype("auto")
-    print(choice.log_line(), flush=True)
-    t = time.perf_counter()
-    load_model(args.model, dtype="float32", trainable="none")  # converts + caches on first use
-    print(f"load (cache warm after the first run): {time.perf_counter() - t:.1f}s", flush=True)
-    k = args.top
-    settings = [
-        ("bfloat16, all trainable (pure bf16)", dict(dtype="bfloat16", trainable="all",
-                                                     trainable_dtype=None), True, True),
-        ("float32, all trainable", dict(dtype="float32", trainable="all"), True, True),
-        (f"float32, top {k} trainable", dict(dtype="float32", trainable=f"top_layers:{k}"),
-         False, True),
-        (f"bfloat16 frozen + float32 top {k} (default)", dict(dtype="bfloat16",
-                                                              trainable=f"top_layers:{k}"), True, True),
-        ("bfloat16 + LoRA r=16", dict(dtype="bfloat16", trainable="lora"), False, True),
-    ]
-    if choice.dtype != "bfloat16" and not args.all_dtypes:  # emulated bfloat16: minutes per setting, no insight
-        settings = [x for x in settings if x[1]["dtype"] != "bfloat16"]
-        print("bfloat16 settings skipped: this CPU emulates bfloat16 (--all-dtypes runs them anyway)", flush=True)
-    for label, kw, gen, train in settings:
-        model, tok = load_model(args.model, **kw)
-        c = count_parameters(model)
-        print(f"-- {label}: trainable {c['trainable'] / 1e6:.1f}M of {c['total'] / 1e6:.1f}M",
-              flush=True)
-        if gen and not args.skip_generate:
-            bench_generate(model, tok, label, hf_too=label.startswith("bfloat16, all"))
-        if train and not args.skip_train:
-            bench_train(model, label)
-        del model
-    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    print(f"peak resident memory: {rss:.0f} MB; load average after: {os.getloadavg()[0]:.1f}")
+    from reflrl import config as C
+    from reflrl.precision import resolve_dtype
+    from reflrl.train.loop import Trainer
+
+    choice = resolve_dtype(args.dtype)
+    dtype = torch.bfloat16 if choice.dtype == "bfloat16" else torch.float32
+    cap = torch.backends.cpu.get_cpu_capability()
+    print(f"CPU capability {cap}; {choice.log_line()}; torch threads {args.threads}; "
+          f"load average before {os.getloadavg()[0]:.1f}", flush=True)
+    res: dict[str, Any] = {"cpu_capability": cap, "dtype": choice.dtype, "threads": args.threads}
+
+    # 1. the machine
+    rates = matmul_rates(dtype)
+    rates32 = rates if dtype == torch.float32 else matmul_rates(torch.float32)
+    bw = bandwidth()
+    print("matmul GFLOP/s (M x 576 x 1536, " + choice.dtype + "): " +
+          ", ".join(f"M={m} {r / 1e9:.0f}" for m, r in rates.items()), flush=True)
+    if rates32 is not rates:
+        print("matmul GFLOP/s float32: " + ", ".join(f"M={m} {r / 1e9:.0f}" for m, r in rates32.items()))
+    print(f"memory bandwidth: {bw / 1e9:.1f} GB/s (read + write)", flush=True)
+    res.update(matmul_gflops={m: r / 1e9 for m, r in rates.items()}, bandwidth_gbs=bw / 1e9)
+
+    # the default recipe's trainer
+    over = [f"model.dtype={args.dtype}", f"env.faults={args.faults}", "train.out_dir=" + tempfile.mkdtemp(prefix="floor")]
+    if args.checkpoint:
+        over += [f"model.init_from={args.checkpoint}", "warmup.enabled=false"]
+    cfg = C.load_config(None, over + list(args.set))
+    tr = Trainer(cfg, Path(cfg.train.out_dir) / "run", progress=False, quiet=True)
+    fl = Floors(tr.model, rates, bw)
+    tap = Tap(tr)
+    print(f"model: {sum(p.numel() for p in tr.model.parameters()) / 1e6:.1f}M parameters, "
+          f"{fl.weight_bytes / 2**20:.0f} MiB of weights read per decode step; "
+          f"decode-step floor {1000 * fl.decode_step(1, 300):.1f} ms (1 row) .. "
+          f"{1000 * fl.decode_step(32, 300):.1f} ms (32 rows)", flush=True)
+
+    # 2. RL steps
+    tr.train_step()  # warm (first-call allocations)
+    tr.step += 1
+    steps = []
+    for _ in range(args.rl_steps):
+        tap.reset()
+        tap.capture = True
+        t0 = time.perf_counter()
+        m = tr.train_step()
+        wall = time.perf_counter() - t0
+        tap.capture = False
+        tr.step += 1
+        ro, rf = tap.gen.get("rollout", {}), tap.gen.get("reflection", {})
+        fb_floor = update_floor(tr.model, tap.update_batches)
+        pre_f, dec_f = floor_of_generation(fl, ro) if ro else (0.0, 0.0)
+        rpre_f, rdec_f = floor_of_generation(fl, rf) if rf else (0.0, 0.0)
+        floor = pre_f + dec_f + rpre_f + rdec_f + fb_floor
+        upd = m.get("time_update_s", 0.0)
+        parts = {"prefill": ro.get("prefill_s", 0.0), "decode": ro.get("decode_s", 0.0),
+                 "tools": tap.union("tools"), "critic": tap.times.get("critic", 0.0),
+                 "reflection": rf.get("prefill_s", 0.0) + rf.get("decode_s", 0.0),
+                 "backward": tap.times.get("backward", 0.0), "optimizer": tap.times.get("optimizer", 0.0)}
+        parts["log-probs"] = max(0.0, upd - parts["backward"] - parts["optimizer"])
+        parts["other"] = wall - sum(parts.values())
+        n_roll = ro.get("samples", 0) + rf.get("samples", 0)  # rollouts and reflection retries sampled
+        steps.append({"wall_s": wall, "floor_s": floor, "ratio": wall / floor if floor else None, "parts": parts,
+                      "floor_parts": {"prefill": pre_f, "decode": dec_f, "reflection": rpre_f + rdec_f,
+                                      "forward+backward": fb_floor},
+                      "new_tokens": ro.get("new_tokens", 0) + rf.get("new_tokens", 0),
+                      "rollouts": n_roll, "rollouts_per_min": 60 * n_roll / wall})
+        s = steps[-1]
+        print(f"RL step: {wall:.2f}s, floor {floor:.2f}s -> {s['ratio']:.2f}x; {n_roll} rollouts "
+              f"({s['rollouts_per_min']:.0f}/min), {s['new_tokens']} new tokens", flush=True)
+        print("  where it goes: " + ", ".join(f"{k} {v:.2f}s" for k, v in parts.items()), flush=True)
+        print("  floor parts:   " + ", ".join(f"{k} {v:.2f}s" for k, v in s["floor_parts"].items()), flush=True)
+    res["rl_steps"] = steps
+
+    # 3. greedy evaluation of the test split
+    tap.reset()
+    t0 = time.perf_counter()
+    ev = tr.evaluate("test")
+    wall = time.perf_counter() - t0
+    g = tap.gen.get("rollout", {})
+    pre_f, dec_f = floor_of_generation(fl, g) if g else (0.0, 0.0)
+    floor = pre_f + dec_f
+    res["eval"] = {"tasks": len(tr.splits["test"]), "wall_s": wall, "floor_s": floor, "ratio": wall / floor,
+                   "prefill_s": g.get("prefill_s"), "decode_s": g.get("decode_s"), "tools_s": tap.union("tools"),
+                   "new_tokens": g.get("new_tokens"), "accuracy": ev.get("accuracy")}
+    e = res["eval"]
+    print(f"greedy evaluation of {e['tasks']} tasks: {wall:.1f}s, floor {floor:.2f}s -> {e['ratio']:.2f}x "
+          f"(prefill {e['prefill_s']:.1f}s, decode {e['decode_s']:.1f}s, tools {e['tools_s']:.1f}s; "
+          f"{e['new_tokens']} new tokens)", flush=True)
+
+    # 4. decode throughput at batch 32
+    from reflrl.engines.transformers_engine import TransformersEngine
+
+    eng = TransformersEngine(tr.model, tr.tokenizer)
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(100, 40000, (200,), generator=g).tolist() for _ in range(32)]
+    eng.generate(prompts[:2], n=1, max_new_tokens=4, stop_ids=[], seed=0)
+    eng.generate(prompts, n=1, max_new_tokens=64, stop_ids=[], seed=0)
+    st = eng.last_stats
+    tps = st.new_tokens / st.decode_s
+    allowed = 32 / fl.decode_step(32, 232)
+    res["decode_b32"] = {"tokens_per_s": tps, "floor_tokens_per_s": allowed, "share_of_floor": tps / allowed}
+    print(f"decode at batch 32: {tps:.0f} tokens/s; the matmul rate and bandwidth allow {allowed:.0f} "
+          f"({100 * tps / allowed:.0f}%)", flush=True)
+
+    # 5. warm-up (SFT) steps
+    from reflrl.sft import build_examples, train_sft
+    from reflrl.train.setup import answer_format
+
+    ex = build_examples(tr.train_tasks[:64], tr.tokenizer, tr.messages, answer_format(cfg))
+    tap.reset()
+    tap.capture = True
+    out = train_sft(tr.model, tr.tokenizer, ex, steps=args.warmup_steps, batch_size=cfg.warmup.batch_size,
+                    lr=0.0, seed=0)
+    tap.capture = False
+    per = out["seconds"] / max(1, out["steps"])
+    fb = bare_forward_backward(tr.model, tap.batches, [p for p in tr.model.parameters() if p.requires_grad])
+    per_floor = fb / max(1, out["steps"])
+    res["warmup_step"] = {"wall_s": per, "floor_s": per_floor, "ratio": per / per_floor}
+    print(f"warm-up step: {per:.2f}s, bare forward+backward+AdamW on the same tokens {per_floor:.2f}s -> "
+          f"{per / per_floor:.2f}x", flush=True)
+
+    if args.peer:
+        res["peer"] = peer(tr, cfg, steps)
+    tr.close()
+    if args.json:
+        Path(args.json).write_text(json.dumps(res, indent=1, default=float))
+    return 0
+
+
+def peer(tr: Any, cfg: Any, steps: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """TRL's GRPOTrainer on the same batch: cfg.rollout.batch_prompts prompts x n completions, the same
+    model (a copy of the policy at this point) and precision, the same per-task token caps' maximum."""
+    try:
+        import trl  # noqa: F401
+        from datasets import Dataset
+        from trl import GRPOConfig, GRPOTrainer
+    except ImportError as e:
+        print(f"peer: TRL not installed ({e}); skipped")
+        return None
+    import copy
+
+    from reflrl.rollout import RolloutSpec, answer_token_cap
+
+    B, n = cfg.rollout.batch_prompts, cfg.rollout.n
+    tasks = tr.train_tasks[:B]
+    spec = tr.rollout_cfg
+    cap = max(answer_token_cap(t, tr.tokenizer, spec) for t in tasks)
+    rows = [{"prompt": tr.messages(t)} for t in tasks]
+    model = copy.deepcopy(tr.model)
+    out = tempfile.mkdtemp(prefix="trlpeer")
+    bf16 = next(model.parameters()).dtype == torch.bfloat16 or cfg.model.dtype == "bfloat16"
+    args = GRPOConfig(output_dir=out, per_device_train_batch_size=B * n, num_generations=n, max_completion_length=cap,
+                      temperature=cfg.rollout.temperature, learning_rate=cfg.algo.lr, beta=0.0, max_steps=3,
+                      logging_steps=1, save_strategy="no", report_to=[], use_cpu=True, bf16=False,
+                      gradient_checkpointing=False, seed=0, dataloader_num_workers=0)
+    times: list[float] = []
+
+    def reward(completions, **_kw):
+        return [float(len(str(c))) % 2 for c in completions]  # any reward: the step's cost is what is timed
+
+    trainer = GRPOTrainer(model=model, args=args, train_dataset=Dataset.from_list(rows * 3), reward_funcs=reward,
+                          processing_class=tr.tokenizer)
+    from transformers import TrainerCallback
+
+    class Clock(TrainerCallback):
+        def on_step_begin(self, *a, **k):
+            self.t = time.perf_counter()
+
+        def on_step_end(self, *a, **k):
+            times.append(time.perf_counter() - self.t)
+
+    trainer.add_callback(Clock())
+    trainer.train()
+    mine = statistics.median(s["wall_s"] for s in steps)
+    theirs = statistics.median(times[1:]) if len(times) > 1 else times[0]
+    print(f"peer: TRL {trl.__version__} GRPOTrainer, {B} prompts x {n}, {cap} new tokens at most, "
+          f"{'bfloat16 weights' if bf16 else 'float32'}: {theirs:.1f}s per step (median of {len(times) - 1}); "
+          f"reflrl {mine:.1f}s -> reflrl {theirs / mine:.1f}x faster", flush=True)
+    return {"trl_version": trl.__version__, "trl_step_s": theirs, "reflrl_step_s": mine, "speedup": theirs / mine}
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

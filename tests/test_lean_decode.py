@@ -93,3 +93,22 @@ def test_lora_models_take_the_transformers_forward():
     model, tok = load_model("tiny-random", dtype="float32", trainable="lora", seed=0)
     assert not supports(model)
     assert TransformersEngine(model, tok)._lean_decoder() is None
+
+
+def test_concatenated_weights_follow_an_update_of_the_parameters():
+    """The fused q/k/v and gate/up matrices are kept across calls; an in-place update of a layer's
+    parameters (what an optimiser step does) must reach the next generation."""
+    model, tok = load_model("tiny-random", dtype="float32", seed=0)
+    prompts = [tok.encode("hello there"), tok.encode("a much longer prompt with more tokens in it, ok")]
+    fast, slow = TransformersEngine(model, tok), TransformersEngine(model, tok, lean=False)
+    before = fast.generate(prompts, n=1, max_new_tokens=8, temperature=0.0)
+    with torch.no_grad():
+        layer = model.get_decoder().layers[-1]
+        layer.self_attn.k_proj.weight.mul_(-3.0)
+        layer.mlp.up_proj.weight.add_(0.5)
+    after, ref = fast.generate(prompts, n=1, max_new_tokens=8, temperature=0.0), \
+        slow.generate(prompts, n=1, max_new_tokens=8, temperature=0.0)
+    for x, y in zip(after, ref):
+        assert x.token_ids == y.token_ids
+        assert x.logprobs == pytest.approx(y.logprobs, abs=1e-5)
+    assert [s.logprobs for s in after] != [s.logprobs for s in before]

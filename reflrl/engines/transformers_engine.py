@@ -96,7 +96,11 @@ class TransformersEngine:
         """The lean decode step for the model as it is now, or None (transformers forward)."""
         if not self.lean or not growable(self.model.config) or not lean_supports(self.model):
             return None
-        return LeanDecoder(self.model)
+        if getattr(self, "_fused_for", None) is not self.model:  # concatenated weights, kept across calls
+            from .lean_decode import FusedWeights
+
+            self._fused, self._fused_for = FusedWeights(), self.model
+        return LeanDecoder(self.model, self._fused)
 
     @property
     def device(self) -> torch.device:
