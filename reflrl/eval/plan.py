@@ -28,12 +28,14 @@ DEFAULT_SEEDS = {"rotbench": 2, "taskbench": 2, "bfcl": 2, "sealtools": 2}
 FULL_SEEDS = 3
 
 #: seconds per sample (one model answer at the default max_new_tokens 256) of the embedded model on
-#: 2 CPU cores, per benchmark (prompt lengths differ: TaskBench lists a whole domain's tools)
-SECONDS_PER_SAMPLE = {"rotbench": 3.5, "taskbench": 6.0, "bfcl": 3.0, "sealtools": 3.0}
+#: 2 idle CPU cores of the AVX512-BF16 kind in bfloat16, per benchmark (prompt lengths differ: TaskBench
+#: lists a whole domain's tools). The ratios between benchmarks are measured (docs/results.md); float32
+#: (the AVX2 kind) takes about twice as long
+SECONDS_PER_SAMPLE = {"rotbench": 3.5, "taskbench": 5.0, "bfcl": 2.5, "sealtools": 3.0}
 #: loading the model, bfcl-eval and the data, writing the outputs
 SETUP_SECONDS = 45.0
 #: what the rates above were measured with
-RATE_BASIS = "smollm2-135m-instruct on 2 CPU cores"
+RATE_BASIS = "smollm2-135m-instruct in bfloat16 on 2 idle AVX512-BF16 cores"
 
 
 def parse_per_benchmark(spec: str | None, option: str) -> tuple[int | None, dict[str, int]]:
