@@ -149,16 +149,17 @@ class Tap:
 
         torch.autograd.backward = backward
         self.capture = False
-        dec = trainer.model.get_decoder()
-
-        def grab(_m, args, kwargs):  # full-sequence training forwards (the warm-up's)
-            if tap.capture and torch.is_grad_enabled() and kwargs.get("past_key_values") is None:
-                ids = kwargs.get("input_ids", args[0] if args else None)
-                if ids is not None:
-                    tap.batches.append((ids.detach().clone(), kwargs.get("attention_mask")))
-
-        dec.register_forward_pre_hook(grab, with_kwargs=True)
+        import reflrl.sft as SFT
         import reflrl.train.step as S
+
+        orig_sft_loss = SFT.sft_loss
+
+        def sft_loss(model, batch):  # the warm-up's batches
+            if tap.capture:
+                tap.batches.append((batch["input_ids"], batch["attention_mask"], batch["response_mask"]))
+            return orig_sft_loss(model, batch)
+
+        SFT.sft_loss = sft_loss
 
         orig_update = S.policy_update
 
@@ -171,7 +172,7 @@ class Tap:
     def reset(self) -> None:
         self.times: dict[str, float] = {}
         self.gen: dict[str, dict[str, Any]] = {}
-        self.batches: list[tuple[torch.Tensor, torch.Tensor | None]] = []
+        self.batches: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
         self.update_batches: list[Any] = []
         self.intervals: dict[str, list[tuple[float, float]]] = {}
         self.in_recover = False
@@ -241,20 +242,21 @@ class Tap:
 
 
 def bare_forward_backward(model: torch.nn.Module, batches: list, optimizer_params: list) -> float:
-    """Seconds of a bare forward+backward of ``model`` on the captured batches (decoder + output head
-    over every position, a mean log-likelihood) and one AdamW step over the trainable parameters."""
+    """Seconds of a bare forward+backward of ``model`` on ``batches`` = [(ids, attention mask, loss mask)]
+    -- the decoder over every token, the output head only where the loss is (the trained tokens), a mean
+    log-likelihood -- and one AdamW step over the trainable parameters."""
     opt = torch.optim.AdamW(optimizer_params, lr=0.0)  # lr 0: the weights do not move
     head = model.get_output_embeddings()
     dec = model.get_decoder()
     model.train()
     t0 = time.perf_counter()
-    for ids, am in batches:
-        am = am if am is not None else torch.ones_like(ids)
+    for ids, am, rm in batches:
         pos = (am.cumsum(-1) - 1).clamp(min=0)
         h = dec(input_ids=ids, attention_mask=am, position_ids=pos, use_cache=False).last_hidden_state
-        logits = head(h).float()
-        lp = torch.log_softmax(logits[:, :-1], -1).gather(-1, ids[:, 1:, None]).squeeze(-1)
-        (-(lp * am[:, 1:]).sum() / am[:, 1:].sum()).backward()
+        sel = rm[:, 1:].bool()
+        logits = head(h[:, :-1][sel]).float()  # [trained tokens, V]
+        lp = torch.log_softmax(logits, -1).gather(-1, ids[:, 1:][sel][:, None]).squeeze(-1)
+        (-lp.mean()).backward()
     opt.step()
     opt.zero_grad(set_to_none=True)
     return time.perf_counter() - t0
@@ -271,14 +273,16 @@ def update_floor(model: torch.nn.Module, batches: list[Any]) -> float:
         needed += sum(len(p) for p in b.prompts) + int(b.resp_attn.sum())
         for r in range(len(b)):
             n = int(b.resp_attn[r].sum())
-            seqs.append(list(b.prompts[int(b.owner[r])]) + b.resp_ids[r, :n].tolist())
-    width = max(map(len, seqs))
+            p = list(b.prompts[int(b.owner[r])])
+            seqs.append((p + b.resp_ids[r, :n].tolist(), len(p), b.response_mask[r, :n].tolist()))
+    width = max(len(q) for q, _, _ in seqs)
     ids = torch.zeros(len(seqs), width, dtype=torch.long)
-    am = torch.zeros_like(ids)
-    for i, q in enumerate(seqs):
+    am, rm = torch.zeros_like(ids), torch.zeros_like(ids)
+    for i, (q, plen, resp) in enumerate(seqs):
         ids[i, : len(q)] = torch.tensor(q)
         am[i, : len(q)] = 1
-    mbs = [(ids[i: i + 8], am[i: i + 8]) for i in range(0, len(seqs), 8)]
+        rm[i, plen: len(q)] = torch.tensor(resp, dtype=torch.long)
+    mbs = [(ids[i: i + 8], am[i: i + 8], rm[i: i + 8]) for i in range(0, len(seqs), 8)]
     t = bare_forward_backward(model, mbs, [p for p in model.parameters() if p.requires_grad])
     return t / int(am.sum()) * needed
 

@@ -207,3 +207,24 @@ def test_sample_next_draws_from_the_temperature_distribution():
     # top-p 0.65: the smallest set of top tokens reaching 0.65 is {1, 3}
     tok2, _ = sample_next(logits[:2000], 1.0, 0.65, g)
     assert set(tok2.tolist()) <= {1, 3}
+
+
+def test_two_level_draw_keeps_the_law_over_a_vocabulary_of_several_blocks():
+    """A vocabulary spanning several sampling blocks (and not a multiple of the block): frequencies
+    match softmax(logits / T) on tokens in different blocks, zero-probability tokens are never drawn, and
+    the log-prob is the trainer's (z - logsumexp z)."""
+    from reflrl.engines.transformers_engine import SAMPLE_BLOCK
+
+    vocab = 3 * SAMPLE_BLOCK + 37
+    base = torch.full((vocab,), -1e9)
+    hot = {5: 0.2, SAMPLE_BLOCK - 1: 0.1, SAMPLE_BLOCK: 0.3, 2 * SAMPLE_BLOCK + 100: 0.15, vocab - 1: 0.25}
+    for i, p in hot.items():
+        base[i] = torch.log(torch.tensor(p)) * 0.7  # logits such that softmax(logits / 0.7) = hot
+    logits = base.repeat(30000, 1)
+    tok, lp = sample_next(logits, 0.7, 1.0, torch.Generator().manual_seed(0))
+    assert set(tok.tolist()) <= set(hot)
+    freq = torch.bincount(tok, minlength=vocab).float() / tok.numel()
+    for i, p in hot.items():
+        assert abs(float(freq[i]) - p) < 0.01, (i, float(freq[i]), p)
+    ref = torch.log_softmax(logits[:50] / 0.7, -1).gather(-1, tok[:50, None]).squeeze(-1)
+    assert torch.allclose(lp[:50], ref, atol=1e-5)
