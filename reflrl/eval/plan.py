@@ -31,7 +31,7 @@ FULL_SEEDS = 3
 #: 2 idle CPU cores of the AVX512-BF16 kind in bfloat16, per benchmark (prompt lengths differ: TaskBench
 #: lists a whole domain's tools). The ratios between benchmarks are measured (docs/results.md); float32
 #: (the AVX2 kind) takes about twice as long
-SECONDS_PER_SAMPLE = {"rotbench": 3.5, "taskbench": 5.0, "bfcl": 2.5, "sealtools": 3.0}
+SECONDS_PER_SAMPLE = {"rotbench": 3.5, "taskbench": 5.0, "bfcl": 2.5, "sealtools": 3.5}
 #: loading the model, bfcl-eval and the data, writing the outputs
 SETUP_SECONDS = 45.0
 #: what the rates above were measured with
