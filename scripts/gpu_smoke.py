@@ -90,11 +90,11 @@ def smoke_trainer_class() -> type:
     from reflrl.train.loop import Trainer
 
     class SmokeTrainer(Trainer):
-        def collect(self, *args: Any, **kwargs: Any) -> Any:
-            idx, trajs = super().collect(*args, **kwargs)
+        def rollout(self, *args: Any, **kwargs: Any) -> Any:
+            trajs = super().rollout(*args, **kwargs)
             for t in trajs:
                 t.reward = letter_share("\n".join(t.texts))
-            return idx, trajs
+            return trajs
 
     return SmokeTrainer
 

@@ -14,6 +14,8 @@ from pathlib import Path
 
 import pytest
 
+from reflrl.errors import UserError
+
 bfcl_eval = pytest.importorskip("bfcl_eval")
 
 from reflrl.eval import bfcl as B  # noqa: E402
@@ -282,7 +284,7 @@ def test_multi_turn_executor_only_sees_whitelisted_calls(tmp_path, monkeypatch):
 def test_categories_and_summary_groups():
     assert B.resolve_categories("simple,live_simple") == ["simple_python", "live_simple"]
     assert B.resolve_categories("multi_turn")[0] == "multi_turn_base"
-    with pytest.raises(ValueError, match="unknown BFCL category 'simpel'"):
+    with pytest.raises(UserError, match="unknown BFCL category 'simpel'"):
         B.resolve_categories("simpel")
     s = B.summarize({"simple_python": 0.5, "multiple": 1.0, "live_simple": 0.0, "live_multiple": 1.0,
                      "multi_turn_base": 0.2},
