@@ -104,3 +104,19 @@ def tb_scalars(run: Path) -> Counter:
             for v in ev.summary.value:
                 seen[(v.tag, ev.step)] += 1
     return seen
+
+
+def right_padded(samples):
+    """(input ids, attention mask, response mask) [B, T] of engine samples as right-padded full sequences
+    (what the trainer recomputes log-probs over)."""
+    import torch
+
+    seqs = [s.prompt_ids + s.token_ids for s in samples]
+    width = max(map(len, seqs))
+    ids = torch.zeros(len(seqs), width, dtype=torch.long)
+    am, rm = torch.zeros_like(ids), torch.zeros_like(ids)
+    for i, (s, q) in enumerate(zip(samples, seqs)):
+        ids[i, : len(q)] = torch.tensor(q)
+        am[i, : len(q)] = 1
+        rm[i, len(s.prompt_ids) : len(q)] = 1
+    return ids, am, rm

@@ -9,6 +9,8 @@ from reflrl.engines.transformers_engine import RolloutEngine, Sample, Transforme
 from reflrl.logprobs import sequence_logprobs
 from reflrl.models import load_model
 
+from doubles import right_padded
+
 
 @pytest.fixture(scope="module")
 def tiny():
@@ -20,18 +22,6 @@ def tiny():
 def prompts(tiny):
     _, tok = tiny
     return [tok.encode("hello there"), tok.encode("a much longer prompt with more tokens in it, ok")]
-
-
-def _right_padded(samples):
-    seqs = [s.prompt_ids + s.token_ids for s in samples]
-    width = max(map(len, seqs))
-    ids = torch.zeros(len(seqs), width, dtype=torch.long)
-    am, rm = torch.zeros_like(ids), torch.zeros_like(ids)
-    for i, (s, q) in enumerate(zip(samples, seqs)):
-        ids[i, : len(q)] = torch.tensor(q)
-        am[i, : len(q)] = 1
-        rm[i, len(s.prompt_ids) : len(q)] = 1
-    return ids, am, rm
 
 
 def test_engine_satisfies_protocol(tiny):
@@ -75,7 +65,7 @@ def test_stop_ids_end_samples_and_drop_rows(tiny, prompts):
     for s in out:
         assert all(t % 2 == 1 for t in s.token_ids[:-1])
         assert s.finish_reason == ("stop" if s.token_ids[-1] % 2 == 0 else "length")
-    ids, am, rm = _right_padded(out)
+    ids, am, rm = right_padded(out)
     with torch.no_grad():
         lp = sequence_logprobs(model, ids, am, rm)
     for i, s in enumerate(out):
@@ -90,7 +80,7 @@ def test_engine_logprobs_match_sequence_logprobs(tiny, prompts, temperature):
     out = TransformersEngine(model, tok).generate(
         prompts, n=2, max_new_tokens=8, temperature=temperature, seed=2
     )
-    ids, am, rm = _right_padded(out)
+    ids, am, rm = right_padded(out)
     with torch.no_grad():
         lp = sequence_logprobs(model, ids, am, rm, temperature=temperature)
     for i, s in enumerate(out):
@@ -179,7 +169,7 @@ def test_sample_next_matches_distribution():
 def test_top_layers_mixed_model_generates_consistent_logprobs(prompts):
     model, tok = load_model("tiny-random", dtype="bfloat16", trainable="top_layers:1", seed=0)
     out = TransformersEngine(model, tok).generate(prompts, n=2, max_new_tokens=5, seed=0)
-    ids, am, rm = _right_padded(out)
+    ids, am, rm = right_padded(out)
     with torch.no_grad():
         lp = sequence_logprobs(model, ids, am, rm)
     for i, s in enumerate(out):

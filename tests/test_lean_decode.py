@@ -12,6 +12,8 @@ from reflrl.engines.transformers_engine import TransformersEngine
 from reflrl.logprobs import sequence_logprobs
 from reflrl.models import load_model
 
+from doubles import right_padded
+
 
 def _prefilled(model, rows: int, width: int, pad_first: int):
     g = torch.Generator().manual_seed(1)
@@ -74,14 +76,7 @@ def test_sampled_logprobs_match_the_trainers_recomputation(dtype, trainable, ato
     model, tok = load_model("tiny-random", dtype=dtype, trainable=trainable, seed=0)
     prompts = [tok.encode("hello there"), tok.encode("a much longer prompt with more tokens in it, ok")]
     out = TransformersEngine(model, tok).generate(prompts, n=4, max_new_tokens=12, temperature=0.7, seed=3)
-    seqs = [s.prompt_ids + s.token_ids for s in out]
-    width = max(map(len, seqs))
-    ids = torch.zeros(len(seqs), width, dtype=torch.long)
-    am, rm = torch.zeros_like(ids), torch.zeros_like(ids)
-    for i, (s, q) in enumerate(zip(out, seqs)):
-        ids[i, : len(q)] = torch.tensor(q)
-        am[i, : len(q)] = 1
-        rm[i, len(s.prompt_ids): len(q)] = 1
+    ids, am, rm = right_padded(out)
     with torch.no_grad():
         lp = sequence_logprobs(model, ids, am, rm, temperature=0.7)
     for i, s in enumerate(out):
