@@ -151,7 +151,7 @@ def test_cli_runs_on_the_shipped_data_without_data_dir(tmp_path, monkeypatch, ca
     monkeypatch.setenv("HTTPS_PROXY", "http://127.0.0.1:9")  # no network: nothing may be downloaded
     assert main(["eval", "rotbench", "taskbench", "bfcl", "sealtools", "--dry-run"]) == 0
     err = capsys.readouterr().err
-    assert "a SUBSET of each benchmark" in err and "estimated" in err and "sealtools 40 of 1354 samples" in err
+    assert "a SUBSET of each benchmark" in err and "estimated" in err and f"sealtools {2 * plan.DEFAULT_LIMIT['sealtools']} of 1354 samples" in err
     out = tmp_path / "ev"
     rc = main(["eval", "rotbench", "taskbench", "sealtools", "--model", "tiny-random", "--dtype", "float32",
                "--limit", "1", "--seeds", "1", "--levels", "clean", "--domains", "huggingface",

@@ -21,21 +21,21 @@ from reflrl.progress import clock_text
 BENCHMARKS = ("rotbench", "taskbench", "bfcl", "sealtools")
 
 #: samples per subset of the default run (a subset: ``--full`` runs all)
-DEFAULT_LIMIT = {"rotbench": 8, "taskbench": 5, "bfcl": 6, "sealtools": 20}
+DEFAULT_LIMIT = {"rotbench": 5, "taskbench": 3, "bfcl": 4, "sealtools": 12}
 #: seeds of the default run
 DEFAULT_SEEDS = {"rotbench": 2, "taskbench": 2, "bfcl": 2, "sealtools": 2}
 #: seeds of ``--full`` (the reproducibility protocol's three)
 FULL_SEEDS = 3
 
 #: seconds per sample (one model answer at the default max_new_tokens 256) of the embedded model on
-#: 2 idle CPU cores of the AVX512-BF16 kind in bfloat16, per benchmark (prompt lengths differ: TaskBench
-#: lists a whole domain's tools). The ratios between benchmarks are measured (docs/results.md); float32
-#: (the AVX2 kind) takes about twice as long
-SECONDS_PER_SAMPLE = {"rotbench": 3.5, "taskbench": 5.0, "bfcl": 2.5, "sealtools": 3.5}
+#: 2 idle CPU cores of an AVX512-BF16 Xeon without AMX in bfloat16, per benchmark (prompt lengths differ:
+#: TaskBench lists a whole domain's tools), as measured there (docs/results.md). A CPU with AMX runs
+#: faster; the progress lines measure the real rate
+SECONDS_PER_SAMPLE = {"rotbench": 7.3, "taskbench": 11.1, "bfcl": 5.6, "sealtools": 7.3}
 #: loading the model, bfcl-eval and the data, writing the outputs
 SETUP_SECONDS = 45.0
 #: what the rates above were measured with
-RATE_BASIS = "smollm2-135m-instruct in bfloat16 on 2 idle AVX512-BF16 cores"
+RATE_BASIS = "smollm2-135m-instruct in bfloat16 on 2 idle AVX512-BF16 cores without AMX"
 
 
 def parse_per_benchmark(spec: str | None, option: str) -> tuple[int | None, dict[str, int]]:
