@@ -134,6 +134,21 @@ class FaultPlan:
     def total(self) -> float:
         return self._bounds[-1] if self._bounds else 0.0  # type: ignore[attr-defined]
 
+    def scaled(self, factor: float, cap: float = 1.0) -> "FaultPlan":
+        """The same kinds and parameters with every probability times ``factor``; when that would put
+        the total above ``cap``, the probabilities are scaled to total ``cap`` instead (their ratios kept).
+        A plan already above ``cap`` is returned unchanged: scaling never lowers a rate below the one
+        given. ``factor`` >= 0 and 0 < ``cap`` <= 1, else FaultSpecError."""
+        if not (factor >= 0 and math.isfinite(factor)):
+            raise FaultSpecError(f"fault rate scale must be a finite number >= 0, got {factor!r}")
+        if not 0 < cap <= 1:
+            raise FaultSpecError(f"fault rate cap must be in (0, 1], got {cap!r}")
+        total = self.total
+        f = min(factor, max(1.0, cap / total)) if factor > 1 and total > 0 else factor
+        if total <= 0 or f == 1.0:
+            return self
+        return FaultPlan(tuple(FaultEntry(e.kind, round(e.prob * f, 12), e.param) for e in self.entries))
+
 
 def _parse_entry(raw: str, index: int) -> FaultEntry:
     where = f"fault spec entry {index} {raw.strip()!r}"

@@ -102,6 +102,8 @@ class EnvConfig:
     retry: RetryConfig = _f(RetryConfig, "retry policy of the tool client")
     fault_exposure: str = _f("client", "who meets a fault the tool client does not absorb: 'client' (its retries; a fault they give up on masks the rollout, never penalised) | 'policy' (it comes back to the policy as the tool's answer - HTTP status, error code, message, Retry-After - and the episode goes on, so the policy may call again, call another tool or stop; a fault it could have acted on and did not is a wrong answer, one no action can handle stays masked: `reflrl faults list`; attempts per call: env.retry.policy_max_attempts)")
     turn_seconds: float = _f(2.0, "fault_exposure='policy': virtual seconds on the env's clock that each assistant message after the first costs (no wall time); a call made before a 429's Retry-After has passed is refused with 429 again")
+    train_fault_scale: float = _f(1.0, "the RL rollouts and reflection retries meet every fault kind of env.faults at this multiple of its rate (their total at most env.train_fault_cap); the held-out evaluations meet env.faults as given. Faults are rare, so at the rate a user runs with few rollouts of a step meet one: a scale above 1 drills the policy on them")
+    train_fault_cap: float = _f(0.5, "the highest total fault rate per call attempt that env.train_fault_scale raises the RL rollouts' faults to")
     eval_fault_seed: int = _f(1234, "seed of the faults the held-out evaluations meet (env.faults): fixed, so every checkpoint of a run meets the same faults")
     concurrency: int = _f(16, "episodes stepped concurrently (1 = one at a time)")
 
@@ -226,6 +228,7 @@ class ReflectionConfig:
     reveal: str = _f("query", "rule critic: how much of an expected value the analysis gives away: 'none' | 'query' (the request's span that holds it) | 'value' (the expected values) | 'call' (value + the whole expected answer) | 'answer' (the same, written in the policy's answer format)")
     max_attempts: int = _f(1, "retries sampled under q* per failed trajectory, stopping at the first positive (Definition 1 ii)")
     max_per_step: int = _f(4, "at most this many failed trajectories reflected on per step (env faults first); 0 = all")
+    eval_policy_errors: int | None = _f(8, "held-out evaluations under faults: reflection retries every fault-caused failure and at most this many policy errors (the first by task order), so the policy-error repair rate is a sample; null = every failure")
     reflect_on: str = _f("failure", "which failures are reflected on: 'failure' (env faults and policy errors) | 'env_fault' (only env faults)")
     mode: str = _f("replace", "how q* is rendered: 'replace' (the user message becomes appendix C's retry prompt) | 'append' (attempt + retry prompt appended)")
     group: str = _f("add", "how a repair enters its GRPO group: 'replace' (tau* takes the failed rollout's place, as the paper's transformed trajectory) | 'add' (tau* joins the group beside the failure, which keeps its negative advantage)")
@@ -424,6 +427,16 @@ def _data(cfg: "Config") -> Problems:
     yield from _one_of("data.prompt_style", d.prompt_style, "prompt_style")
 
 
+def train_faults(e: "EnvConfig") -> str:
+    """The fault spec the RL rollouts and reflection retries meet: ``env.faults`` with every rate times
+    ``env.train_fault_scale`` (total at most ``env.train_fault_cap``; :meth:`reflrl.faults.FaultPlan.scaled`).
+    The held-out evaluations meet ``env.faults`` itself."""
+    if not e.faults or e.train_fault_scale == 1.0:
+        return e.faults
+    from reflrl.faults import FaultPlan
+    return str(FaultPlan.parse(e.faults).scaled(e.train_fault_scale, e.train_fault_cap))
+
+
 @_check("env")
 def _env(cfg: "Config") -> Problems:
     v = cfg.env
@@ -432,7 +445,9 @@ def _env(cfg: "Config") -> Problems:
         yield f"env.max_steps: must be >= 1 or null, got {v.max_steps}"
     yield from _at_least(v.retry, "env.retry", 1, "max_attempts", "policy_max_attempts")
     yield from _one_of("env.fault_exposure", v.fault_exposure, ("client", "policy"))
-    yield from _at_least(v, "env", 0, "turn_seconds")
+    yield from _at_least(v, "env", 0, "turn_seconds", "train_fault_scale")
+    if not 0 < v.train_fault_cap <= 1:
+        yield f"env.train_fault_cap: must be in (0, 1], got {v.train_fault_cap}"
     yield from _at_least(v.retry, "env.retry", 0, "budget_s", strict=True)
     yield from _at_least(v, "env", 1, "concurrency")
 
@@ -555,6 +570,8 @@ def _reflection_names(cfg: "Config") -> Problems:
     yield from _one_of("reflection.group", f.group, ("replace", "add"))
     yield from _at_least(f, "reflection", 1, "max_attempts")
     yield from _at_least(f, "reflection", 0, "max_per_step")
+    if f.eval_policy_errors is not None:
+        yield from _at_least(f, "reflection", 0, "eval_policy_errors")
     yield from _at_least(f, "reflection", 0, "log_cap", "dpo_beta", "critic_timeout_s", strict=True)
 
 

@@ -233,3 +233,15 @@ def test_names_are_validated_by_asking_the_registries_and_import_is_torch_free()
             load_config(None, [f"{key}={bad}"])
     code = "import sys, reflrl.config as c; assert 'torch' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_rl_rollouts_meet_the_scaled_faults_and_the_evaluation_the_given_ones():
+    from reflrl.config import load_config, train_faults, ConfigError, validate
+
+    cfg = load_config(None, ["env.faults=rate_limit=0.1", "env.train_fault_scale=3"])
+    assert train_faults(cfg.env) == "rate_limit=0.3" and cfg.env.faults == "rate_limit=0.1"
+    cfg = load_config(None, ["env.faults=rate_limit=0.3,timeout=0.1", "env.train_fault_scale=4"])
+    assert train_faults(cfg.env) == "rate_limit=0.375,timeout=0.125"  # total capped at train_fault_cap 0.5
+    assert train_faults(load_config(None, ["env.train_fault_scale=3"]).env) == ""
+    with pytest.raises(ConfigError, match="env.train_fault_cap"):
+        validate(load_config(None, ["env.train_fault_cap=0"]))

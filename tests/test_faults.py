@@ -248,3 +248,18 @@ def test_totals_count_calls_attempts_and_outcomes():
     assert "attempts(billed)=4" in t.format()
     led.forget_episode("e")
     assert led.totals().calls == 0
+
+
+def test_a_scaled_plan_keeps_kinds_and_ratios_and_is_capped():
+    plan = FaultPlan.parse("rate_limit=0.1,timeout=0.05:3s")
+    x3 = plan.scaled(3.0)
+    assert x3.kinds == plan.kinds and x3.entry("timeout").param == 3.0
+    assert math.isclose(x3.prob("rate_limit"), 0.3) and math.isclose(x3.prob("timeout"), 0.15)
+    capped = plan.scaled(10.0, cap=0.5)          # 1.5 in total would exceed the cap: scaled to total 0.5
+    assert math.isclose(capped.total, 0.5) and math.isclose(capped.prob("rate_limit") / capped.prob("timeout"), 2.0)
+    high = FaultPlan.parse("server_error=0.8")   # already above the cap: never lowered by a scale above 1
+    assert high.scaled(3.0, cap=0.5) is high and plan.scaled(1.0) is plan
+    assert math.isclose(plan.scaled(0.5).prob("rate_limit"), 0.05)
+    for bad in ((-1.0, 0.5), (float("nan"), 0.5), (2.0, 0.0), (2.0, 1.5)):
+        with pytest.raises(FaultSpecError):
+            plan.scaled(*bad)

@@ -89,11 +89,12 @@ def repaired_trajectory(t: R.Trajectory, rec: RepairRecord) -> R.Trajectory:
 
 async def arecover(trajs: list[R.Trajectory], *, cfg: C.Config, engine: Any, tokenizer: Any, envs: Sequence[Any],
                    critic: Any, messages_of: Callable[[Any], list[dict]], rollout_cfg: R.RolloutSpec,
-                   seed: int = 0) -> RecoveryResult:
+                   seed: int = 0, max_policy_errors: int | None = None) -> RecoveryResult:
     """Triage ``trajs`` (one round's single-turn rollouts; env k served trajs[k]), repair the selected
     failures with batched reflection-guided retries, and replace each repaired rollout in place
     -- or, with ``reflection.group="add"``, append it to ``trajs`` with the same ``group`` --
-    (module doc). Never raises for a critic's or a repair's failure: those are counted
+    (module doc). ``max_policy_errors``: reflect on at most this many policy errors (the first ones;
+    fault-caused failures are not capped by it); None = no such cap. Never raises for a critic's or a repair's failure: those are counted
     (``reflection_errors``) and the failed rollout is kept as it was."""
     t0 = time.perf_counter()
     f = cfg.reflection
@@ -115,6 +116,9 @@ async def arecover(trajs: list[R.Trajectory], *, cfg: C.Config, engine: Any, tok
     chosen = [(k, c) for k, c in failed if (f.reflect_on == "failure" or c == "env_fault")
               and not (shown and trajs[k].masked)]
     chosen.sort(key=lambda kc: (kc[1] != "env_fault", kc[0]))  # env faults first: they carry no signal otherwise
+    if max_policy_errors is not None:
+        pe = [kc for kc in chosen if kc[1] == "policy_error"][:max_policy_errors]
+        chosen = [kc for kc in chosen if kc[1] == "env_fault"] + pe
     if f.max_per_step:
         chosen = chosen[: f.max_per_step]
     counts["reflected"] = len(chosen)

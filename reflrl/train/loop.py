@@ -218,12 +218,14 @@ class Trainer:
             self._eval_envs, self._eval_server = make_envs(self.cfg, tasks, len(tasks), prefix="e", fault_seed=None)
         envs, seed = self._eval_envs, int(self.cfg.env.eval_fault_seed)
 
-        # every failure of the evaluation is reflected on (reflection.max_per_step caps a training step only)
+        # every fault-caused failure of the evaluation is reflected on, and the first
+        # reflection.eval_policy_errors policy errors (reflection.max_per_step caps a training step only)
         cfg = dataclasses.replace(self.cfg, reflection=dataclasses.replace(self.cfg.reflection, max_per_step=0))
 
         def recover(trajs):
             return arecover(trajs, cfg=cfg, engine=self.eval_engine, tokenizer=self.tokenizer, envs=envs,
-                            critic=self.critic, messages_of=self.messages, rollout_cfg=self.eval_cfg, seed=seed)
+                            critic=self.critic, messages_of=self.messages, rollout_cfg=self.eval_cfg, seed=seed,
+                            max_policy_errors=self.cfg.reflection.eval_policy_errors)
 
         return self.loop.run_until_complete(aevaluate_episodes(
             self.eval_engine, self.tokenizer, envs, tasks, self.eval_cfg, seed=seed,
@@ -393,7 +395,9 @@ class Trainer:
         if st["phase"] == "start":
             self.say(f"run folder {self.log.path}; model {cfg.model.name} loaded in {self.load_s:.0f}s; "
                      f"{len(self.train_tasks)} train / {len(self.splits['test'])} test tasks; "
-                     f"faults: {cfg.env.faults or 'none'}")
+                     f"faults: {cfg.env.faults or 'none'}"
+                     + (f" (RL rollouts: {C.train_faults(cfg.env)}, env.train_fault_scale)"
+                        if C.train_faults(cfg.env) != cfg.env.faults else ""))
             st["eval_before"] = self._evaluate_phase("eval before", "test")
             self.log.log(0, {f"test_{k}": v for k, v in st["eval_before"].items()}, phase="eval")
             self.say(f"held-out accuracy before: {st['eval_before']['accuracy']:.1%} "

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
@@ -181,7 +181,9 @@ def build_components(cfg: C.Config, train_tasks: Sequence[Any], *, say: Callable
         critic = build_critic(cfg, rollout_engine, tok)
     elif not variant.reflect:
         critic = None
-    envs, server = (env_factory or make_envs)(cfg, train_tasks, cfg.rollout.n * cfg.rollout.batch_prompts)
+    # the RL rollouts meet env.faults at env.train_fault_scale times their rates (the evaluations, as given)
+    train_cfg = replace(cfg, env=replace(cfg.env, faults=C.train_faults(cfg.env)))
+    envs, server = (env_factory or make_envs)(train_cfg, train_tasks, cfg.rollout.n * cfg.rollout.batch_prompts)
     spec = RolloutSpec.from_config(cfg, fmt=answer_format(cfg), think=think_of(cfg))
     return Components(model=model, tokenizer=tok, precision=precision, engine=rollout_engine, eval_engine=eval_engine,
                       remote_engine=remote_engine(cfg, tok), variant=variant, critic=critic, envs=envs,

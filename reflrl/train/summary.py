@@ -111,6 +111,7 @@ def build_summary(st: dict[str, Any], *, cfg: C.Config, run_dir: str, step: int,
         # repair rate by cause (env.fault_exposure says who met the faults)
         "heldout": {name: heldout_numbers(st.get(key), bool(cfg.env.faults)) for name, key in STAGES},
         "fault_exposure": cfg.env.fault_exposure,
+        "train_faults": C.train_faults(cfg.env),
         # the wall time by phase: load, evaluations, warm-up, RL steps (rl_share: RL's part of the run)
         "time_split": time_split(st, load_s=load_s, elapsed_s=elapsed_s),
     }

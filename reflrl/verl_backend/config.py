@@ -282,6 +282,9 @@ KEYS: dict[str, Decision] = {
     "env.fault_exposure": _refused("the verl agent loop meets faults through the tool client's retries "
                                    "('client'); 'policy' is a CPU-trainer setting", _is("client"), "policy"),
     "env.turn_seconds": _not_needed(_ONLY_POLICY),
+    "env.train_fault_scale": _refused("the verl agent loop's episodes meet env.faults at the rates given; a "
+                                      "training-only rate is a CPU-trainer setting", _is(1.0), 3.0),
+    "env.train_fault_cap": _not_needed("only read with env.train_fault_scale != 1, which the verl backend refuses"),
     "env.eval_fault_seed": _not_needed("held-out evaluation with faults is `reflrl eval`; verl's validation "
                                        "episodes use the training fault seeds"),
     "env.concurrency": _not_needed("verl runs the episodes of a batch concurrently in its agent-loop workers "
@@ -388,6 +391,8 @@ KEYS: dict[str, Decision] = {
                                        _EP + "max_attempts", 3),
     "reflection.max_per_step": _refused("the agent loop reflects on every failed episode; a per-step cap "
                                         "is a CPU-trainer setting", _is(0), 4),
+    "reflection.eval_policy_errors": _not_needed("the CPU trainer's held-out evaluation under faults; verl's "
+                                                 "validation does not reflect"),
     "reflection.reflect_on": _mapped("reflrl.reflect_on", _EP + "reflect_on", "env_fault"),
     "reflection.mode": _mapped("reflrl.mode (q* rendering)", _EP + "mode", "append"),
     "reflection.group": _refused("on verl a repair takes the failed episode's place in its group ('replace')",
