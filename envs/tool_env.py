@@ -250,6 +250,10 @@ class ToolCallEnv(gym.Env[str, str]):
             the tool's answer and the episode goes on; module doc).
         turn_seconds: under ``fault_exposure="policy"``, virtual seconds each assistant message
             after the first costs on the env's clock (what lets a Retry-After pass).
+        triage: True (the default) masks an episode that met a fault it could not act on (the
+            client gave up; under ``"policy"``, a fault no action can handle or one met on the last
+            message), so it is never penalised. False masks none: such a fault leaves the episode's
+            answer wrong, as a plain RL trainer that scores tool errors as failures does (a baseline).
         timeout: the client's read timeout in seconds.
         clock: the clock of client waits and server stalls: ``"virtual"`` (a VirtualClock: latency,
             Retry-After and backoff waits cost no wall time, elapsed times stay exact and
@@ -298,6 +302,7 @@ class ToolCallEnv(gym.Env[str, str]):
         retry: Any = None,
         fault_exposure: str = "client",
         turn_seconds: float = 2.0,
+        triage: bool = True,
         timeout: float | None = None,
         clock: Any = None,
         client: Any = None,
@@ -338,6 +343,7 @@ class ToolCallEnv(gym.Env[str, str]):
             raise ValueError(f"turn_seconds={turn_seconds!r}: must be >= 0")
         self.fault_exposure = fault_exposure
         self.turn_seconds = float(turn_seconds)
+        self.triage = bool(triage)
         self.fault_seed = fault_seed
         self.max_steps = max_steps
         self.max_steps_per_turn = int(max_steps_per_turn)
@@ -498,7 +504,8 @@ class ToolCallEnv(gym.Env[str, str]):
           triage: per call "ok" | "env_fault" (retries gave up) | "policy_error" | "tool_bug"
               (the tool crashed on valid arguments: neither the policy's error nor a fault);
           env_fault_treatment: "none" | "retried-recovered" | "to-policy" (a fault came back to
-              the policy, fault_exposure="policy") | "masked";
+              the policy, fault_exposure="policy") | "masked" | "unexcused" (triage=False: the
+              client gave up on a fault and the episode is not masked);
           masked: an env fault was not recovered, or a tool crashed, in this episode (sticky):
               the trainer drops the rollout from the loss; the reward is still what the calls
               deserve against the gold;
@@ -563,7 +570,8 @@ class ToolCallEnv(gym.Env[str, str]):
             unhandleable = [f for f in shown_now if not f["policy_can_act"] or ep.step >= limit]
             gave_up = "tool_bug" in triage or bool(unhandleable)
         else:
-            answered = calls
+            answered = (calls if self.triage
+                        else [c for c, o in zip(run, outcomes) if o.triage != "env_fault"])
             gave_up = any(t in ("env_fault", "tool_bug") for t in triage)
         if gave_up:
             treatment = "masked"
@@ -573,6 +581,10 @@ class ToolCallEnv(gym.Env[str, str]):
             treatment = "retried-recovered"
         else:
             treatment = "none"
+        if not self.triage:  # no triage: a fault the policy could not act on is not excused
+            gave_up = "tool_bug" in triage
+            if not gave_up and treatment == "masked":
+                treatment = "to-policy" if shown_now else "unexcused"
         ep.masked = ep.masked or gave_up
 
         turn_index = ep.turn
@@ -582,7 +594,8 @@ class ToolCallEnv(gym.Env[str, str]):
         parts: dict[str, Any] = {}
         correct = None
         if not self.multi_turn and not policy:
-            reward, parts, correct = self._score(parse.ok, calls, ep.task, 0)
+            # without triage a call whose fault the client gave up on got no answer: it does not count
+            reward, parts, correct = self._score(parse.ok, answered, ep.task, 0)
             terminated = True
             turn_ended = True
         else:
@@ -689,10 +702,12 @@ class ToolCallEnv(gym.Env[str, str]):
 
     def _turn_fault_caused(self, ep: _Episode) -> bool:
         """Whether the turn that just ended (its calls still in ``ep.turn_calls``) would have been right
-        had the calls of its faults that are still open been answered (the failure is then the fault's,
-        and acting on it was the policy's to do); a bad format is the policy's."""
+        had the calls of its faults that are still open been answered: the failure is then the fault's,
+        and acting on it was the policy's to do. What the policy wrote after the fault does not change
+        that: a reply that stops, calls something else or is malformed (a small policy often echoes the
+        tool's error inside a call) all failed to call again. A turn with no fault stays the policy's."""
         open_now = [f for f in ep.shown_faults if not f["handled"] and f.get("turn", 0) == ep.turn]
-        if not open_now or not ep.turn_format_ok:
+        if not open_now:
             return False
         calls = list(ep.turn_calls) + [ToolCall(f["name"], f["arguments"]) for f in open_now]
         _r, _p, ok = self._score(True, calls, ep.task, ep.turn)

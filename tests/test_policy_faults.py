@@ -182,6 +182,23 @@ def test_stopping_after_a_fault_is_the_policys_failure_and_calling_the_failed_on
         env.close()
 
 
+def test_a_malformed_reply_to_a_fault_is_still_fault_caused():
+    """A small policy often answers a fault by echoing the tool's error inside a call: it did not call
+    again, and the answer would have been right had it, so the failure is the fault's (reflection's
+    fault critique then targets it); the reward is still that of a wrong answer."""
+    seed = _first_faulted_seed(WEATHER, "server_error=0.3")
+    env = _env(WEATHER, "server_error=0.3")
+    try:
+        env.reset(seed=seed)
+        env.step(gold_actions(WEATHER)[0])
+        echo = '<tool_call>\n{"name": "get_current_weather", "error": "HTTP 503 Service Unavailable"}}\n</tool_call>'
+        _o, reward, term, _tr, info = env.step(echo)
+        assert term and reward == 0.0 and not info["correct"] and not info["masked"]
+        assert info["fault_caused"] and [f["name"] for f in info["open_faults"]] == ["get_current_weather"]
+    finally:
+        env.close()
+
+
 def test_a_wrong_answer_with_a_fault_is_a_policy_error_not_fault_caused():
     seed = _first_faulted_seed(WEATHER, "server_error=0.3")
     env = _env(WEATHER, "server_error=0.3")
@@ -215,6 +232,28 @@ def test_ip_ban_no_action_can_handle_stays_masked_and_a_fault_on_the_last_messag
         assert not term and not trunc and not info["masked"]
         _o, reward, term, trunc, info = env.step(gold)  # the last allowed message meets a fault too
         assert trunc and info["masked"] and not info["fault_caused"]
+    finally:
+        env.close()
+
+
+def test_without_triage_no_fault_is_masked_and_the_unhandleable_one_leaves_the_answer_wrong():
+    """env.triage=false (the 'naive' baseline): an ip_ban no action can handle is not masked, the episode
+    ends wrong; under client exposure a fault the retries gave up on is not masked either."""
+    gold = gold_actions(WEATHER)[0]
+    env = _env(WEATHER, "ip_ban=1.0", max_steps=2, triage=False)
+    try:
+        env.reset(seed=0)
+        _o, reward, _term, _tr, info = env.step(gold)
+        assert not info["masked"] and info["env_fault_treatment"] == "to-policy"
+        _o, reward, term, trunc, info = env.step(gold)
+        assert (term or trunc) and not info["masked"] and reward == 0.0 and not info["correct"]
+    finally:
+        env.close()
+    env = _env(WEATHER, "rate_limit=1.0", fault_exposure="client", triage=False)
+    try:
+        env.reset(seed=0)
+        _o, reward, term, _tr, info = env.step(gold)
+        assert term and not info["masked"] and info["env_fault_treatment"] == "unexcused" and reward == 0.0
     finally:
         env.close()
 

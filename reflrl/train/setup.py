@@ -144,7 +144,7 @@ def make_envs(cfg: C.Config, tasks: Sequence[Any], count: int, *, prefix: str = 
                      fault_seed=e.fault_seed if fault_seed == -1 else fault_seed,
                      seed=cfg.train.seed + k, reward=e.reward, parser=e.parser, prompt_style=cfg.data.prompt_style,
                      max_steps=e.max_steps, retry=retry, fault_exposure=e.fault_exposure,
-                     turn_seconds=e.turn_seconds, app=app, episode_prefix=f"{prefix}{k}", think=think_of(cfg)).unwrapped
+                     turn_seconds=e.turn_seconds, triage=e.triage, app=app, episode_prefix=f"{prefix}{k}", think=think_of(cfg)).unwrapped
             for k in range(count)]
     return envs, app.server
 

@@ -284,6 +284,8 @@ KEYS: dict[str, Decision] = {
     "env.turn_seconds": _not_needed(_ONLY_POLICY),
     "env.train_fault_scale": _refused("the verl agent loop's episodes meet env.faults at the rates given; a "
                                       "training-only rate is a CPU-trainer setting", _is(1.0), 3.0),
+    "env.triage": _refused("the verl agent loop masks the episodes whose faults the client gave up on",
+                           _is(True), False),
     "env.train_fault_cap": _not_needed("only read with env.train_fault_scale != 1, which the verl backend refuses"),
     "env.eval_fault_seed": _not_needed("held-out evaluation with faults is `reflrl eval`; verl's validation "
                                        "episodes use the training fault seeds"),
