@@ -425,7 +425,8 @@ def test_garbage_critic_does_not_crash_a_train_step(tmp_path):
 
 
 def test_env_faults_are_triaged_and_reflected_with_the_fault(tmp_path):
-    cfg = tiny_cfg(tmp_path, "tool_rerl", **{"env.faults": "rate_limit=0.6", "env.retry.max_attempts": 1})
+    cfg = tiny_cfg(tmp_path, "tool_rerl", **{"env.faults": "rate_limit=0.6", "env.retry.max_attempts": 1,
+                                         "env.fault_exposure": "client"})
     def all_gold(tasks):
         return lambda text, j: gold_text(next(t for t in tasks if t.query in text))
     tr = make_trainer(cfg, tmp_path / "run", all_gold)
