@@ -31,7 +31,7 @@ FULL_SEEDS = 3
 #: 2 idle CPU cores of an AVX512-BF16 Xeon without AMX in bfloat16, per benchmark (prompt lengths differ:
 #: TaskBench lists a whole domain's tools), as measured there (docs/results.md). A CPU with AMX runs
 #: faster; the progress lines measure the real rate
-SECONDS_PER_SAMPLE = {"rotbench": 7.3, "taskbench": 11.1, "bfcl": 5.6, "sealtools": 7.3}
+SECONDS_PER_SAMPLE = {"rotbench": 4.7, "taskbench": 9.0, "bfcl": 3.9, "sealtools": 4.0}
 #: loading the model, bfcl-eval and the data, writing the outputs
 SETUP_SECONDS = 45.0
 #: what the rates above were measured with
