@@ -173,6 +173,7 @@ class _Episode:
     turn: int = 0                 # index of the current user turn
     step: int = 0                 # assistant messages so far (X-Reflrl-Step of the next one)
     turn_calls: list[ToolCall] = dataclasses.field(default_factory=list)
+    turn_call_steps: list[int] = dataclasses.field(default_factory=list)  # the step of each turn_calls entry
     turn_format_ok: bool = True
     masked: bool = False          # an env fault was not recovered (sticky for the episode)
     # fault_exposure="policy": faults the policy was shown (dicts; "handled" once the call got an
@@ -600,6 +601,7 @@ class ToolCallEnv(gym.Env[str, str]):
             turn_ended = True
         else:
             ep.turn_calls.extend(answered)
+            ep.turn_call_steps.extend([step_index] * len(answered))
             ep.turn_format_ok = ep.turn_format_ok and parse.ok
             # multi-turn: a message with calls continues the turn; single-turn (policy-visible
             # faults): only a message that met a fault the policy may still act on does
@@ -615,7 +617,7 @@ class ToolCallEnv(gym.Env[str, str]):
                 ep.last_turn_calls, ep.last_turn_format_ok = list(ep.turn_calls), ep.turn_format_ok
                 turn_ended = True
                 ep.turn += 1
-                ep.turn_calls, ep.turn_format_ok, ep.answered = [], True, []
+                ep.turn_calls, ep.turn_call_steps, ep.turn_format_ok, ep.answered = [], [], True, []
                 if continues:  # the step budget ran out in the middle of a turn
                     truncated = True
                 elif ep.turn >= ep.n_user_turns:
@@ -701,17 +703,22 @@ class ToolCallEnv(gym.Env[str, str]):
         return counted
 
     def _turn_fault_caused(self, ep: _Episode) -> bool:
-        """Whether the turn that just ended (its calls still in ``ep.turn_calls``) would have been right
-        had the calls of its faults that are still open been answered: the failure is then the fault's,
-        and acting on it was the policy's to do. What the policy wrote after the fault does not change
-        that: a reply that stops, calls something else or is malformed (a small policy often echoes the
-        tool's error inside a call) all failed to call again. A turn with no fault stays the policy's."""
+        """Whether the turn that just ended was failed by its faults: it would have been right had the
+        calls of its faults that are still open been answered, either with every call the turn got an
+        answer to, or with those answered up to the step of its first open fault (the answer the policy
+        had given when it met the fault). Acting on the fault was then the policy's to do, and what it
+        wrote instead (stopping, a malformed reply - a small policy often echoes the tool's error inside
+        a call - or other calls) failed to call again. A turn with no open fault stays the policy's."""
         open_now = [f for f in ep.shown_faults if not f["handled"] and f.get("turn", 0) == ep.turn]
         if not open_now:
             return False
-        calls = list(ep.turn_calls) + [ToolCall(f["name"], f["arguments"]) for f in open_now]
-        _r, _p, ok = self._score(True, calls, ep.task, ep.turn)
-        return ok
+        faulted = [ToolCall(f["name"], f["arguments"]) for f in open_now]
+        first = min(int(f["step"]) for f in open_now)
+        before = [c for c, st in zip(ep.turn_calls, ep.turn_call_steps) if st <= first]
+        for answered in (list(ep.turn_calls), before):
+            if self._score(True, answered + faulted, ep.task, ep.turn)[2]:
+                return True
+        return False
 
     def _would_be_right(self, ep: _Episode, turn: int, open_faults: list[dict[str, Any]]) -> bool:
         """Whether the episode's answer would have been right had the open faults' calls been answered:

@@ -199,17 +199,27 @@ def test_a_malformed_reply_to_a_fault_is_still_fault_caused():
         env.close()
 
 
-def test_a_wrong_answer_with_a_fault_is_a_policy_error_not_fault_caused():
+def test_a_wrong_answer_with_a_fault_is_a_policy_error_and_a_wrong_reply_to_a_fault_is_fault_caused():
+    """A wrong first answer that meets a fault stays the policy's error: answering the faulted call would
+    not have made it right. A right first answer whose call met a fault, followed by a wrong call instead
+    of calling again, is fault-caused (the answer given when the fault came, completed by the faulted
+    call, is right); its reward is still that of a wrong answer."""
+    from reflrl.envs.parsing import format_calls
+    wrong = format_calls([ToolCall("get_stock_quote", {"symbol": "X"})])
     seed = _first_faulted_seed(WEATHER, "server_error=0.3")
     env = _env(WEATHER, "server_error=0.3")
     try:
         env.reset(seed=seed)
+        _o, _r, term, _tr, info = env.step(wrong)  # the first call of this seed meets the fault
+        assert not term and info["shown_faults"]
+        _o, reward, term, _tr, info = env.step("Done.")
+        assert term and reward == 0.0 and not info["masked"] and not info["fault_caused"]
+        env.reset(seed=seed)
         env.step(gold_actions(WEATHER)[0])
-        from reflrl.envs.parsing import format_calls
-        _o, reward, term, _tr, info = env.step(format_calls([ToolCall("get_stock_quote", {"symbol": "X"})]))
+        _o, reward, term, _tr, info = env.step(wrong)
         if not term:  # the wrong call met a fault too: stop
             _o, reward, term, _tr, info = env.step("Done.")
-        assert term and reward == 0.0 and not info["masked"] and not info["fault_caused"]
+        assert term and reward == 0.0 and not info["masked"] and info["fault_caused"]
     finally:
         env.close()
 

@@ -170,7 +170,8 @@ def test_env_faults_on_one_prompt_are_masked_not_penalised_in_a_training_step(tm
     """100% server errors on the tools of every episode: all rollouts masked, none trained on,
     no negative advantage anywhere, and the step still completes."""
     cfg = tiny_cfg(tmp_path, **{"train.steps": 1, "train.save_every": 0, "env.faults": "server_error=1.0",
-                                "env.retry.max_attempts": 1})
+                                "env.retry.max_attempts": 1,
+                                "env.fault_exposure": "client"})
     tr = scripted_trainer(cfg, tmp_path / "run")
     try:
         m = tr.train_step()
