@@ -366,6 +366,12 @@ def test_fault_caused_failures_reach_reflection_and_the_repair_keeps_the_earlier
         assert rec.cause == "env_fault"
         assert rec.critiques[0].analysis.startswith("Your call was right; the tool answered 50")
         assert "(server_error)" in rec.critiques[0].analysis
+        # q* shows the call that met the fault (it was right), not the reply that gave up
+        from reflrl.envs.parsing import format_calls
+        ef = rec.first_feedback.env_fault
+        shown = format_calls([ToolCall(f.tool, dict(f.arguments)) for f in (ef, *ef.also)])
+        assert rec.attempts[0].action == shown and "The tool is down" not in rec.augmented_messages[1]["content"]
+        assert shown in rec.augmented_messages[1]["content"]
         old = t.original
         assert old is before[next(k for k, v in before.items() if v is old)]
         # the earlier step (answer + the tool's error) is kept; the last answer is the retry, with its

@@ -171,7 +171,7 @@ async def arecover(trajs: list[R.Trajectory], *, cfg: C.Config, engine: Any, tok
 
             return await reflect_and_retry(generate, critic, step_env, t.task, _first_generation(t),
                                            f.max_attempts, first_feedback=fb0, messages=q or messages_of(t.task),
-                                           gold=gold, mode=f.mode, stats=stats)
+                                           gold=gold, mode=f.mode, stats=stats, fmt=rollout_cfg.fmt)
         except Exception as e:  # noqa: BLE001 - a broken critic/repair must not stop training
             errors.append(f"{type(e).__name__}: {e}")
             return None

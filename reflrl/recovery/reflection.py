@@ -283,6 +283,7 @@ async def reflect_and_retry(
     gold: list[ToolCall] | None = None,
     mode: str = "replace",
     stats: CriticStats | None = None,
+    fmt: str = "hermes",
 ) -> RepairRecord:
     """Repair one failed response by critique and reflection-guided retries (Definition 1, ii).
 
@@ -306,6 +307,10 @@ async def reflect_and_retry(
         gold: the gold calls of the current turn (default ``task.gold[0]`` when present).
         mode: how q* is rendered (:func:`augmented_messages`).
         stats: a :class:`CriticStats` that records every critique.
+        fmt: the answer format (``env.parser``). An attempt failed by a fault the policy was shown
+            and did not act on is shown in q* as the call(s) that met the fault, written in ``fmt``,
+            not as what the policy wrote after it: that call was right, and the critique says to make
+            it again.
     """
     if max_attempts < 0:
         raise ValueError(f"max_attempts={max_attempts}: must be >= 0")
@@ -333,6 +338,13 @@ async def reflect_and_retry(
             rec.stop_reason = "critic_unparsed"
             return True
         thought, action = split_response(gen.text)
+        ef = fb.env_fault
+        if ef is not None and ef.visible and ef.arguments is not None:
+            from reflrl.envs.parsing import format_calls
+            try:
+                action = format_calls([ToolCall(f.tool, dict(f.arguments or {})) for f in (ef, *ef.also)], fmt)
+            except ValueError:
+                pass  # a call this format cannot write: the response as it was
         rec.attempts.append(Attempt(thought, action, c.reflection))
         return False
 
