@@ -1,12 +1,18 @@
 """The default recipe over several seeds: held-out accuracy of the base model, after the warm-up and after
-RL, the paired RL gain (after RL - after warm-up, same run) and wall time, mean ± std.
+RL, the paired RL gain (after RL - after warm-up, same run) and wall time, mean ± std; under faults also
+accuracy on the episodes that met no fault, recovery under faults and reflection's repair rates, with the
+paired RL gains, and an equal-time control: the RL phase's minutes spent on more supervised steps on the
+clean demonstrations instead, from the same warm-up checkpoint.
 
-    .venv/bin/python scripts/bench_recipe.py --seeds 0,1,2 [--faults rate_limit=0.1] [--config FILE]
-                                             [--set key=value ...] [--out runs/bench_recipe]
+    .venv/bin/python scripts/bench_recipe.py --seeds 0,1,2 [--faults rate_limit=0.1] [--test-size 240]
+                                             [--no-control] [--config FILE] [--set key=value ...]
+                                             [--out runs/bench_recipe]
 
-Each seed runs `reflrl train` in its own process (exactly what a user runs, model loading and both
-evaluations included) one after the other; wall time is measured around the whole process. About
-12 minutes of CPU per seed on 2 cores.
+Each seed runs `reflrl train` in its own process (exactly what a user runs, model loading and the
+evaluations included) one after the other; wall time is measured around the whole process. The control
+is a second `reflrl train` from the seed's warm-up checkpoint (`model.init_from`), its warm-up as many
+supervised steps as the RL phase's seconds buy at the warm-up's measured rate, no RL step; it is scored
+by the same evaluation (same tasks, same fixed fault seed).
 """
 from __future__ import annotations
 
@@ -20,6 +26,45 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 from reflrl.experiment.runner import fmt_mean_std as mean_std, run_train, train_command
+
+
+FAULT_KEYS = ("accuracy", "clean_accuracy", "recovery_under_faults", "reflection_ratio_env_fault",
+              "reflection_ratio_policy_error")
+
+
+def heldout_row(s: dict) -> dict:
+    """A run summary's held-out numbers after the warm-up and after RL (fault runs: ``summary['heldout']``)."""
+    h = s.get("heldout") or {}
+    return {stage: {k: (h.get(stage) or {}).get(k) for k in FAULT_KEYS + ("n_faulted", "n_clean")}
+            for stage in ("after_warmup", "after")}
+
+
+def control_steps(s: dict) -> int:
+    """Supervised steps the RL phase's seconds buy at the warm-up's measured rate (at least 1)."""
+    w = s.get("warmup") or {}
+    per_step = (w.get("sft_seconds") or 0.0) / max(1, w.get("sft_steps") or 0)
+    return max(1, round((s.get("rl_seconds") or 0.0) / per_step)) if per_step > 0 else 1
+
+
+def fault_lines(rows: list[dict]) -> list[str]:
+    """Per metric: after warm-up, after RL, the paired RL gain, and RL minus the equal-time control."""
+    out = []
+    for k in FAULT_KEYS:
+        w = [r["heldout"]["after_warmup"][k] for r in rows if r.get("heldout")]
+        a = [r["heldout"]["after"][k] for r in rows if r.get("heldout")]
+        if not any(x is not None for x in w + a):
+            continue
+        gains = [x - y for x, y in zip(a, w) if x is not None and y is not None]
+        line = f"{k}: after warm-up {mean_std(w)}, after RL {mean_std(a)}, RL gain (paired) {mean_std(gains)}"
+        if gains:
+            line += f" (per seed {', '.join(f'{100 * g:+.1f}' for g in gains)} points)"
+        ctl = [(r["heldout"]["after"][k], r["control"][k]) for r in rows if r.get("control")]
+        diffs = [x - c for x, c in ctl if x is not None and c is not None]
+        if diffs:
+            line += (f"; RL - equal-time SFT {mean_std(diffs)} (per seed "
+                     f"{', '.join(f'{100 * d:+.1f}' for d in diffs)}; RL above in {sum(d > 0 for d in diffs)} of {len(diffs)})")
+        out.append(line)
+    return out
 
 
 def aggregate_lines(rows: list[dict]) -> list[str]:
@@ -58,9 +103,13 @@ def main(argv=None) -> int:
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
     p.add_argument("--out", default=str(ROOT / "runs" / "bench_recipe"), help="parent folder of the runs")
     p.add_argument("--json", help="write the per-seed results and aggregates to this JSON file")
+    p.add_argument("--test-size", type=int, help="held-out tasks of every evaluation (sets data.n_test)")
+    p.add_argument("--no-control", action="store_true", help="skip the equal-time supervised control")
     args = p.parse_args(argv)
     seeds = [int(s) for s in args.seeds.split(",") if s.strip()]
     stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
+    if args.test_size:
+        args.overrides = [*args.overrides, f"data.n_test={args.test_size}"]
     rows = []
     for seed in seeds:
         name = f"recipe-{stamp}-s{seed}"
@@ -79,6 +128,22 @@ def main(argv=None) -> int:
                "steps": s["steps"], "wall_s": wall, "masked": s["masked_trajectories"],
                "faults": s["faults"]["faults_by_kind"], "run_dir": s["run_dir"],
                "warmup_steps": (s.get("warmup") or {}).get("sft_steps"), "recovery": s.get("recovery") or {}}
+        row["heldout"] = heldout_row(s)
+        if args.faults and not args.no_control:  # the RL phase's seconds on more SFT, same warm-up checkpoint
+            steps = control_steps(s)
+            ck = Path(s["run_dir"]) / "checkpoints" / "step_000000"
+            ccmd = train_command(seed=seed, name=name + "-sft", out_dir=args.out, config=args.config,
+                                 faults=args.faults, overrides=[*args.overrides, f"model.init_from={ck}",
+                                                                "warmup.enabled=true", f"warmup.steps={steps}",
+                                                                "warmup.eval_after=false", "train.steps=0"])
+            print(f"seed {seed} control: {steps} more SFT steps ({' '.join(ccmd[1:])})", flush=True)
+            try:
+                cs, _cwall = run_train(ccmd, Path(args.out) / (name + "-sft"), cwd=ROOT)
+            except RuntimeError as e:
+                print(f"seed {seed} control: {e}", file=sys.stderr)
+                return 1
+            row["control"] = {k: (cs.get("heldout") or {}).get("after", {}).get(k) for k in FAULT_KEYS}
+            row["control_steps"] = steps
         rows.append(row)
         warm = "n/a" if row["after_warmup"] is None else f"{row['after_warmup']:.1%}"
         gain = "n/a" if row["rl_gain"] is None else f"{100 * row['rl_gain']:+.1f} points"
@@ -98,6 +163,8 @@ def main(argv=None) -> int:
         n_test = json.loads((Path(rows[0]["run_dir"]) / "summary.json").read_text())["eval_after"].get("n")
     print(f"\n{len(rows)} seeds, faults {args.faults!r}, {n_test} held-out tasks each")
     print("\n".join(aggregate_lines(rows)))
+    if any(r.get("heldout") for r in rows) and args.faults:
+        print("\n".join(fault_lines(rows)))
     if args.json:
         Path(args.json).write_text(json.dumps({"rows": rows, "faults": args.faults}, indent=2))
     return 0

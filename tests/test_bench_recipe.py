@@ -19,3 +19,22 @@ def test_aggregate_prints_the_three_accuracies_and_the_paired_rl_gain():
     assert "0.067 ± 0.104" in rl and "+10.0, +15.0, -5.0 points" in rl and "positive in 2 of 3" in rl
     assert "recovered 12 of 30 reflected failures (40.0%" in text
     assert "CUT BY THE TIME GUARD: seed(s) 2" in lines[-1]
+
+
+def test_fault_lines_give_paired_gains_and_rl_minus_the_equal_time_control():
+    br = load_script("bench_recipe")
+
+    def h(acc, clean, rec):
+        return {"accuracy": acc, "clean_accuracy": clean, "recovery_under_faults": rec,
+                "reflection_ratio_env_fault": None, "reflection_ratio_policy_error": 0.0}
+    rows = [{"heldout": {"after_warmup": h(0.4, 0.5, 0.1), "after": h(0.45, 0.5, 0.4)},
+             "control": h(0.5, 0.6, 0.2)},
+            {"heldout": {"after_warmup": h(0.3, 0.4, 0.2), "after": h(0.35, 0.38, 0.3)},
+             "control": h(0.3, 0.4, 0.35)}]
+    lines = br.fault_lines(rows)
+    rec = next(x for x in lines if x.startswith("recovery_under_faults"))
+    assert "RL gain (paired) 0.200 ± 0.141" in rec and "+30.0, +10.0 points" in rec
+    assert "RL - equal-time SFT 0.075 ± 0.177" in rec and "+20.0, -5.0; RL above in 1 of 2" in rec
+    assert not any(x.startswith("reflection_ratio_env_fault") for x in lines)  # nothing measured
+    # the control's supervised steps: the RL phase's seconds at the warm-up's rate
+    assert br.control_steps({"rl_seconds": 424.5, "warmup": {"sft_seconds": 236.0, "sft_steps": 60}}) == 108
