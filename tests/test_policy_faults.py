@@ -312,25 +312,42 @@ def test_rule_critic_names_the_fault_kind_and_what_would_have_worked():
                           'get_current_weather(city="Paris"); call it again with the same arguments.')
 
 
-def test_fault_caused_failures_reach_reflection_and_the_repair_keeps_the_earlier_step(tmp_path):
-    """A policy that gives up after a fault: reflection replays the episode and retries its last answer
-    under q* (the critique names the fault); the repair keeps step 1 and trains on the original prompt."""
-    import asyncio
+def _scripted_policy_faults(tmp_path, tasks, answer, n_envs, *overrides):
+    """The tiny recipe under policy-visible server errors at 0.5 with tool_rerl and the rule critic, a scripted
+    engine answering ``answer``, ``n_envs`` envs over ``tasks`` and a rollout spec: (cfg, engine, envs, spec, tok)."""
     from pathlib import Path
 
     from reflrl import config as C
     from reflrl import rollout as R
+    from reflrl.models import load_tokenizer
+
+    from doubles import ScriptedEngine
+
+    tok = load_tokenizer("tiny-random")
+    root = Path(__file__).resolve().parent.parent
+    cfg = C.load_config(root / "configs" / "tiny.yaml", [
+        f"train.out_dir={tmp_path}", "env.fault_exposure=policy", "env.faults=server_error=0.5",
+        "reflection.variant=tool_rerl", "reflection.critic=rule", *overrides])
+    envs = [gymnasium.make(reflrl.envs.SINGLE_TURN_ID, dataset=tasks, faults="server_error=0.5", seed=k,
+                           fault_exposure="policy").unwrapped for k in range(n_envs)]
+    return cfg, ScriptedEngine(tok, answer), envs, R.RolloutSpec(max_new_tokens=96), tok
+
+
+def test_fault_caused_failures_reach_reflection_and_the_repair_keeps_the_earlier_step(tmp_path):
+    """A policy that gives up after a fault: reflection replays the episode and retries its last answer
+    under q* (the critique names the fault); the repair keeps step 1 and trains on the original prompt."""
+    import asyncio
+
+    from reflrl import rollout as R
     from reflrl.critic import RuleCritic
     from reflrl.envs.datasets import synthetic_splits
     from reflrl.envs.prompts import build_messages
-    from reflrl.models import load_tokenizer
     from reflrl.recovery import arecover
     from reflrl.recovery.recover import _last_action_start
     from reflrl.recovery.reflection import RETRY_HEADER
 
-    from doubles import ScriptedEngine, gold_text
+    from doubles import gold_text
 
-    tok = load_tokenizer("tiny-random")
     tasks = synthetic_splits(n_train=6, n_val=0, n_test=0, seed=3, kinds=("single",))["train"]
 
     def answer(text: str, j: int) -> str:
@@ -341,14 +358,7 @@ def test_fault_caused_failures_reach_reflection_and_the_repair_keeps_the_earlier
             return "The tool is down, sorry."           # gives up after the fault
         return gold_text(task)
 
-    root = Path(__file__).resolve().parent.parent
-    cfg = C.load_config(root / "configs" / "tiny.yaml", [
-        f"train.out_dir={tmp_path}", "env.fault_exposure=policy", "env.faults=server_error=0.5",
-        "reflection.variant=tool_rerl", "reflection.critic=rule", "reflection.max_attempts=2"])
-    eng = ScriptedEngine(tok, answer)
-    envs = [gymnasium.make(reflrl.envs.SINGLE_TURN_ID, dataset=tasks, faults="server_error=0.5", seed=k,
-                           fault_exposure="policy").unwrapped for k in range(12)]
-    spec = R.RolloutSpec(max_new_tokens=96)
+    cfg, eng, envs, spec, tok = _scripted_policy_faults(tmp_path, tasks, answer, 12, "reflection.max_attempts=2")
     loop = asyncio.new_event_loop()
     trajs = loop.run_until_complete(R.arollout(eng, tok, envs, tasks[:6], 2, spec, seed=7))
     caused = [k for k, t in enumerate(trajs) if t.last.info.get("fault_caused")]
@@ -388,19 +398,15 @@ def test_evaluation_reflection_takes_every_fault_caused_failure_and_caps_policy_
     """max_policy_errors (the held-out evaluation's reflection.eval_policy_errors) caps the policy errors
     reflected on; fault-caused failures are all reflected on."""
     import asyncio
-    from pathlib import Path
 
-    from reflrl import config as C
     from reflrl import rollout as R
     from reflrl.critic import RuleCritic
     from reflrl.envs.datasets import synthetic_splits
     from reflrl.envs.prompts import build_messages
-    from reflrl.models import load_tokenizer
     from reflrl.recovery import arecover
 
-    from doubles import ScriptedEngine, gold_text
+    from doubles import gold_text
 
-    tok = load_tokenizer("tiny-random")
     tasks = synthetic_splits(n_train=8, n_val=0, n_test=0, seed=3, kinds=("single",))["train"]
     wrong = {t.id for t in tasks[::2]}  # these tasks get a wrong answer: policy errors
 
@@ -412,14 +418,7 @@ def test_evaluation_reflection_takes_every_fault_caused_failure_and_caps_policy_
             return "The tool is down, sorry."           # gives up after the fault: fault-caused
         return gold_text(task)
 
-    root = Path(__file__).resolve().parent.parent
-    cfg = C.load_config(root / "configs" / "tiny.yaml", [
-        f"train.out_dir={tmp_path}", "env.fault_exposure=policy", "env.faults=server_error=0.5",
-        "reflection.variant=tool_rerl", "reflection.critic=rule", "reflection.max_per_step=0"])
-    eng = ScriptedEngine(tok, answer)
-    envs = [gymnasium.make(reflrl.envs.SINGLE_TURN_ID, dataset=tasks, faults="server_error=0.5", seed=k,
-                           fault_exposure="policy").unwrapped for k in range(16)]
-    spec = R.RolloutSpec(max_new_tokens=96)
+    cfg, eng, envs, spec, tok = _scripted_policy_faults(tmp_path, tasks, answer, 16, "reflection.max_per_step=0")
     loop = asyncio.new_event_loop()
     try:
         for cap in (1, None):
