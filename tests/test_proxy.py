@@ -138,7 +138,9 @@ def test_same_seed_replays_the_same_faults_and_injected_equals_observed(upstream
         proxy, srv = _proxy(url, spec, seed=seed)
         seen = []
         observed = Ledger()
-        with srv, httpx.Client(base_url=srv.url, timeout=0.5) as c:
+        # the read timeout sits well below the injected 3 s stall and well above the 10 ms latency, so a
+        # loaded machine (the proxy answers on wall time) does not turn a slow answer into a timeout
+        with srv, httpx.Client(base_url=srv.url, timeout=1.5) as c:
             for i in range(20):  # each request retried until it succeeds, at most 4 attempts
                 params = {"city": f"city{i}"}
                 ident = request_identity("GET", b"/weather", f"city=city{i}".encode(), b"")
