@@ -574,19 +574,19 @@ class ToolCallEnv(gym.Env[str, str]):
             answered = (calls if self.triage
                         else [c for c, o in zip(run, outcomes) if o.triage != "env_fault"])
             gave_up = any(t in ("env_fault", "tool_bug") for t in triage)
-        if gave_up:
+        # no triage: a fault the policy could not act on is not excused (only a tool's own crash is)
+        excused = gave_up if self.triage else "tool_bug" in triage
+        if excused:
             treatment = "masked"
         elif shown_now:
             treatment = "to-policy"
+        elif gave_up:
+            treatment = "unexcused"
         elif fault_events:
             treatment = "retried-recovered"
         else:
             treatment = "none"
-        if not self.triage:  # no triage: a fault the policy could not act on is not excused
-            gave_up = "tool_bug" in triage
-            if not gave_up and treatment == "masked":
-                treatment = "to-policy" if shown_now else "unexcused"
-        ep.masked = ep.masked or gave_up
+        ep.masked = ep.masked or excused
 
         turn_index = ep.turn
         terminated = truncated = False
