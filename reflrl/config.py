@@ -204,6 +204,7 @@ class TrainConfig:
     steps: int = _f(8, "RL training steps")
     time_budget_min: float | None = _f(60.0, "guard on the whole run's minutes: a phase it would overrun (warm-up, RL) is cut, the final evaluation still runs, and the run says loudly that its result is not the recipe's (summary 'budget_cut', exit status 3); null = no limit")
     rl_minutes: float | None = _f(None, "equal-time stopping rule: start no RL step that would end after this many minutes of RL steps (by the last steps' mean), train.steps staying the ceiling; the steps done then depend on the machine's speed and load, and the summary and printed result say so (stop_reason 'rl_minutes'); null = off")
+    eval_before: bool = _f(True, "evaluate the held-out split before training (the base model, or model.init_from); its greedy answers also give warmup.enabled=auto its format rate; false skips it (then warmup.enabled must be true or false, or warmup.probe_n > 0)")
     eval_every: int = _f(0, "evaluate on the validation split every N steps (0 = only before/after)")
     save_every: int = _f(10, "checkpoint every N steps (0 = only at the end)")
     keep_checkpoints: int = _f(2, "checkpoints kept in the run folder (older ones are pruned)")
@@ -547,6 +548,9 @@ def _train(cfg: "Config") -> Problems:
             yield f"train.{name}: must be > 0 or null, got {v}"
     if tr.threads is not None and tr.threads < 1:
         yield f"train.threads: must be >= 1 or null, got {tr.threads}"
+    if not tr.eval_before and cfg.warmup.enabled == "auto" and cfg.warmup.probe_n == 0:
+        yield ("train.eval_before=false: warmup.enabled='auto' takes its format rate from that evaluation; "
+               "set warmup.enabled to true or false, or warmup.probe_n > 0")
     yield from _one_of("train.device", tr.device, ("auto", "cpu", "cuda"))
     if tr.run_name is not None and (tr.run_name in ("", ".", "..") or "/" in tr.run_name or "\\" in tr.run_name):
         yield f"train.run_name: must be a plain folder name, got {tr.run_name!r}"

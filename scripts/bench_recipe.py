@@ -8,6 +8,10 @@ clean demonstrations instead, from the same warm-up checkpoint.
                                              [--no-control] [--config FILE] [--set key=value ...]
                                              [--out runs/bench_recipe]
 
+The base model's evaluation is the same for every seed (greedy, the same held-out tasks, the same fixed
+evaluation faults), so only the first seed runs it; the later seeds skip it (`train.eval_before=false`,
+the warm-up on or off as the first seed's was) and report the first seed's numbers as their base.
+
 Each seed runs `reflrl train` in its own process (exactly what a user runs, model loading and the
 evaluations included) one after the other; wall time is measured around the whole process. The control
 is a second `reflrl train` from the seed's warm-up checkpoint (`model.init_from`), its warm-up as many
@@ -111,16 +115,23 @@ def main(argv=None) -> int:
     if args.test_size:
         args.overrides = [*args.overrides, f"data.n_test={args.test_size}"]
     rows = []
+    base: dict | None = None  # the first seed's base-model evaluation, shared by the later seeds
     for seed in seeds:
         name = f"recipe-{stamp}-s{seed}"
+        later = [] if base is None else ["train.eval_before=false", f"warmup.enabled={str(base['warmup_ran']).lower()}"]
         cmd = train_command(seed=seed, name=name, out_dir=args.out, config=args.config, faults=args.faults,
-                            overrides=args.overrides)
+                            overrides=[*args.overrides, *later])
         print(f"seed {seed}: {' '.join(cmd[1:])}", flush=True)
         try:
             s, wall = run_train(cmd, Path(args.out) / name, cwd=ROOT)
         except RuntimeError as e:
             print(f"seed {seed}: {e}", file=sys.stderr)
             return 1
+        if base is None:
+            base = {"accuracy": s["accuracy_before"], "format": s.get("format_rate_before"),
+                    "warmup_ran": bool((s.get("warmup") or {}).get("ran")), "heldout": (s.get("heldout") or {}).get("before")}
+        else:
+            s["accuracy_before"], s["format_rate_before"] = base["accuracy"], base["format"]
         row = {"seed": seed, "before": s["accuracy_before"], "after": s["accuracy_after"],
                "after_warmup": s.get("accuracy_after_warmup"), "rl_gain": s.get("rl_gain"),
                "recipe_complete": s.get("recipe_complete", True),
@@ -134,6 +145,7 @@ def main(argv=None) -> int:
             ck = Path(s["run_dir"]) / "checkpoints" / "step_000000"
             ccmd = train_command(seed=seed, name=name + "-sft", out_dir=args.out, config=args.config,
                                  faults=args.faults, overrides=[*args.overrides, f"model.init_from={ck}",
+                                                                "train.eval_before=false",
                                                                 "warmup.enabled=true", f"warmup.steps={steps}",
                                                                 "warmup.eval_after=false", "train.steps=0"])
             print(f"seed {seed} control: {steps} more SFT steps ({' '.join(ccmd[1:])})", flush=True)

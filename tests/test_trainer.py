@@ -480,3 +480,25 @@ def test_init_from_starts_from_a_checkpoints_trainable_params_not_its_step_or_op
         b.close()
     with pytest.raises(C.ConfigError, match="model.init_from: .* not a reflrl checkpoint"):
         tiny_cfg(tmp_path / "d", **{"model.init_from": str(tmp_path / "nowhere")})
+
+
+def test_eval_before_false_skips_the_base_evaluation_and_needs_a_set_warmup(tmp_path):
+    """train.eval_before=false: no held-out evaluation before training (the summary says n/a), the warm-up
+    still runs when set on; with warmup.enabled='auto' it is refused (auto reads that evaluation)."""
+    with pytest.raises(C.ConfigError, match="train.eval_before=false"):
+        tiny_cfg(tmp_path / "x", **{"train.eval_before": "false", "warmup.enabled": "auto", "warmup.probe_n": 0})
+    cfg = tiny_cfg(tmp_path, **{"train.eval_before": "false", "warmup.enabled": "true", "warmup.probe_n": 0, "warmup.steps": 1,
+                                "warmup.batch_size": 2, "warmup.eval_after": "true", "train.steps": 1,
+                                "train.save_every": 0})
+    tr = scripted_trainer(cfg, tmp_path / "run")
+    try:
+        s = tr.run()
+    finally:
+        tr.close()
+    assert s["accuracy_before"] is None and s["eval_before"] == {} and s["accuracy_gain"] is None
+    assert s["warmup"]["ran"] and s["warmup"]["format_rate_before"] is None
+    assert s["accuracy_after_warmup"] is not None and s["accuracy_after"] is not None
+    assert "before" not in s["eval_seconds"] and "after_warmup" in s["eval_seconds"]
+    from reflrl.train.summary import format_summary
+
+    assert "held-out accuracy: n/a -> " in format_summary(s)

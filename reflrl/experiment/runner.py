@@ -76,7 +76,7 @@ def warm_start(spec: str, seed: int, *, out_dir: str | Path, faults: str | None 
                                 "written right after the warm-up, is missing)")
     state = json.loads((ck / "state.json").read_text())
     info = {"run_dir": str(run_dir), "checkpoint": str(ck), "warmup": state.get("warmup", {}),
-            "accuracy_base": state.get("eval_before", {}).get("accuracy")}
+            "accuracy_base": (state.get("eval_before") or {}).get("accuracy")}
     return [f"model.init_from={ck.resolve()}", "warmup.enabled=false"], info
 
 

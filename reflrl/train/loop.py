@@ -263,8 +263,10 @@ class Trainer:
         w, tr = self.cfg.warmup, self.cfg.train
         if w.probe_n > 0:  # sampled at the rollout temperature on probe_n tasks (costs a generation pass)
             before = (self.probe_format_rate(), f"{w.probe_n} sampled answers (temperature {self.cfg.rollout.temperature})")
-        else:  # free: the greedy answers of the held-out evaluation that just ran
+        elif self.state.get("eval_before"):  # free: the greedy answers of the held-out evaluation that just ran
             before = (float(self.state["eval_before"]["format_rate"]), "greedy held-out evaluation")
+        else:  # train.eval_before=false (validated: warmup.enabled is then true or false)
+            before = (None, "not measured: train.eval_before=false")
         n_evals = 1 + int(bool(w.eval_after or tr.eval_every))  # still to come, each about the first one's cost
         out = run_warmup(self.cfg, model=self.model, tokenizer=self.tokenizer, train_tasks=self.train_tasks,
                          messages=self.messages, fmt=answer_format(self.cfg), format_rate_before=before,
@@ -398,10 +400,13 @@ class Trainer:
                      f"faults: {cfg.env.faults or 'none'}"
                      + (f" (RL rollouts: {C.train_faults(cfg.env)}, env.train_fault_scale)"
                         if C.train_faults(cfg.env) != cfg.env.faults else ""))
-            st["eval_before"] = self._evaluate_phase("eval before", "test")
-            self.log.log(0, {f"test_{k}": v for k, v in st["eval_before"].items()}, phase="eval")
-            self.say(f"held-out accuracy before: {st['eval_before']['accuracy']:.1%} "
-                     f"({st['eval_before']['n']} tasks, {st['eval_before']['seconds']:.0f}s)")
+            if tr.eval_before:
+                st["eval_before"] = self._evaluate_phase("eval before", "test")
+                self.log.log(0, {f"test_{k}": v for k, v in st["eval_before"].items()}, phase="eval")
+                self.say(f"held-out accuracy before: {st['eval_before']['accuracy']:.1%} "
+                         f"({st['eval_before']['n']} tasks, {st['eval_before']['seconds']:.0f}s)")
+            else:
+                self.say("held-out evaluation before training: skipped (train.eval_before=false)")
             st["warmup"] = self.warmup()
             if st["warmup"].get("ran") and (cfg.warmup.eval_after or tr.eval_every):
                 # what the warm-up alone gives, to tell it apart from RL's gain (costs one more evaluation)
@@ -478,7 +483,7 @@ class Trainer:
     def _eval_estimate_s(self) -> float:
         """Seconds the next held-out evaluation should take: the last one's."""
         for key in ("eval_after_warmup", "eval_before"):
-            if key in self.state:
+            if self.state.get(key):
                 return float(self.state[key].get("seconds", 0.0))
         return 0.0
 

@@ -73,9 +73,9 @@ def build_summary(st: dict[str, Any], *, cfg: C.Config, run_dir: str, step: int,
                   load_s: float, elapsed_s: float, prefilter_skipped: dict[int, int], sampling: Any,
                   faults: dict[str, Any]) -> dict[str, Any]:
     """``summary.json`` of a run from its state (``st``: the trainer's checkpointed state)."""
-    before, after = st.get("eval_before", {}), st.get("eval_after", {})
-    wu = st.get("warmup", {})
-    mid = st.get("eval_after_warmup", {})
+    before, after = st.get("eval_before") or {}, st.get("eval_after") or {}
+    wu = st.get("warmup") or {}
+    mid = st.get("eval_after_warmup") or {}
     cuts = list(st.get("budget_cuts", []))
     return {
         "run_dir": run_dir,

@@ -12,13 +12,13 @@ from reflrl.sft import build_examples, train_sft
 
 
 def run_warmup(cfg: C.Config, *, model: Any, tokenizer: Any, train_tasks: list, messages: Callable[[Any], list],
-               fmt: str, format_rate_before: tuple[float, str], over_budget: Callable[[float], bool],
+               fmt: str, format_rate_before: tuple[float | None, str], over_budget: Callable[[float], bool],
                reserve_s: float, progress: Progress, log: Callable[[int, dict], None],
                say: Callable[[str], None], probe: Callable[[], float] | None = None) -> dict[str, Any]:
     """Run the warm-up if ``warmup.enabled`` says so (``auto``: when the format rate is below the
     threshold) and return its record (``ran``, ``sft_*`` results, format rates, ``sft_cut``).
 
-    format_rate_before: (rate, where it comes from); over_budget(upcoming_s): the run's time guard,
+    format_rate_before: (rate or None when not measured, where it comes from); over_budget(upcoming_s): the run's time guard,
     asked before each step with the step's cost and ``reserve_s`` (the evaluations still to come);
     probe: a sampled format-rate probe to run after the warm-up (``warmup.probe_n > 0``)."""
     w = cfg.warmup
@@ -26,9 +26,10 @@ def run_warmup(cfg: C.Config, *, model: Any, tokenizer: Any, train_tasks: list, 
     if w.enabled is False or w.steps == 0:
         return out
     out["format_rate_before"], out["format_rate_source"] = format_rate_before
-    say(f"format rate before warm-up: {out['format_rate_before']:.0%} "
+    rate = out["format_rate_before"]
+    say(f"format rate before warm-up: {'n/a' if rate is None else f'{rate:.0%}'} "
         f"(threshold {w.format_rate_threshold:.0%}; {out['format_rate_source']})")
-    if w.enabled == "auto" and out["format_rate_before"] >= w.format_rate_threshold:
+    if w.enabled == "auto" and rate is not None and rate >= w.format_rate_threshold:
         return out
     t0 = time.perf_counter()
     examples = build_examples(train_tasks, tokenizer, messages, fmt=fmt)
