@@ -6,7 +6,7 @@ clean demonstrations instead, from the same warm-up checkpoint.
 
     .venv/bin/python scripts/bench_recipe.py --seeds 0,1,2 [--faults rate_limit=0.1] [--test-size 240]
                                              [--no-control] [--config FILE] [--set key=value ...]
-                                             [--out runs/bench_recipe]
+                                             [--out runs/bench_recipe] [--name NAME]
 
 The base model's evaluation is the same for every seed (greedy, the same held-out tasks, the same fixed
 evaluation faults), so only the first seed runs it; the later seeds skip it (`train.eval_before=false`,
@@ -109,15 +109,32 @@ def main(argv=None) -> int:
     p.add_argument("--json", help="write the per-seed results and aggregates to this JSON file")
     p.add_argument("--test-size", type=int, help="held-out tasks of every evaluation (sets data.n_test)")
     p.add_argument("--no-control", action="store_true", help="skip the equal-time supervised control")
+    p.add_argument("--name", help="name of this bench (run folders NAME-s<seed>); run again with the same name and "
+                                  "--out, it reuses every seed already finished (its row file NAME-s<seed>.json) "
+                                  "and runs the others; default recipe-<date-time>")
     args = p.parse_args(argv)
     seeds = [int(s) for s in args.seeds.split(",") if s.strip()]
-    stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
+    prefix = args.name or f"recipe-{datetime.now().strftime('%Y%m%d-%H%M%S')}"
     if args.test_size:
         args.overrides = [*args.overrides, f"data.n_test={args.test_size}"]
+    settings = {"faults": args.faults, "config": args.config, "overrides": list(args.overrides),
+                "control": not args.no_control}
     rows = []
     base: dict | None = None  # the first seed's base-model evaluation, shared by the later seeds
     for seed in seeds:
-        name = f"recipe-{stamp}-s{seed}"
+        name = f"{prefix}-s{seed}"
+        done = Path(args.out) / f"{name}.json"
+        if done.is_file():  # finished by an earlier run of this bench (same --name)
+            row = json.loads(done.read_text())
+            if row.get("settings") != settings:
+                print(f"seed {seed}: {done} was run with other settings ({row.get('settings')}; now {settings}): "
+                      "use another --name", file=sys.stderr)
+                return 2
+            rows.append(row)
+            base = base or row.get("base")
+            print(f"seed {seed}: finished earlier ({done}): after warm-up {row['after_warmup']}, after RL {row['after']}",
+                  flush=True)
+            continue
         later = [] if base is None else ["train.eval_before=false", f"warmup.enabled={str(base['warmup_ran']).lower()}"]
         cmd = train_command(seed=seed, name=name, out_dir=args.out, config=args.config, faults=args.faults,
                             overrides=[*args.overrides, *later])
@@ -156,6 +173,8 @@ def main(argv=None) -> int:
                 return 1
             row["control"] = {k: (cs.get("heldout") or {}).get("after", {}).get(k) for k in FAULT_KEYS}
             row["control_steps"] = steps
+        row["base"], row["settings"] = base, settings
+        done.write_text(json.dumps(row, indent=2))
         rows.append(row)
         warm = "n/a" if row["after_warmup"] is None else f"{row['after_warmup']:.1%}"
         gain = "n/a" if row["rl_gain"] is None else f"{100 * row['rl_gain']:+.1f} points"

@@ -38,3 +38,44 @@ def test_fault_lines_give_paired_gains_and_rl_minus_the_equal_time_control():
     assert not any(x.startswith("reflection_ratio_env_fault") for x in lines)  # nothing measured
     # the control's supervised steps: the RL phase's seconds at the warm-up's rate
     assert br.control_steps({"rl_seconds": 424.5, "warmup": {"sft_seconds": 236.0, "sft_steps": 60}}) == 108
+
+
+def test_main_evaluates_the_base_once_and_resumes_finished_seeds(tmp_path, capsys):
+    """The first seed evaluates the base model; the later seeds and every control skip it
+    (train.eval_before=false) and take the first seed's numbers; a second run with the same --name reuses
+    the finished seeds' rows instead of training again, and refuses other settings under that name."""
+    import json
+
+    br = load_script("bench_recipe")
+    calls: list[list[str]] = []
+
+    def fake_run_train(cmd, run_dir, cwd=None):
+        calls.append(cmd)
+        run_dir.mkdir(parents=True, exist_ok=True)
+        skip = "train.eval_before=false" in cmd
+        h = {"accuracy": 0.5, "clean_accuracy": 0.6, "recovery_under_faults": 0.2, "n_faulted": 5, "n_clean": 20,
+             "reflection_ratio_env_fault": 0.5, "reflection_ratio_policy_error": 0.0}
+        s = {"accuracy_before": None if skip else 0.0, "accuracy_after": 0.5, "accuracy_after_warmup": 0.45,
+             "rl_gain": 0.05, "format_rate_before": None if skip else 0.0, "steps": 8, "masked_trajectories": 0,
+             "faults": {"faults_by_kind": {"rate_limit": 3}}, "run_dir": str(run_dir), "rl_seconds": 100.0,
+             "warmup": {"ran": True, "sft_seconds": 60.0, "sft_steps": 60}, "eval_after": {"n": 25},
+             "heldout": {"after_warmup": h, "after": h}}
+        (run_dir / "summary.json").write_text(json.dumps(s))
+        return s, 1.0
+
+    br.run_train = fake_run_train
+    args = ["--seeds", "0,1", "--out", str(tmp_path), "--name", "b", "--test-size", "25"]
+    assert br.main(args) == 0
+    main_runs = [c for c in calls if not any(x.startswith("model.init_from=") for x in c)]
+    controls = [c for c in calls if c not in main_runs]
+    assert len(main_runs) == 2 and len(controls) == 2
+    assert "train.eval_before=false" not in main_runs[0]  # the first seed evaluates the base model
+    assert "train.eval_before=false" in main_runs[1] and "warmup.enabled=true" in main_runs[1]
+    assert all("train.eval_before=false" in c for c in controls)
+    row1 = json.loads((tmp_path / "b-s1.json").read_text())
+    assert row1["before"] == 0.0 and row1["control_steps"] == 100
+    out = capsys.readouterr().out
+    assert "2 seeds" in out
+    calls.clear()
+    assert br.main(args) == 0 and calls == []  # both seeds reused
+    assert br.main([*args, "--faults", "timeout=0.1"]) == 2 and calls == []
