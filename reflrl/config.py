@@ -144,6 +144,8 @@ class AlgoConfig:
     kl_coef: float = _f(0.0, "weight of the KL-to-reference loss (0 = no reference model, as the efficiency paper)")
     kl_estimator: str = _f("low_var_kl", "KL estimator: 'k1' | 'k2' | 'k3'/'low_var_kl' | 'abs' | 'mse'")
     entropy_coef: float = _f(0.0, "entropy bonus weight (0 = off, as the efficiency paper)")
+    sft_coef: float = _f(0.0, "weight of a supervised loss on the clean demonstrations (the warm-up's gold answers) added to every RL update, so RL keeps what the warm-up taught (InstructGPT's PPO-ptx, arXiv:2203.02155 sec. 3.5: the pretraining mix); 0 = off")
+    sft_batch: int = _f(4, "demonstrations per RL update in the supervised loss (algo.sft_coef > 0), drawn by the step's seed")
     value_coef: float = _f(0.5, "critic loss weight (advantage='gae')")
     value_clip: float | None = _f(0.2, "critic value clip range (advantage='gae'); null = off")
     lr: float = _f(5e-5, "policy learning rate (AdamW)")
@@ -497,7 +499,8 @@ def _algo_ranges(cfg: "Config") -> Problems:
     if not 0 <= a.clip_low < 1:
         yield f"algo.clip_low: must be in [0, 1), got {a.clip_low}"
     yield from _at_least(a, "algo", 0, "clip_high", "kl_coef", "entropy_coef", "value_coef", "weight_decay",
-                         "grad_clip", "adv_eps", "prefilter_k")
+                         "grad_clip", "adv_eps", "prefilter_k", "sft_coef")
+    yield from _at_least(a, "algo", 1, "sft_batch")
     yield from _at_least(a, "algo", 0, "lr", strict=True)
     yield from _at_least(a, "algo", 1, "epochs_per_batch", "micro_batch_size")
     if a.dual_clip_c is not None and a.dual_clip_c <= 1:

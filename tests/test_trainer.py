@@ -502,3 +502,43 @@ def test_eval_before_false_skips_the_base_evaluation_and_needs_a_set_warmup(tmp_
     from reflrl.train.summary import format_summary
 
     assert "held-out accuracy: n/a -> " in format_summary(s)
+
+
+def test_sft_anchor_adds_the_demonstrations_loss_to_the_update(tmp_path):
+    """algo.sft_coef > 0: each RL update also descends the supervised loss of algo.sft_batch clean
+    demonstrations (drawn by the step's seed, the same for the same step): with the policy's advantages
+    zeroed, only that loss moves the parameters, and the demonstrations' loss goes down."""
+    from reflrl.sft import sft_loss
+    from reflrl.train.step import policy_update
+
+    cfg = tiny_cfg(tmp_path, **{"train.steps": 1, "train.save_every": 0, "algo.sft_coef": 1.0,
+                                "algo.sft_batch": 3, "algo.lr": 1e-3})
+    tr = scripted_trainer(cfg, tmp_path / "run")
+    try:
+        demos = tr.demo_batch()
+        assert demos["input_ids"].shape[0] == 3
+        assert torch.equal(tr.demo_batch()["input_ids"], demos["input_ids"])  # seeded by the step
+        trajs = tr.rollout([0], 0, {})
+        batch = make_batch(trajs, [0.0] * len(trajs), tr.pad_id)  # no policy-gradient signal at all
+        with torch.no_grad():
+            nll0 = float(sft_loss(tr.model, demos))
+        before = trainable(tr.model)
+        m = policy_update(tr.model, tr.optimizer, batch, tr.cfg.algo, demos=demos)
+        assert m["sft_loss"] == pytest.approx(nll0, rel=1e-4)
+        assert any(not torch.equal(before[n], p) for n, p in trainable(tr.model).items())
+        for _ in range(3):
+            policy_update(tr.model, tr.optimizer, batch, tr.cfg.algo, demos=demos)
+        with torch.no_grad():
+            assert float(sft_loss(tr.model, demos)) < nll0
+        # off (the default): the same zero-advantage update leaves the parameters as they are (a fresh
+        # optimizer, so no momentum of the updates above moves them)
+        tr.cfg.algo.sft_coef = 0.0
+        before = trainable(tr.model)
+        fresh = torch.optim.AdamW([p for p in tr.model.parameters() if p.requires_grad], lr=1e-3, weight_decay=0.0)
+        policy_update(tr.model, fresh, batch, tr.cfg.algo, demos=demos)
+        assert all(torch.equal(before[n], p) for n, p in trainable(tr.model).items())
+        tr.cfg.algo.sft_coef = 1.0
+        m = tr.train_step()  # wired into the step
+        assert m["update_skipped"] == 1.0 or m["sft_loss"] > 0
+    finally:
+        tr.close()

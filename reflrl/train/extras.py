@@ -10,7 +10,8 @@ two small registries, asked once per update, so an option that is off costs the 
   in every epoch, with ``lp`` the policy's log-probs [B, R] of that micro-batch. Metrics are summed over
   micro-batches (so give each loss's part of the batch total, e.g. with ``ctx.denom``) and averaged over
   epochs. Built in: ``kl`` (``algo.kl_coef`` x KL to the reference policy), ``value`` (``algo.value_coef``
-  x PPO's clipped value loss).
+  x PPO's clipped value loss), ``sft`` (``algo.sft_coef`` x the supervised loss on a batch of clean
+  demonstrations, PPO-ptx).
 
 Adding one::
 
@@ -52,6 +53,7 @@ class UpdateContext:
     share_prompt: bool = True
     ref_model: torch.nn.Module | None = None
     value_head: torch.nn.Module | None = None
+    demos: dict[str, torch.Tensor] | None = None  # a collated batch of clean demonstrations (reflrl.sft.collate)
 
 
 def active_shapers(a: C.AlgoConfig) -> list[Callable]:
@@ -150,5 +152,24 @@ def value_objective(ctx: UpdateContext) -> Callable | None:
                             loss_agg_mode=a.loss_agg, global_denominator=ctx.denom)
         clipped = vm["vf_clipfrac"] * float(mb.response_mask.sum()) / max(ctx.denom, 1.0)
         return a.value_coef * vl, {"vf_loss": float(vl.detach()), "vf_clipfrac": clipped}
+
+    return loss
+
+
+@AUX_LOSSES.register("sft", when=lambda a: a.sft_coef > 0)
+def sft_anchor(ctx: UpdateContext) -> Callable | None:
+    """``algo.sft_coef`` x the mean negative log-likelihood of a batch of clean demonstrations' answer
+    tokens (``ctx.demos``: the warm-up's gold answers, ``algo.sft_batch`` of them), added once per update
+    (to the first micro-batch): the RL update keeps pulling toward what the warm-up taught, as
+    InstructGPT's PPO-ptx mixes its pretraining loss in (arXiv:2203.02155 sec. 3.5). None without demos."""
+    if ctx.demos is None:
+        return None
+    from reflrl.sft import sft_loss
+
+    def loss(j: int, mb: UpdateBatch, lp: torch.Tensor) -> tuple[torch.Tensor, dict[str, float]]:
+        if j != 0:
+            return lp.new_zeros(()), {}
+        nll = sft_loss(ctx.model, ctx.demos)
+        return ctx.algo.sft_coef * nll, {"sft_loss": float(nll.detach())}
 
     return loss

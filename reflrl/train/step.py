@@ -9,7 +9,8 @@
                   variance down-sampling
     5. batch      the rows packed prompt-once                             reflrl.train.batch.make_batch
     6. loss       clipped surrogate, eq. 2's weight on repairs, plus      :func:`policy_update` (below it)
-                  the auxiliary losses of reflrl.train.extras
+                  the auxiliary losses of reflrl.train.extras (KL,
+                  value, the supervised anchor on demonstrations)
     7. optimiser  AdamW step(s); the engine hook on_weights_updated
     8. account    metrics, recovery ledger, callbacks                     Trainer.account
 
@@ -205,7 +206,8 @@ def train_step(tr: Any) -> dict[str, Any]:
         imp = ({"level": cfg.reflection.level, "log_cap": cfg.reflection.log_cap}
                if tr.variant.importance else None)  # eq. 2's weight on repaired rows (tool_rerl, cot_is, ...)
         m.update(policy_update(tr.model, tr.optimizer, batch, a, temperature=cfg.rollout.temperature,
-                               ref_model=tr.ref_model, importance=imp, value_head=tr.value_head))
+                               ref_model=tr.ref_model, importance=imp, value_head=tr.value_head,
+                               demos=tr.demo_batch() if a.sft_coef > 0 else None))
         tr.weights_updated()  # the engine hook: the next rollouts sample the updated policy
     m["update_skipped"] = float("loss" not in m)
     update_s = time.perf_counter() - t_up
@@ -224,8 +226,8 @@ def train_step(tr: Any) -> dict[str, Any]:
 
 def policy_update(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: UpdateBatch, a: C.AlgoConfig, *,
                   temperature: float = 1.0, ref_model: torch.nn.Module | None = None, share_prompt: bool = True,
-                  importance: dict[str, Any] | None = None, value_head: torch.nn.Module | None = None
-                  ) -> dict[str, float]:
+                  importance: dict[str, Any] | None = None, value_head: torch.nn.Module | None = None,
+                  demos: dict[str, torch.Tensor] | None = None) -> dict[str, float]:
     """Steps 6-7 of :func:`train_step`: one rollout batch -> ``a.epochs_per_batch`` optimiser steps of the
     clipped surrogate, token-mean over the whole batch with gradient accumulation over micro-batches
     (``global_denominator`` = the batch's action tokens), so the result equals one full-batch step.
@@ -235,12 +237,15 @@ def policy_update(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batc
     for a repair the ORIGINAL q, and its old log-probs are the behaviour log-probs recorded under q*
     (``engine_logprobs``, Assumption 1); other rows keep ratio 1 at one epoch. Research options plug in
     through :mod:`reflrl.train.extras` (advantage shapers such as GAE, auxiliary losses such as the KL to
-    ``ref_model`` or the value loss of ``value_head``) and cost nothing when off."""
+    ``ref_model``, the value loss of ``value_head`` or the supervised loss on ``demos``) and cost nothing
+    when off."""
     dev = next(model.parameters()).device  # train.device: micro-batches go where the model is
     mbs = [mb.to(dev) for mb in micro_batches(batch, a.micro_batch_size)]
     mask = batch.response_mask
     denom = float(mask.sum()) if a.loss_agg == "token-mean" else float((mask.sum(-1) > 0).sum())
-    ctx = extras.UpdateContext(model, mbs, a, denom, temperature, share_prompt, ref_model, value_head)
+    if demos is not None:
+        demos = {k: v.to(dev) for k, v in demos.items()}
+    ctx = extras.UpdateContext(model, mbs, a, denom, temperature, share_prompt, ref_model, value_head, demos)
     shaped = {k: v for shape in extras.active_shapers(a) for k, v in shape(ctx).items()}  # e.g. GAE
     aux = [fn for fn in (make(ctx) for make in extras.active_aux_losses(a)) if fn is not None]
     old: list[torch.Tensor | None] = [None] * len(mbs)  # the sampling policy is the current one: ratio 1
