@@ -539,12 +539,18 @@ def fault_outcomes(trajs: Sequence[Trajectory]) -> dict[str, Any]:
     when it is correct and not masked. ``clean_accuracy`` / ``n_clean``: episodes that met no fault;
     ``recovery_under_faults`` / ``n_faulted``: of the episodes that met at least one fault, the share that
     still ended right (None where there is no episode to divide by); ``recovered_by_policy``: episodes the
-    policy itself ended right after a fault it was shown."""
+    policy itself ended right after a fault it was shown; ``recoverable_under_faults``: of the episodes that
+    met a fault, the share that ended right or failed only by not calling its faulted calls again (the
+    answer given at the fault was right: ``fault_caused``), the most recovery under faults can reach
+    without better first answers."""
     clean = [bool(t.correct) and not t.masked for t in trajs if not t.met_fault]
     hit = [bool(t.correct) and not t.masked for t in trajs if t.met_fault]
+    caused = sum(1 for t in trajs if t.met_fault and not t.masked and not t.correct
+                 and t.last is not None and t.last.info.get("fault_caused"))
     return {"clean_accuracy": (sum(clean) / len(clean)) if clean else None, "n_clean": len(clean),
             "recovery_under_faults": (sum(hit) / len(hit)) if hit else None, "n_faulted": len(hit),
-            "recovered_by_policy": sum(t.recovered_by_policy for t in trajs)}
+            "recovered_by_policy": sum(t.recovered_by_policy for t in trajs),
+            "recoverable_under_faults": ((sum(hit) + caused) / len(hit)) if hit else None}
 
 
 def rollout_stats(trajs: Sequence[Trajectory]) -> dict[str, Any]:

@@ -32,8 +32,8 @@ ROOT = Path(__file__).resolve().parent.parent
 from reflrl.experiment.runner import fmt_mean_std as mean_std, run_train, train_command
 
 
-FAULT_KEYS = ("accuracy", "clean_accuracy", "recovery_under_faults", "reflection_ratio_env_fault",
-              "reflection_ratio_policy_error")
+FAULT_KEYS = ("accuracy", "clean_accuracy", "recovery_under_faults", "recoverable_under_faults",
+              "reflection_ratio_env_fault", "reflection_ratio_policy_error")
 
 
 def heldout_row(s: dict) -> dict:
@@ -54,15 +54,15 @@ def fault_lines(rows: list[dict]) -> list[str]:
     """Per metric: after warm-up, after RL, the paired RL gain, and RL minus the equal-time control."""
     out = []
     for k in FAULT_KEYS:
-        w = [r["heldout"]["after_warmup"][k] for r in rows if r.get("heldout")]
-        a = [r["heldout"]["after"][k] for r in rows if r.get("heldout")]
+        w = [(r["heldout"]["after_warmup"] or {}).get(k) for r in rows if r.get("heldout")]
+        a = [(r["heldout"]["after"] or {}).get(k) for r in rows if r.get("heldout")]
         if not any(x is not None for x in w + a):
             continue
         gains = [x - y for x, y in zip(a, w) if x is not None and y is not None]
         line = f"{k}: after warm-up {mean_std(w)}, after RL {mean_std(a)}, RL gain (paired) {mean_std(gains)}"
         if gains:
             line += f" (per seed {', '.join(f'{100 * g:+.1f}' for g in gains)} points)"
-        ctl = [(r["heldout"]["after"][k], r["control"][k]) for r in rows if r.get("control")]
+        ctl = [((r["heldout"]["after"] or {}).get(k), r["control"].get(k)) for r in rows if r.get("control")]
         diffs = [x - c for x, c in ctl if x is not None and c is not None]
         if diffs:
             line += (f"; RL - equal-time SFT {mean_std(diffs)} (per seed "

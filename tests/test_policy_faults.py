@@ -686,3 +686,38 @@ def test_the_held_out_evaluation_under_faults_is_one_batched_episode_evaluation(
     for key in ("accuracy", "format_rate", "n", "stderr", "by_gold_calls", "new_tokens", "capped"):
         assert clean[key] == plain[key], key
     assert clean["first_answer_accuracy"] == plain["accuracy"] and clean["n_faulted"] == 0
+
+
+def test_recoverable_under_faults_counts_the_right_answers_that_met_a_fault():
+    """A policy whose first answers are gold but which never calls again after a fault: recovery under
+    faults is 0, and every faulted episode is recoverable (its answer at the fault was right), so the
+    ceiling recoverable_under_faults is 1; a policy that always answers wrong has a ceiling of 0."""
+    import asyncio
+
+    from reflrl import rollout as R
+    from reflrl.models import load_tokenizer
+
+    from doubles import ScriptedEngine, gold_text
+
+    tok = load_tokenizer("tiny-random")
+    tasks = [WEATHER, FILE]
+
+    def gives_up(text, j):
+        return "I cannot help." if "<|im_start|>tool" in text else gold_text(next(t for t in tasks if t.query in text))
+
+    def run(answer):
+        envs = [gymnasium.make(reflrl.envs.SINGLE_TURN_ID, dataset=tasks, faults="server_error=0.4", seed=k,
+                               fault_exposure="policy", timeout=1.0).unwrapped for k in range(16)]
+        try:
+            trajs = asyncio.run(R.arollout(ScriptedEngine(tok, answer), tok, envs, tasks, 8,
+                                           R.RolloutSpec(max_new_tokens=96), seed=3))
+        finally:
+            for e in envs:
+                e.close()
+        return R.fault_outcomes(trajs)
+
+    out = run(gives_up)
+    assert out["n_faulted"] > 0 and out["recovery_under_faults"] == 0.0
+    assert out["recoverable_under_faults"] == 1.0
+    wrong = run(lambda text, j: '<tool_call>\n{"name": "nope", "arguments": {}}\n</tool_call>')
+    assert wrong["n_faulted"] > 0 and wrong["recoverable_under_faults"] == 0.0

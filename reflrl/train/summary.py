@@ -46,6 +46,7 @@ def heldout_numbers(ev: dict[str, Any] | None, faults: bool) -> dict[str, Any] |
     return {"accuracy": ev.get("episode_accuracy", ev.get("accuracy")),
             "first_answer_accuracy": ev.get("first_answer_accuracy"),
             "clean_accuracy": ev.get("clean_accuracy"), "recovery_under_faults": ev.get("recovery_under_faults"),
+            "recoverable_under_faults": ev.get("recoverable_under_faults"),
             "n": ev.get("n_episodes", ev.get("n")), "n_clean": ev.get("n_clean"), "n_faulted": ev.get("n_faulted"),
             "recovered_by_policy": ev.get("recovered_by_policy"),
             "masked": ev.get("masked"), "eval_fault_seed": ev.get("eval_fault_seed"),
@@ -135,6 +136,7 @@ def format_by_gold_calls(s: dict[str, Any]) -> str | None:
 
 HELDOUT_LINES = (("no fault met", "clean_accuracy"),
                  ("recovery under faults", "recovery_under_faults"),
+                 ("recoverable (answer at the fault right)", "recoverable_under_faults"),
                  ("reflection repaired, fault-caused failures", "reflection_ratio_env_fault"),
                  ("reflection repaired, policy errors", "reflection_ratio_policy_error"))
 

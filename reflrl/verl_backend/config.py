@@ -326,6 +326,9 @@ KEYS: dict[str, Decision] = {
     "algo.kl_coef": _mapped("actor.use_kl_loss + actor.kl_loss_coef", _ACT + "kl_loss_coef", 0.01),
     "algo.kl_estimator": _mapped("actor.kl_loss_type", _ACT + "kl_loss_type", "k1"),
     "algo.entropy_coef": _mapped("actor.entropy_coeff", _ACT + "entropy_coeff", 0.01),
+    "algo.sft_coef": _refused("verl 0.9.1's actor update has no supervised loss on demonstrations mixed in; "
+                              "the anchor is a CPU-trainer setting", _is(0.0, 0), 1.0),
+    "algo.sft_batch": _not_needed("only read with algo.sft_coef > 0, which the verl backend refuses"),
     "algo.value_coef": _not_needed("verl trains the critic as its own model with its own optimiser "
                                    "(verl.critic_lr), so there is no shared loss to weight"),
     "algo.value_clip": _mapped("critic.cliprange_value with algo.advantage=gae (null = 1e9)"),
@@ -357,6 +360,7 @@ KEYS: dict[str, Decision] = {
     "train.steps": _mapped("trainer.total_training_steps", "trainer.total_training_steps", 5),
     "train.time_budget_min": _refused("verl has no time budget; stop it with train.steps", _is(None), 30.0),
     "train.rl_minutes": _refused("verl has no equal-time stopping rule; stop it with train.steps", _is(None), 5.0),
+    "train.eval_before": _not_needed("verl has no held-out test split; score a checkpoint with `reflrl eval`"),
     "train.eval_every": _mapped("trainer.test_freq (0 = -1: never)", "trainer.test_freq", 3),
     "train.save_every": _mapped("trainer.save_freq (0 = -1: at the end only)", "trainer.save_freq", 3),
     "train.keep_checkpoints": _mapped("trainer.max_actor_ckpt_to_keep and max_critic_ckpt_to_keep",
