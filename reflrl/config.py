@@ -144,7 +144,7 @@ class AlgoConfig:
     kl_coef: float = _f(0.0, "weight of the KL-to-reference loss (0 = no reference model, as the efficiency paper)")
     kl_estimator: str = _f("low_var_kl", "KL estimator: 'k1' | 'k2' | 'k3'/'low_var_kl' | 'abs' | 'mse'")
     entropy_coef: float = _f(0.0, "entropy bonus weight (0 = off, as the efficiency paper)")
-    sft_coef: float = _f(0.0, "weight of a supervised loss on the clean demonstrations (the warm-up's gold answers) added to every RL update, so RL keeps what the warm-up taught (InstructGPT's PPO-ptx, arXiv:2203.02155 sec. 3.5: the pretraining mix); 0 = off")
+    sft_coef: float = _f(1.0, "weight of a supervised loss on the clean demonstrations (the warm-up's gold answers) added to every RL update, so RL keeps what the warm-up taught (InstructGPT's PPO-ptx, arXiv:2203.02155 sec. 3.5: the pretraining mix); 0 = off")
     sft_batch: int = _f(4, "demonstrations per RL update in the supervised loss (algo.sft_coef > 0), drawn by the step's seed")
     value_coef: float = _f(0.5, "critic loss weight (advantage='gae')")
     value_clip: float | None = _f(0.2, "critic value clip range (advantage='gae'); null = off")
