@@ -76,7 +76,7 @@ def aggregate_lines(rows: list[dict]) -> list[str]:
     seeds; the RL gain is after RL minus after warm-up of the SAME run), reflection's recovery, wall time."""
     before = [r["before"] for r in rows]
     after = [r["after"] for r in rows]
-    gain = [a - b for a, b in zip(after, before)]
+    gain = [a - b for a, b in zip(after, before) if a is not None and b is not None]
     wall = [r["wall_s"] / 60 for r in rows]
     rl = [r["rl_gain"] for r in rows if r.get("rl_gain") is not None]
     out = [f"accuracy, base model:    {mean_std(before)}",
@@ -178,7 +178,8 @@ def main(argv=None) -> int:
         rows.append(row)
         warm = "n/a" if row["after_warmup"] is None else f"{row['after_warmup']:.1%}"
         gain = "n/a" if row["rl_gain"] is None else f"{100 * row['rl_gain']:+.1f} points"
-        print(f"seed {seed}: base {row['before']:.1%} -> after warm-up {warm} -> after RL {row['after']:.1%} "
+        base_s = "n/a" if row["before"] is None else f"{row['before']:.1%}"
+        print(f"seed {seed}: base {base_s} -> after warm-up {warm} -> after RL {row['after']:.1%} "
               f"(RL gain {gain}){'' if row['recipe_complete'] else '  CUT BY THE TIME GUARD'}", flush=True)
         print(f"  {row['steps']} RL steps, "
               f"wall {wall / 60:.1f} min, {row['warmup_steps']} warm-up steps, faults {row['faults']}, "

@@ -79,3 +79,8 @@ def test_main_evaluates_the_base_once_and_resumes_finished_seeds(tmp_path, capsy
     calls.clear()
     assert br.main(args) == 0 and calls == []  # both seeds reused
     assert br.main([*args, "--faults", "timeout=0.1"]) == 2 and calls == []
+    # no base evaluation at all (every seed skips it): the printout says n/a instead of failing
+    skip = ["--seeds", "0", "--out", str(tmp_path), "--name", "c", "--set", "train.eval_before=false",
+            "--set", "warmup.enabled=true"]
+    assert br.main(skip) == 0
+    assert "seed 0: base n/a -> after warm-up 45.0%" in capsys.readouterr().out
