@@ -85,6 +85,11 @@ def build_examples(tasks: Sequence[Task], tokenizer: Any, messages_fn: Callable[
     return out
 
 
+def sft_pad_id(tokenizer: Any) -> int:
+    """The id that pads SFT batches: the tokenizer's pad token, else its end-of-turn token."""
+    return tokenizer.pad_token_id if tokenizer.pad_token_id is not None else end_of_turn_id(tokenizer)
+
+
 def collate(examples: Sequence[SFTExample], pad_id: int) -> dict[str, torch.Tensor]:
     """Right-padded batch: input_ids, attention_mask, response_mask, all [B, L] (L = longest P+A).
 
@@ -156,7 +161,7 @@ def train_sft(model: torch.nn.Module, tokenizer: Any, examples: Sequence[SFTExam
     if not params:
         raise ValueError("the model has no trainable parameters")
     opt = torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay)
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else end_of_turn_id(tokenizer)
+    pad = sft_pad_id(tokenizer)
     rng = random.Random(seed)
     batches: list[list[int]] = []
     losses: list[float] = []

@@ -142,6 +142,7 @@ class Trainer:
         if not params:
             raise C.ConfigError(f"model.trainable={cfg.model.trainable!r} leaves no trainable parameter")
         groups = [{"params": params}]
+        self._demos: list | None = None  # the supervised anchor's demonstrations (algo.sft_coef), built on first use
         self.value_head = None  # PPO's critic (algo.advantage=gae): a value head on the policy's trunk
         if advantage_needs_critic(cfg.algo.advantage):
             self.value_head = value_head_for(self.model)
@@ -176,16 +177,15 @@ class Trainer:
     def demo_batch(self) -> dict[str, Any]:
         """``algo.sft_batch`` clean demonstrations (the warm-up's gold answers of the training split), drawn by
         the step's seed, collated for :func:`reflrl.sft.sft_loss` (the update's supervised anchor, algo.sft_coef)."""
-        from reflrl.sft import build_examples, collate, end_of_turn_id
+        from reflrl.sft import build_examples, collate, sft_pad_id
 
-        if getattr(self, "_demos", None) is None:
+        if self._demos is None:
             self._demos = build_examples(self.train_tasks, self.tokenizer, self.messages, fmt=answer_format(self.cfg))
             if not self._demos:
                 raise ValueError("algo.sft_coef > 0 needs demonstrations: no training task has gold calls")
         rng = random.Random(derive_seed(self.cfg.train.seed, self.step, 3, bits=31))
         pick = rng.sample(range(len(self._demos)), min(self.cfg.algo.sft_batch, len(self._demos)))
-        pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else end_of_turn_id(self.tokenizer)
-        return collate([self._demos[i] for i in pick], pad)
+        return collate([self._demos[i] for i in pick], sft_pad_id(self.tokenizer))
 
     def weights_updated(self) -> None:
         """After each optimiser step: the engine hook ``on_weights_updated(model)`` of the engine that samples
