@@ -8,15 +8,19 @@
 Each (variant, seed) runs `reflrl train --config configs/<variant>.yaml` in its own process (exactly
 what a user runs: model loading, warm-up and both evaluations included), one after the other, and the
 run's summary.json is read back. Printed per variant: held-out accuracy after training (mean ± std over
-seeds) and its gain over the start, the recovered-trajectory ratio (failed rollouts recovered by
+seeds) and its gain over the start; under faults, the accuracy on the held-out episodes that met no fault
+and the recovery under faults (of the episodes that met one, the share that still ended right), each
+with its gain; the recovered-trajectory ratio (failed rollouts recovered by
 reflection / failed rollouts, over all seeds), tool calls per trajectory with a learning signal, RL
-steps and wall time; then whether the paper's ordering holds (tool_rerl > cot_is > grpo; ref not better
-than cot when both ran).
+steps and wall time; then whether the paper's ordering holds (tool_rerl > cot_is > grpo, on accuracy and
+on recovery under faults; ref not better than cot when both ran).
 
 With the real model each run takes the recipe's 14-minute budget (5 variants x 3 seeds: about 3.5 hours
 on 2 cores); --budget-minutes shortens every run (train.time_budget_min), and --warm-start pays the warm-up once
 per seed instead of once per run (every variant of a seed then starts RL from the same checkpoint,
-which is also the fairer comparison).
+which is also the fairer comparison). With a run-folder pattern and `--set train.eval_before=false`,
+each run skips its evaluation before RL and takes the warm-up run's own held-out evaluation as its
+start (refused if that was made on another number of tasks or another evaluation fault seed).
 
 Equal steps (the default: every run does the recipe's train.steps) or equal time: --rl-minutes M gives
 every run M minutes of RL steps (train.rl_minutes; train.steps = --max-steps, default 1000, is only a
@@ -63,51 +67,97 @@ def run_one(variant: str, seed: int, args: argparse.Namespace, stamp: str) -> di
         print(str(e), file=sys.stderr)
         raise RuntimeError(f"{variant} seed {seed}: reflrl train failed") from None
     rec = s.get("recovery") or {}
-    row = {"variant": variant, "seed": seed, "before": s["accuracy_before"], "after": s["accuracy_after"],
+    held = s.get("heldout") or {}
+    before, held_before = s["accuracy_before"], held.get("before")
+    if before is None and seed in args.warm_dirs:  # train.eval_before=false: the warm-up run's own evaluation
+        before, held_before = warmup_evaluation(args.warm_dirs[seed], held.get("after"))
+    row = {"variant": variant, "seed": seed, "before": before, "after": s["accuracy_after"],
+           "heldout_before": held_before, "heldout_after": held.get("after"),
            "steps": s["steps"], "stop_reason": s.get("stop_reason"), "rl_s": s.get("rl_seconds"), "wall_s": wall, "failed": rec.get("failed", 0.0),
            "recovered": rec.get("recovered_by_reflection", 0.0), "recovered_ratio": rec.get("recovered_ratio"),
            "tool_calls": rec.get("tool_calls"), "signal_trajectories": rec.get("signal_trajectories"),
            "tool_calls_per_signal": rec.get("tool_calls_per_signal"),
            "weight_mean_last": (rec.get("weight_mean_per_step") or [None])[-1], "run_dir": s["run_dir"]}
-    print(f"  accuracy {row['before']:.1%} -> {row['after']:.1%}, {row['steps']} steps, {wall / 60:.1f} min, "
+    start = "n/a" if row["before"] is None else f"{row['before']:.1%}"
+    print(f"  accuracy {start} -> {row['after']:.1%}, {row['steps']} steps, {wall / 60:.1f} min, "
           f"recovered {row['recovered']:.0f}/{row['failed']:.0f}, tool calls/signal "
           f"{'n/a' if row['tool_calls_per_signal'] is None else format(row['tool_calls_per_signal'], '.2f')}",
           flush=True)
     return row
 
 
-def table(rows: list[dict], variants: list[str]) -> tuple[str, dict[str, float]]:
-    """The markdown table and each variant's mean accuracy after training."""
-    out = ["| variant | seeds | held-out acc. after | gain | recovered ratio | tool calls / signal | RL steps | RL min "
-           "| wall min |", "|---|---|---|---|---|---|---|---|---|"]
+def warmup_evaluation(run_dir: str | Path, after: dict | None) -> tuple[float | None, dict | None]:
+    """The held-out evaluation right after the warm-up, read from the warm-up's run folder, for a run
+    that skipped its own (``train.eval_before=false``): (accuracy, held-out numbers), or (None, None)
+    when that run has none. ValueError when it was made on other tasks or faults than ``after`` (the
+    RL run's final evaluation: its number of tasks and evaluation fault seed must match)."""
+    path = Path(run_dir) / "summary.json"
+    if not path.is_file():
+        return None, None
+    s = json.loads(path.read_text())
+    h = (s.get("heldout") or {}).get("after_warmup")
+    if not h:
+        return s.get("accuracy_after_warmup"), None
+    if after and (h.get("n"), h.get("eval_fault_seed")) != (after.get("n"), after.get("eval_fault_seed")):
+        raise ValueError(f"the warm-up evaluation in {path} ({h.get('n')} tasks, fault seed {h.get('eval_fault_seed')}) "
+                         f"is not the RL run's ({after.get('n')} tasks, fault seed {after.get('eval_fault_seed')}): "
+                         "run with train.eval_before=true or the warm-up's data.n_test")
+    return h.get("accuracy"), h
+
+
+def _held(r: dict, stage: str, key: str) -> float | None:
+    return (r.get(f"heldout_{stage}") or {}).get(key)
+
+
+def _gains(rs: list[dict], key: str | None = None) -> list[float]:
+    """Per-run after minus before of the accuracy (key None) or of a held-out number."""
+    pairs = ([(r["after"], r["before"]) for r in rs] if key is None
+             else [(_held(r, "after", key), _held(r, "before", key)) for r in rs])
+    return [a - b for a, b in pairs if a is not None and b is not None]
+
+
+def table(rows: list[dict], variants: list[str]) -> tuple[str, dict[str, float], dict[str, float]]:
+    """The markdown table, each variant's mean accuracy after training and its mean recovery under
+    faults after training (runs with faults only: of the held-out episodes that met a fault, the share
+    that still ended right)."""
+    out = ["| variant | seeds | held-out acc. after | gain | no fault met, after (gain) | recovery under faults, "
+           "after (gain) | recovered ratio | tool calls / signal | RL steps | RL min | wall min |",
+           "|---|---|---|---|---|---|---|---|---|---|---|"]
     means: dict[str, float] = {}
+    recovery: dict[str, float] = {}
     for v in variants:
         rs = [r for r in rows if r["variant"] == v]
         if not rs:
             continue
         after = [r["after"] for r in rs]
         means[v] = statistics.mean(after)
+        rec = [x for x in (_held(r, "after", "recovery_under_faults") for r in rs) if x is not None]
+        if rec:
+            recovery[v] = statistics.mean(rec)
+        held = {k: (f"{mean_std([_held(r, 'after', k) for r in rs])} ({mean_std(_gains(rs, k))})")
+                for k in ("clean_accuracy", "recovery_under_faults")}
         failed = sum(r["failed"] for r in rs)
         ratio = f"{sum(r['recovered'] for r in rs) / failed:.1%}" if failed else "n/a"
         sig = sum(r["signal_trajectories"] or 0 for r in rs)
         calls = sum(r["tool_calls"] or 0 for r in rs)
         tps = f"{calls / sig:.2f}" if sig else "n/a"
-        out.append(f"| {v} | {len(rs)} | {mean_std(after)} | {mean_std([r['after'] - r['before'] for r in rs])} | "
-                   f"{ratio} | {tps} | {mean_std([float(r['steps']) for r in rs], '.1f')} | "
+        out.append(f"| {v} | {len(rs)} | {mean_std(after)} | {mean_std(_gains(rs))} | {held['clean_accuracy']} | "
+                   f"{held['recovery_under_faults']} | {ratio} | {tps} | {mean_std([float(r['steps']) for r in rs], '.1f')} | "
                    f"{mean_std([(r.get('rl_s') or 0.0) / 60 for r in rs], '.1f')} | "
                    f"{mean_std([r['wall_s'] / 60 for r in rs], '.1f')} |")
-    return "\n".join(out), means
+    return "\n".join(out), means, recovery
 
 
-def ordering(means: dict[str, float]) -> list[str]:
+def ordering(means: dict[str, float], recovery: dict[str, float] | None = None) -> list[str]:
     """Whether the paper's ordering holds on these means (sec. 4.2: tool_rerl > cot_is > grpo; +Ref not
-    better than +CoT)."""
+    better than +CoT), on held-out accuracy and, where the runs met faults, on recovery under faults."""
     lines = []
-    chain = [v for v in ("tool_rerl", "cot_is", "grpo") if v in means]
-    if len(chain) >= 2:
-        ok = all(means[a] > means[b] for a, b in zip(chain, chain[1:]))
-        lines.append(f"{' > '.join(chain)}: {'holds' if ok else 'does NOT hold'} "
-                     f"({', '.join(f'{v} {means[v]:.3f}' for v in chain)})")
+    for label, vals in (("accuracy", means), ("recovery under faults", recovery or {})):
+        chain = [v for v in ("tool_rerl", "cot_is", "grpo") if v in vals]
+        if len(chain) >= 2:
+            ok = all(vals[a] > vals[b] for a, b in zip(chain, chain[1:]))
+            lines.append(f"{' > '.join(chain)} on {label}: {'holds' if ok else 'does NOT hold'} "
+                         f"({', '.join(f'{v} {vals[v]:.3f}' for v in chain)})")
     if "ref" in means and "cot" in means:
         ok = means["ref"] <= means["cot"]
         lines.append(f"ref not better than cot: {'holds' if ok else 'does NOT hold'} "
@@ -139,15 +189,17 @@ def main(argv=None) -> int:
     stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
     rows = []
     try:
+        args.warm_dirs = {}
         args.warm_overrides = warm_starts(args.warm_start, range(args.seeds), out_dir=args.out,
-                                          faults=args.faults, overrides=args.overrides, cwd=ROOT)
+                                          faults=args.faults, overrides=args.overrides, cwd=ROOT,
+                                          run_dirs=args.warm_dirs)
         for v in variants:
             for seed in range(args.seeds):
                 rows.append(run_one(v, seed, args, stamp))
     except (RuntimeError, FileNotFoundError, ValueError) as e:
         print(f"paper_table: {e}", file=sys.stderr)
         return 1
-    text, means = table(rows, variants)
+    text, means, recovery = table(rows, variants)
     print(f"\nfaults {args.faults!r}, {args.seeds} seed(s) per variant"
           + (f", {args.budget_minutes} min per run" if args.budget_minutes is not None else "")
           + (f", EQUAL TIME: {args.rl_minutes:g} min of RL steps per run (step counts depend on this machine)"
@@ -155,7 +207,7 @@ def main(argv=None) -> int:
           + (f", every variant from the seed's shared warm-up ({args.warm_start}; 'gain' is RL's alone)"
              if args.warm_start else ""))
     print(text)
-    for line in ordering(means):
+    for line in ordering(means, recovery):
         print(line)
     if args.json:
         Path(args.json).write_text(json.dumps({"rows": rows, "faults": args.faults, "variants": variants,

@@ -86,12 +86,16 @@ WARM_START_HELP = ("start every method of a seed from ONE shared warm-up (model.
 
 
 def warm_starts(spec: str | None, seeds: Sequence[int], *, out_dir: str | Path, faults: str | None = None,
-                overrides: Sequence[str] = (), cwd: str | Path | None = None) -> dict[int, list[str]]:
-    """:func:`warm_start` for every seed (``{}`` when ``spec`` is None), printing where each starts."""
+                overrides: Sequence[str] = (), cwd: str | Path | None = None,
+                run_dirs: dict[int, str] | None = None) -> dict[int, list[str]]:
+    """:func:`warm_start` for every seed (``{}`` when ``spec`` is None), printing where each starts;
+    ``run_dirs``, when given, receives each seed's warm-up run folder."""
     out: dict[int, list[str]] = {}
     if spec:
         for seed in seeds:
             out[seed], info = warm_start(spec, seed, out_dir=out_dir, faults=faults, overrides=overrides, cwd=cwd)
+            if run_dirs is not None:
+                run_dirs[seed] = info["run_dir"]
             print(f"seed {seed} starts from {info['checkpoint']}", flush=True)
     return out
 
