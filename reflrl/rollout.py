@@ -432,21 +432,26 @@ async def _single_turn(engine, tokenizer, envs, trajs: list[Trajectory], cfg: Ro
     if going and messages is not None:
         ready = [k for k in going if _observe(tokenizer, trajs[k], messages, k, results[k][4], texts[k],
                                                [i for i, m in zip(trajs[k].response_ids, trajs[k].loss_mask) if m])]
+        # a turn after a fault answers the same request again: the same per-task cap as the first answer
+        caps = [answer_token_cap(tr.task, tokenizer, cfg) for tr in trajs]
         await _multi_turn(engine, tokenizer, envs, trajs, messages, dataclasses.replace(cfg, max_turns=1 << 30),
-                          t, seed + 1, ready=ready)
+                          t, seed + 1, ready=ready, caps=caps)
         for k in going:  # the token budget ended it while a fault was still open: no action was left
             if trajs[k].last.env_fault_treatment == "to-policy":
                 trajs[k].masked = True
 
 
 async def _multi_turn(engine, tokenizer, envs, trajs: list[Trajectory], messages: list[list[dict]],
-                      cfg: RolloutSpec, t: dict[str, float], seed: int, ready: list[int] | None = None) -> None:
+                      cfg: RolloutSpec, t: dict[str, float], seed: int, ready: list[int] | None = None,
+                      caps: Sequence[int] | None = None) -> None:
     """Alternate batched generation of the ready trajectories with concurrent env steps.
 
     Loop: generate for every ready trajectory in one batch (in a worker thread, so in-flight tool
     calls keep progressing on the event loop); start an env step for each; then wait until at least
     one env step finishes and collect every finished one; those not done become ready again.
-    ``ready``: the trajectories to go on with (default: all).
+    ``ready``: the trajectories to go on with (default: all). Each trajectory's turn gets its own
+    new-token cap: ``caps[k]`` (default ``cfg.max_new_tokens``), at most the room its own context leaves
+    under ``cfg.max_total_tokens``, so a long episode in the batch never shortens the others' turns.
     """
     loop = asyncio.get_running_loop()
     ready = list(range(len(trajs))) if ready is None else list(ready)
@@ -462,7 +467,8 @@ async def _multi_turn(engine, tokenizer, envs, trajs: list[Trajectory], messages
             if batch:
                 t0 = time.perf_counter()
                 prompts = [trajs[k].prompt_ids + trajs[k].response_ids for k in batch]
-                room = min(cfg.max_new_tokens, max(1, cfg.max_total_tokens - max(len(p) for p in prompts)))
+                room = [min(cfg.max_new_tokens if caps is None else caps[k], max(1, cfg.max_total_tokens - len(p)))
+                        for k, p in zip(batch, prompts)]
                 call = functools.partial(generate_batch, engine, prompts, cfg, max_new_tokens=room,
                                          seed=seed + 7919 * rounds)
                 rounds += 1

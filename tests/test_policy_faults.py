@@ -721,3 +721,64 @@ def test_recoverable_under_faults_counts_the_right_answers_that_met_a_fault():
     assert out["recoverable_under_faults"] == 1.0
     wrong = run(lambda text, j: '<tool_call>\n{"name": "nope", "arguments": {}}\n</tool_call>')
     assert wrong["n_faulted"] > 0 and wrong["recoverable_under_faults"] == 0.0
+
+
+def test_a_long_episode_in_the_batch_does_not_cut_the_other_episodes_turn_after_a_fault():
+    """The turn after a fault gets the room its OWN context leaves under max_total_tokens: one long episode
+    in the same batch must not shorten the others' answers (it once cut every retry in a 240-task
+    evaluation to a dozen tokens, so no episode could recover)."""
+    import asyncio
+
+    from reflrl import rollout as R
+    from reflrl.models import load_tokenizer
+
+    from doubles import ScriptedEngine, gold_text
+
+    tok = load_tokenizer("tiny-random")
+    tasks = [WEATHER, FILE]
+    filler = "Let me think about which file to read and why. " * 30
+
+    def answer(text, _j):
+        task = next(t for t in tasks if t.query in text)
+        return (filler if task is FILE else "") + gold_text(task)
+
+    faults = "server_error=0.5"
+    base = next(s for s in range(300)  # both first calls meet a fault
+                if all(_faulted_at(t, faults, s + k) for k, t in enumerate(tasks)))
+
+    class Recording(ScriptedEngine):
+        def generate(self, prompts, n=1, max_new_tokens=256, **kw):
+            self.lengths.append([len(p) for p in prompts])
+            return super().generate(prompts, n=n, max_new_tokens=max_new_tokens, **kw)
+
+    def run(max_total):
+        eng = Recording(tok, answer, row_as_sample=True)
+        eng.lengths = []
+        envs = [_env(t, faults) for t in tasks]
+        try:
+            spec = R.RolloutSpec(max_new_tokens=400, max_total_tokens=max_total)
+            return asyncio.run(R.arollout(eng, tok, envs, tasks, 1, spec, seed=base)), eng.lengths
+        finally:
+            for e in envs:
+                e.close()
+
+    trajs, lengths = run(4096)
+    assert len(lengths) >= 2 and len(lengths[1]) == 2  # the turn after the faults: both episodes, one batch
+    short, long = lengths[1]
+    assert long - short > 100
+    # room enough for the long episode to go on, but a dozen tokens less than the weather call needs
+    trajs, _ = run(long + 9 + 12)
+    weather = trajs[0]
+    assert len(weather.texts) >= 2 and weather.met_fault
+    assert weather.texts[1].strip() == gold_text(WEATHER).strip()  # called again in full
+    assert not weather.truncated
+
+
+def _faulted_at(task: Task, faults: str, seed: int) -> bool:
+    env = _env(task, faults)
+    try:
+        env.reset(seed=seed)
+        _o, _r, _t, _tr, info = env.step(gold_actions(task)[0])
+        return bool(info["shown_faults"]) and info["shown_faults"][0]["call_index"] == 0
+    finally:
+        env.close()
