@@ -118,7 +118,7 @@ class RolloutConfig:
     temperature: float = _f(0.7, "sampling temperature")
     top_p: float = _f(1.0, "nucleus sampling threshold (1.0 = off)")
     max_new_tokens: int = _f(256, "new tokens per assistant turn at most (every task)")
-    answer_cap: float | None = _f(1.5, "per-task token cap sized to the gold answer: ceil(answer_cap x the gold answer's tokens) + 16 (+ 128 with a <think> block), at most max_new_tokens; rollouts, reflection retries and evaluation alike; null = max_new_tokens for every task")
+    answer_cap: float | None = _f(1.5, "per-task token cap sized to the gold answer: ceil(answer_cap x the gold answer's tokens) + 16 (+ 128 with a <think> block), at most max_new_tokens; every answer to a single-turn task (the first, and each one after a fault the policy is shown), in rollouts, reflection retries and evaluation alike; null = max_new_tokens for every task")
     stop_at_complete: bool = _f(True, "stop an answer as soon as it is complete: the end of the turn, or the end of its tool-call block(s) when other text follows (hermes format; reflrl.envs.parsing.answer_complete)")
     max_turns: int = _f(1, "assistant turns per episode (multi-turn envs)")
     max_total_tokens: int = _f(1024, "prompt + response token cap for multi-turn episodes")
