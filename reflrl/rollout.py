@@ -403,16 +403,17 @@ async def _single_turn(engine, tokenizer, envs, trajs: list[Trajectory], cfg: Ro
     with (a fault the policy sees) continue turn by turn (:func:`_multi_turn`) until the env ends them."""
     t0 = time.perf_counter()
     groups = sorted({tr.group for tr in trajs})
-    firsts = {g: next(tr for tr in trajs if tr.group == g) for g in groups}
-    if all(tr.prompt_ids == firsts[tr.group].prompt_ids for tr in trajs) and \
+    first = {g: next(k for k, tr in enumerate(trajs) if tr.group == g) for g in groups}
+    # every answer to the task, the first and each one after a fault, has the task's answer cap
+    caps = [answer_token_cap(tr.task, tokenizer, cfg) for tr in trajs]
+    if all(tr.prompt_ids == trajs[first[tr.group]].prompt_ids for tr in trajs) and \
             [tr.group for tr in trajs] == [g for g in groups for _ in range(len(trajs) // len(groups))]:
         # the n rollouts of a task share its prompt: one prefill per task, n samples each
-        samples = generate_batch(engine, [firsts[g].prompt_ids for g in groups], cfg,
+        samples = generate_batch(engine, [trajs[first[g]].prompt_ids for g in groups], cfg,
                                  n=len(trajs) // len(groups), seed=seed,
-                                 max_new_tokens=[answer_token_cap(firsts[g].task, tokenizer, cfg) for g in groups])
+                                 max_new_tokens=[caps[first[g]] for g in groups])
     else:
-        samples = generate_batch(engine, [tr.prompt_ids for tr in trajs], cfg, seed=seed,
-                                 max_new_tokens=[answer_token_cap(tr.task, tokenizer, cfg) for tr in trajs])
+        samples = generate_batch(engine, [tr.prompt_ids for tr in trajs], cfg, seed=seed, max_new_tokens=caps)
     t["generate_s"] += time.perf_counter() - t0
     texts = []
     for tr, (ids, lps, fin) in zip(trajs, samples):
@@ -432,8 +433,6 @@ async def _single_turn(engine, tokenizer, envs, trajs: list[Trajectory], cfg: Ro
     if going and messages is not None:
         ready = [k for k in going if _observe(tokenizer, trajs[k], messages, k, results[k][4], texts[k],
                                                [i for i, m in zip(trajs[k].response_ids, trajs[k].loss_mask) if m])]
-        # a turn after a fault answers the same request again: the same per-task cap as the first answer
-        caps = [answer_token_cap(tr.task, tokenizer, cfg) for tr in trajs]
         await _multi_turn(engine, tokenizer, envs, trajs, messages, dataclasses.replace(cfg, max_turns=1 << 30),
                           t, seed + 1, ready=ready, caps=caps)
         for k in going:  # the token budget ended it while a fault was still open: no action was left
