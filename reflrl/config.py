@@ -224,7 +224,7 @@ class ReflectionConfig:
     """Tool-ReRL's reflection-recovery loop and the paper's baselines (reflrl.recovery;
     Tool-ReRL sec. 3.2-3.3, Table 1, Table 2)."""
 
-    variant: str = _f("tool_rerl", "method by name (Tool-ReRL Table 1/2): 'grpo' (no reflection) | 'ppo' (needs a value head: verl backend only) | 'cot' (thought then call) | 'ref' (repaired trajectories trained as on-policy, no correction) | 'cot_is' (own thought in q*, importance-weighted) | 'external' / 'external_is' (reasoning from the critic endpoint, without / with the weight) | 'tool_rerl' (critic reflection + eq. 2) | 'dpo' (DPO on failure/repair pairs)")
+    variant: str = _f("tool_rerl", "method by name (Tool-ReRL Table 1/2): 'grpo' (no reflection) | 'ppo' (no reflection; needs algo.advantage=gae: a value head, GAE and the clipped value loss; configs/ppo.yaml) | 'cot' (thought then call) | 'ref' (repaired trajectories trained as on-policy, no correction) | 'cot_is' (own thought in q*, importance-weighted) | 'external' / 'external_is' (reasoning from the critic endpoint, without / with the weight) | 'tool_rerl' (critic reflection + eq. 2) | 'dpo' (DPO on failure/repair pairs)")
     critic: str = _f("rule", "frozen critic for 'ref', 'tool_rerl', 'dpo': 'rule' (embedded, no model) | 'llm' (critic_base_url) | 'policy' (the policy itself)")
     critic_base_url: str | None = _f(None, "OpenAI-compatible endpoint of the 'llm' critic and the 'external*' variants, e.g. http://127.0.0.1:8000/v1 (python -m reflrl.chat_server)")
     critic_model: str = _f("default", "model name the critic endpoint serves")
