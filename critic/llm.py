@@ -66,7 +66,8 @@ class LLMCritic:
 
     Args:
         base_url: e.g. ``http://127.0.0.1:8000/v1`` (None: the ``openai`` default / env).
-        model: model name the endpoint serves.
+        model: model name the endpoint serves; None: the one model it serves (``GET /v1/models``,
+            asked once, at :meth:`served_models` or the first critique).
         api_key: key; default ``$OPENAI_API_KEY`` or "EMPTY" (local servers ignore it).
         temperature, max_tokens, top_p, seed: sampling of the critic (greedy by default: a
             frozen critic should answer consistently).
@@ -82,7 +83,7 @@ class LLMCritic:
     def __init__(
         self,
         base_url: str | None = None,
-        model: str = "default",
+        model: str | None = None,
         api_key: str | None = None,
         *,
         temperature: float = 0.0,
@@ -124,7 +125,18 @@ class LLMCritic:
         gold = request.gold if self.show_gold else None
         return critic_messages(request.response, gold, request.query, self.instruction)
 
+    def served_models(self) -> list[str]:
+        """The model ids the endpoint serves (``GET /v1/models``, one try); raises the ``openai``
+        errors (connection, timeout, HTTP status)."""
+        return [m.id for m in self._client.models.list()]
+
     def _kwargs(self, request: CritiqueRequest) -> dict[str, Any]:
+        if self.model is None:  # the one model the endpoint serves
+            served = self.served_models()
+            if len(served) != 1:
+                raise CriticEndpointError(f"critic endpoint {self.base_url or '(openai default)'} serves "
+                                          f"{served}, not one model: name the one to use")
+            self.model = served[0]
         kw: dict[str, Any] = {
             "model": self.model,
             "messages": self.messages(request),
@@ -173,8 +185,8 @@ class LLMCritic:
         t0 = time.perf_counter()
         if request.env_fault is not None:
             return fault_critique(request.env_fault, t0)
-        kw = self._kwargs(request)
         try:
+            kw = self._kwargs(request)
             completion = Retrying(**self._retry_kw())(self._client.chat.completions.create, **kw)
         except openai.APIStatusError as e:
             if is_transient(e):
@@ -190,8 +202,9 @@ class LLMCritic:
         t0 = time.perf_counter()
         if request.env_fault is not None:
             return fault_critique(request.env_fault, t0)
-        kw = self._kwargs(request)
         try:
+            kw = self._kwargs(request)
+
             async def once() -> Any:
                 return await self._aclient.chat.completions.create(**kw)
 

@@ -227,7 +227,7 @@ class ReflectionConfig:
     variant: str = _f("tool_rerl", "method by name (Tool-ReRL Table 1/2): 'grpo' (no reflection) | 'ppo' (no reflection; needs algo.advantage=gae: a value head, GAE and the clipped value loss; configs/ppo.yaml) | 'cot' (thought then call) | 'ref' (repaired trajectories trained as on-policy, no correction) | 'cot_is' (own thought in q*, importance-weighted) | 'external' / 'external_is' (reasoning from the critic endpoint, without / with the weight) | 'tool_rerl' (critic reflection + eq. 2) | 'dpo' (DPO on failure/repair pairs)")
     critic: str = _f("rule", "frozen critic for 'ref', 'tool_rerl', 'dpo': 'rule' (embedded, no model) | 'llm' (critic_base_url) | 'policy' (the policy itself)")
     critic_base_url: str | None = _f(None, "OpenAI-compatible endpoint of the 'llm' critic and the 'external*' variants, e.g. http://127.0.0.1:8000/v1 (python -m reflrl.chat_server)")
-    critic_model: str = _f("default", "model name the critic endpoint serves")
+    critic_model: str | None = _f(None, "model the critic endpoint is asked for; null = the one model it serves (as GET /v1/models lists it). The endpoint is checked before the first step: it must answer and serve this model")
     critic_timeout_s: float = _f(60.0, "per-request timeout of the critic endpoint (seconds)")
     reveal: str = _f("query", "rule critic: how much of an expected value the analysis gives away: 'none' | 'query' (the request's span that holds it) | 'value' (the expected values) | 'call' (value + the whole expected answer) | 'answer' (the same, written in the policy's answer format)")
     max_attempts: int = _f(1, "retries sampled under q* per failed trajectory, stopping at the first positive (Definition 1 ii)")

@@ -78,7 +78,8 @@ from __future__ import annotations
 from .accounting import (COUNT_KEYS, RecoveryLedger, RecoveryResult, count_rollouts, dpo_pairs, format_recovery,
                          own_rollouts, step_accounting, triage)
 from .batcher import RoundBatcher
-from .critics import CRITICS, EXTERNAL_INSTRUCTION, SelfThoughtCritic, build_critic, get_critic
+from .critics import (CRITICS, EXTERNAL_INSTRUCTION, SelfThoughtCritic, build_critic, check_endpoint,
+                      get_critic, uses_endpoint)
 from .recover import arecover, repaired_trajectory
 from .reflection import (Attempt, EnvFeedback, Generation, RepairRecord, augmented_messages, build_retry_prompt,
                          feedback_from_step, reflect_and_retry, split_response)
@@ -87,7 +88,7 @@ from .variants import VARIANTS, Variant, think_of, variant_of
 __all__ = [
     "Attempt", "COUNT_KEYS", "CRITICS", "EXTERNAL_INSTRUCTION", "EnvFeedback", "Generation", "RecoveryLedger",
     "RecoveryResult", "RepairRecord", "RoundBatcher", "SelfThoughtCritic", "VARIANTS", "Variant", "arecover",
-    "augmented_messages", "build_critic", "build_retry_prompt", "count_rollouts", "dpo_pairs",
+    "augmented_messages", "build_critic", "check_endpoint", "uses_endpoint", "build_retry_prompt", "count_rollouts", "dpo_pairs",
     "feedback_from_step", "format_recovery", "get_critic", "own_rollouts", "reflect_and_retry", "repaired_trajectory",
     "split_response", "step_accounting", "think_of", "triage", "variant_of",
 ]

@@ -88,19 +88,58 @@ class SelfThoughtCritic(SyncCritic):
                         latency_s=c.latency_s)
 
 
+def uses_endpoint(cfg: Config) -> bool:
+    """Whether ``cfg``'s variant asks a critic endpoint (``reflection.critic_base_url``): the 'llm'
+    critic of a reflecting variant, or the ``external*`` variants."""
+    v = variant_of(cfg)
+    return v.reflect and (v.source == "external" or (v.source == "critic" and cfg.reflection.critic == "llm"))
+
+
+def check_endpoint(critic: Any) -> Any:
+    """Check at start that an endpoint critic's endpoint answers and serves its model (``GET /v1/models``);
+    with ``reflection.critic_model`` null the one model it serves becomes the critic's. Returns
+    ``critic``; raises :class:`~reflrl.errors.UserError` (one line: the URL, the model asked, the
+    models served). An outage later in the run is counted per critique and the run goes on."""
+    import openai
+
+    from reflrl.errors import UserError
+
+    url = critic.base_url or "(the openai default)"
+    asked = "null (the one model it serves)" if critic.model is None else repr(critic.model)
+    where = f"the critic endpoint reflection.critic_base_url={url}"
+    try:
+        served = critic.served_models()
+    except (openai.APIConnectionError, openai.APITimeoutError) as e:
+        raise UserError(f"{where} does not answer ({type(e).__name__}: {e}); start it (e.g. python -m "
+                        f"reflrl.chat_server --model NAME) or fix the URL; reflection.critic_model={asked}") from None
+    except openai.APIStatusError as e:
+        raise UserError(f"{where} answered GET /models with HTTP {e.status_code} (is it an OpenAI-compatible "
+                        f"/v1 URL?); reflection.critic_model={asked}") from None
+    if critic.model is None and len(served) == 1:
+        critic.model = served[0]
+    elif critic.model is None:
+        raise UserError(f"{where} serves {served}, not one model: set reflection.critic_model to the one to use")
+    elif critic.model not in served:
+        raise UserError(f"{where} does not serve reflection.critic_model={asked}; it serves {served}: set "
+                        "reflection.critic_model to one of them (or null: the one model it serves)")
+    return critic
+
+
 def build_critic(cfg: Config, engine: Any = None, tokenizer: Any = None) -> Any:
     """The critic of ``cfg``'s variant (module doc): rule / llm / policy, self-thought for ``cot_is``,
-    the LLM endpoint with :data:`EXTERNAL_INSTRUCTION` for ``external*``."""
+    the LLM endpoint with :data:`EXTERNAL_INSTRUCTION` for ``external*``. An endpoint critic is checked
+    now (:func:`check_endpoint`: a UserError before the first step)."""
     f, v = cfg.reflection, variant_of(cfg)
     if v.source == "self":
         return SelfThoughtCritic(get_critic("rule", reveal=f.reveal, parser=cfg.env.parser))
     if v.source == "external":
-        return get_critic("llm", base_url=f.critic_base_url, model=f.critic_model, timeout=f.critic_timeout_s,
-                          instruction=EXTERNAL_INSTRUCTION, max_tokens=320)
+        return check_endpoint(get_critic("llm", base_url=f.critic_base_url, model=f.critic_model,
+                                         timeout=f.critic_timeout_s, instruction=EXTERNAL_INSTRUCTION, max_tokens=320))
     if f.critic == "rule":
         return get_critic("rule", reveal=f.reveal, parser=cfg.env.parser)
     if f.critic == "llm":
-        return get_critic("llm", base_url=f.critic_base_url, model=f.critic_model, timeout=f.critic_timeout_s)
+        return check_endpoint(get_critic("llm", base_url=f.critic_base_url, model=f.critic_model,
+                                         timeout=f.critic_timeout_s))
     from reflrl.critic.policy import chat_generate_fn
 
     return get_critic("policy", generate=chat_generate_fn(engine, tokenizer), as_messages=True)

@@ -15,7 +15,7 @@ from reflrl import config as C
 from reflrl.device import resolve_device, resolve_precision
 from reflrl.precision import DtypeChoice
 from reflrl.threads import fix_threads
-from reflrl.recovery import Variant, build_critic, think_of, variant_of
+from reflrl.recovery import Variant, build_critic, think_of, uses_endpoint, variant_of
 from reflrl.rollout import RolloutSpec
 from reflrl.diskspace import check_disk_space, human_bytes
 from reflrl.runlog import checkpoint_bytes, list_checkpoints, load_checkpoint
@@ -164,6 +164,8 @@ def build_components(cfg: C.Config, train_tasks: Sequence[Any], *, say: Callable
 
     if (model is None) != (tokenizer is None):
         raise C.ConfigError("Trainer: pass model and tokenizer together (or neither, to load model.name)")
+    if critic is None and uses_endpoint(cfg):  # its endpoint is checked now, before the policy loads
+        critic = build_critic(cfg)
     if model is None:
         model, tok, precision, load_s = load_policy(cfg, say)
     else:

@@ -68,7 +68,7 @@ class EpisodeSettings:
     mark_unrepaired: bool = True
     reveal: str = "query"
     critic_base_url: str | None = None
-    critic_model: str = "default"
+    critic_model: str | None = None  # null: the one model the endpoint serves
     critic_timeout_s: float = 60.0
     max_steps: int | None = None
     max_turns: int | None = None
