@@ -127,11 +127,19 @@ class LeanDecoder:
             raise ValueError("LeanDecoder: q/k/v projections with and without bias in one model")
         self.weights = [self.fused.get(li, layer) for li, layer in enumerate(self.layers)]
 
-    def step(self, tok: torch.Tensor, pos: torch.Tensor, col: int, mask: torch.Tensor, cache: Any) -> torch.Tensor:
+    def step(self, tok: torch.Tensor, pos: torch.Tensor, col: int | torch.Tensor, mask: torch.Tensor,
+             cache: Any) -> torch.Tensor:
         """One token per row: ``tok`` [B] ids at positions ``pos`` [B], written to cache column ``col``;
         ``mask`` [B, col + 1] bool (True = attend; the new column included). Returns the final normed
-        hidden state [B, hidden] (what ``decoder(...).last_hidden_state[:, -1]`` returns)."""
+        hidden state [B, hidden] (what ``decoder(...).last_hidden_state[:, -1]`` returns).
+
+        ``col`` may also be a [B] long tensor, one column per row (rows of different lengths, each
+        left-aligned in its buffer row, as :mod:`.continuous` keeps them); attention then reads the
+        first ``mask.shape[1]`` columns, and the mask hides what each row must not see."""
         b = tok.shape[0]
+        per_row = isinstance(col, torch.Tensor)
+        width = mask.shape[-1] if per_row else col + 1
+        rows = torch.arange(b, device=tok.device) if per_row else None
         h = self.embed(tok)  # [B, H]
         emb_dtype = h.dtype
         cos, sin = self.rotary(h[:, None], pos[:, None])  # [B, 1, D] in emb dtype (as transformers)
@@ -157,9 +165,13 @@ class LeanDecoder:
                 qk = qkv[:, : nh + nkv]
             qk = _rotate(qk, c, s)  # q and k heads rotated together
             lay = cache.layers[li]
-            lay.kbuf[:, :, col] = qk[:, nh:, 0]
-            lay.vbuf[:, :, col] = qkv[:, nh + nkv:, 0]
-            keys, values = lay.kbuf[:, :, : col + 1], lay.vbuf[:, :, : col + 1]
+            if per_row:
+                lay.kbuf[rows, :, col] = qk[:, nh:, 0]
+                lay.vbuf[rows, :, col] = qkv[:, nh + nkv:, 0]
+            else:
+                lay.kbuf[:, :, col] = qk[:, nh:, 0]
+                lay.vbuf[:, :, col] = qkv[:, nh + nkv:, 0]
+            keys, values = lay.kbuf[:, :, :width], lay.vbuf[:, :, :width]
             o = F.scaled_dot_product_attention(qk[:, :nh].reshape(b, nkv, g, hd), keys, values, attn_mask=attn_mask,
                                                scale=self.scaling)  # [B, Hkv, G, D]
             h = h + F.linear(o.reshape(b, nh * hd), at.o_proj.weight, at.o_proj.bias)

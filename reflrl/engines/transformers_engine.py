@@ -38,9 +38,13 @@ def sample_next(
     top_p: float,
     generator: torch.Generator | None,
     consume: bool = False,
+    uniforms: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Draw one token per row: logits [B,V] float32 -> (tokens [B] long, logprobs [B] float32).
     ``consume``: ``logits`` may be overwritten (the engine passes a fresh tensor; saves two copies).
+    ``uniforms``: the draw's uniform numbers [B, 1] in [0, 1) (float32, on the CPU), one per row, instead of
+    drawing them from ``generator``: each row's token then depends only on its own logits and number
+    (:mod:`.continuous` gives each row its own seeded stream).
 
     temperature <= 0: argmax, log-prob at temperature 1. Otherwise sample from
     softmax(logits / T) restricted to the smallest top-p nucleus (Holtzman et al. 2020); the
@@ -68,7 +72,9 @@ def sample_next(
         probs = logp.masked_fill(drop, float("-inf")).softmax(dim=-1)
         cdf = probs.cumsum(dim=-1)
         # drawn on the CPU generator whatever the device: the same seed gives the same draws on CPU and GPU
-        u = torch.rand((probs.shape[0], 1), generator=generator, dtype=cdf.dtype).to(cdf.device) * cdf[:, -1:]
+        if uniforms is None:
+            uniforms = torch.rand((probs.shape[0], 1), generator=generator, dtype=cdf.dtype)
+        u = uniforms.to(device=cdf.device, dtype=cdf.dtype) * cdf[:, -1:]
         tok = torch.searchsorted(cdf, u, right=True).clamp_(max=probs.shape[-1] - 1)
         # a zero-probability token can't be drawn: step past exact ties at the boundary
         tok = torch.where(probs.gather(-1, tok) > 0, tok, (probs > 0).float().argmax(-1, keepdim=True))
@@ -84,7 +90,9 @@ def sample_next(
     cmass = mass.cumsum(-1)
     total = cmass[:, -1:]
     # drawn on the CPU generator whatever the device: the same seed gives the same draws on CPU and GPU
-    u = torch.rand((rows, 1), generator=generator, dtype=e.dtype).to(e.device) * total
+    if uniforms is None:
+        uniforms = torch.rand((rows, 1), generator=generator, dtype=e.dtype)
+    u = uniforms.to(device=e.device, dtype=e.dtype) * total
     blk = torch.searchsorted(cmass, u, right=True).clamp_(max=mass.shape[-1] - 1)  # [B, 1]
     r = torch.arange(rows, device=e.device)
     inside = blocks[r, blk[:, 0]]  # [B, SAMPLE_BLOCK]
@@ -110,10 +118,16 @@ class TransformersEngine:
             before skip the frozen bottom layers (the held-out evaluations of a run reuse it).
         lean: decode with :class:`reflrl.engines.lean_decode.LeanDecoder` where the model qualifies
             (Llama-family, no LoRA); False always runs the transformers forward (same outputs, slower).
+        continuous: serve ``generate`` and ``agenerate`` with continuous batching
+            (:class:`reflrl.engines.continuous.DecodePool`: a finished row is refilled at once, each row
+            samples from its own seeded stream) where the lean step runs; otherwise (and for other
+            models) ``generate`` decodes each call in fixed batches and ``agenerate`` runs it in a thread.
+        kv_budget_bytes: with ``continuous``, the pool's KV buffers hold at most this many bytes (requests
+            that do not fit wait for rows to finish); None = no limit beyond ``max_batch_size`` rows.
     """
 
     def __init__(self, model: nn.Module, tokenizer: Any, max_batch_size: int = 64, trunk_cache: Any = None,
-                 lean: bool = True):
+                 lean: bool = True, continuous: bool = False, kv_budget_bytes: int | None = None):
         self.model = model
         self.tokenizer = tokenizer
         # reflrl.engines.trunk_cache.TrunkCache: replay the frozen bottom layers of prompts seen before (evaluation)
@@ -123,6 +137,72 @@ class TransformersEngine:
         self.eos_id = tokenizer.eos_token_id
         self.last_stats = GenerateStats()
         self.lean = bool(lean)
+        self.continuous = bool(continuous)
+        self.kv_budget_bytes = kv_budget_bytes
+        self._pool: Any = None  # the shared DecodePool of agenerate (continuous), made on first use
+
+    def _pooled(self) -> bool:
+        """Whether continuous batching serves this engine's calls now (on, and the lean step runs)."""
+        return self.continuous and self._lean_decoder() is not None
+
+    def pool(self) -> Any:
+        """The :class:`reflrl.engines.continuous.DecodePool` that serves :meth:`agenerate` (shared by every
+        coroutine of the event loop); its ``stats`` count what it served."""
+        if self._pool is None:
+            from .continuous import DecodePool
+
+            self._pool = DecodePool(self, self.max_batch_size, self.kv_budget_bytes)
+        return self._pool
+
+    def _requests(self, prompts: list[list[int]], n: int, max_new_tokens: int | Sequence[int], temperature: float,
+                  top_p: float, stop_ids: list[int] | None, seed: int, stop_when: Callable[[str], bool] | None) -> list:
+        """The pool's requests of one call, validated as :meth:`generate` validates; prompt i samples from
+        seed ``derive_seed(seed, i)`` (row j of it from ``derive_seed(that, j)``)."""
+        from reflrl.envs.seeding import derive_seed
+
+        from .continuous import Request
+
+        caps = self._check(prompts, n, max_new_tokens, top_p)
+        stop = frozenset(([] if self.eos_id is None else [self.eos_id]) if stop_ids is None else stop_ids)
+        return [Request(list(p), n, caps[i], float(temperature), float(top_p), stop, derive_seed(int(seed), i),
+                        index=i, stop_when=stop_when) for i, p in enumerate(prompts)]
+
+    def _check(self, prompts: list[list[int]], n: int, max_new_tokens: int | Sequence[int], top_p: float) -> list[int]:
+        if n < 1:
+            raise ValueError(f"n={n}: must be >= 1")
+        caps = per_prompt_caps(max_new_tokens, len(prompts))
+        if not 0.0 < top_p <= 1.0:
+            raise ValueError(f"top_p={top_p}: must be in (0, 1]")
+        for i, p in enumerate(prompts):
+            if len(p) == 0:
+                raise ValueError(f"prompt {i} is empty")
+        return caps
+
+    async def agenerate(
+        self,
+        prompts: list[list[int]],
+        n: int = 1,
+        max_new_tokens: int | Sequence[int] = 256,
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+        stop_ids: list[int] | None = None,
+        seed: int = 0,
+        stop_when: Callable[[str], bool] | None = None,
+    ) -> list[Sample]:
+        """:meth:`generate` as an awaitable. With continuous batching the prompts join the engine's shared
+        decode loop (other coroutines' requests decode in the same steps, rows refill as they finish);
+        otherwise ``generate`` runs in a worker thread. Same samples as ``generate`` with the same arguments
+        (up to float rounding from the rows that share a step)."""
+        if not self._pooled():
+            import asyncio
+            import functools
+
+            call = functools.partial(self.generate, prompts, n, max_new_tokens, temperature, top_p, stop_ids, seed,
+                                     stop_when)
+            return await asyncio.get_running_loop().run_in_executor(None, call)
+        reqs = self._requests(prompts, n, max_new_tokens, temperature, top_p, stop_ids, seed, stop_when)
+        await self.pool().serve(reqs)
+        return [s for r in reqs for s in r.samples]
 
     def _lean_decoder(self) -> LeanDecoder | None:
         """The lean decode step for the model as it is now, or None (transformers forward)."""
@@ -162,15 +242,12 @@ class TransformersEngine:
     ) -> list[Sample]:
         """See :meth:`RolloutEngine.generate`. Prompts must be non-empty lists of token ids. A row
         leaves the decoding batch as soon as it samples a stop id, reaches its prompt's cap, or its
-        text satisfies ``stop_when``, so short answers cost no more than their tokens."""
-        if n < 1:
-            raise ValueError(f"n={n}: must be >= 1")
-        caps = per_prompt_caps(max_new_tokens, len(prompts))
-        if not 0.0 < top_p <= 1.0:
-            raise ValueError(f"top_p={top_p}: must be in (0, 1]")
-        for i, p in enumerate(prompts):
-            if len(p) == 0:
-                raise ValueError(f"prompt {i} is empty")
+        text satisfies ``stop_when``, so short answers cost no more than their tokens. With continuous
+        batching (``continuous``), the call's prompts are served by one :class:`DecodePool` of
+        ``max_batch_size`` rows whose finished rows are refilled from the prompts still waiting."""
+        caps = self._check(prompts, n, max_new_tokens, top_p)
+        if self._pooled():
+            return self._generate_pooled(prompts, n, caps, temperature, top_p, stop_ids, seed, stop_when)
         if stop_ids is None:
             stop_ids = [] if self.eos_id is None else [self.eos_id]
         t0 = time.perf_counter()
@@ -196,6 +273,18 @@ class TransformersEngine:
             self.model.train(was_training)
         self.last_stats.seconds = time.perf_counter() - t0
         return out
+
+    def _generate_pooled(self, prompts: list[list[int]], n: int, caps: list[int], temperature: float, top_p: float,
+                         stop_ids: list[int] | None, seed: int, stop_when: Callable[[str], bool] | None) -> list[Sample]:
+        from .continuous import DecodePool
+
+        t0 = time.perf_counter()
+        reqs = self._requests(prompts, n, caps, temperature, top_p, stop_ids, seed, stop_when)
+        pool = DecodePool(self, self.max_batch_size, self.kv_budget_bytes)
+        pool.run(reqs)
+        pool.stats.seconds = time.perf_counter() - t0
+        self.last_stats = pool.stats
+        return [s for r in reqs for s in r.samples]
 
     def _prefill(self, decoder: nn.Module, prompts: list[list[int]], width: int) -> tuple[torch.Tensor, Any]:
         """Prompt forward pass: (last hidden state [num, hidden], KV cache left-padded to ``width``).

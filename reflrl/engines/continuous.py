@@ -1,0 +1,402 @@
+"""Continuous batching for :class:`~reflrl.engines.transformers_engine.TransformersEngine`: one decode loop
+(:class:`DecodePool`) serves every generation request, and a row that finishes is refilled at once.
+
+On a small CPU a decode step costs about the same for 4 rows as for 16 (the weights are read once per
+step either way), so separate batches -- the rollouts, the turns after a fault, the reflection retries,
+the evaluation episodes -- each pay full steps for few rows, and a batch whose rows finish early keeps
+stepping for its longest one. The pool keeps one set of rows busy instead:
+
+* **Requests** (:class:`Request`): one prompt, ``n`` samples, a token cap, sampling settings, a seed. The
+  prompt is prefilled once (with the other prompts admitted at the same step, through the engine's prefill:
+  length chunks, the frozen trunk's cache) and its keys/values copied to each of its ``n`` rows.
+* **Rows** are left-aligned in per-layer KV buffers ``[slots, kv_heads, width, head_dim]``: a row's token
+  ``t`` sits in column ``t`` (its rotary position), and every row writes its own column each step
+  (:meth:`reflrl.engines.lean_decode.LeanDecoder.step` with a column per row). The attention mask of a
+  row covers exactly its own columns, so a row refilled into a slot that held a longer sequence never
+  sees what was left there.
+* **Refill**: after each step's sampling, finished rows leave and pending requests are prefilled into the
+  free slots before the next decode step; the rows of a request finish independently, the request is
+  answered when its last row finishes.
+* **KV budget** (``kv_budget_bytes``): the buffers hold at most that many bytes (slots x width x bytes per
+  token, width = the longest prompt + cap among the rows). A request that does not fit waits for rows to
+  finish; one that could not fit even alone is a ValueError naming it. Never an out-of-memory error from
+  the pool's own buffers.
+* **Seeds**: each row draws its sampling numbers from its own generator, seeded with
+  ``derive_seed(request seed, sample index)``, so its tokens depend on its seed and logits, not on which
+  other rows share the step or when it arrived (batch composition changes only float rounding).
+
+Callers use it through the engine: :meth:`TransformersEngine.generate` (one call's prompts in one pool,
+refilled as rows finish) and :meth:`TransformersEngine.agenerate` (awaitable, from asyncio code: every
+coroutine's requests join the engine's shared pool while it runs, e.g. rollout turns that become ready
+while others decode). The pool needs the lean decode step (:func:`reflrl.engines.lean_decode.supports`);
+other models take the engine's batch path.
+"""
+from __future__ import annotations
+
+import asyncio
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+import torch.nn.functional as F
+
+from reflrl.envs.seeding import derive_seed
+from reflrl.logprobs import head_of
+
+from .base import FinishReason, GenerateStats, PieceDecoder, Sample
+
+__all__ = ["DecodePool", "Request", "kv_bytes_per_token"]
+
+
+def kv_bytes_per_token(model: torch.nn.Module) -> int:
+    """Bytes of keys and values one token of one row takes in the KV cache (every layer, its own dtype)."""
+    cfg = model.config.get_text_config(decoder=True) if hasattr(model.config, "get_text_config") else model.config
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    total = 0
+    for layer in model.get_decoder().layers:
+        size = layer.self_attn.k_proj.weight.element_size()
+        total += 2 * cfg.num_key_value_heads * head_dim * size
+    return total
+
+
+@dataclass
+class Request:
+    """One prompt's ``n`` samples. ``index``: the prompt's index in its caller's list (``Sample.prompt_index``);
+    ``seed``: row j samples from ``torch.Generator().manual_seed(derive_seed(seed, j))``."""
+
+    prompt: list[int]
+    n: int
+    cap: int
+    temperature: float
+    top_p: float
+    stop: frozenset[int]
+    seed: int
+    index: int = 0
+    stop_when: Callable[[str], bool] | None = None
+    samples: list[Sample | None] = field(default_factory=list)
+    left: int = 0                                   # rows not finished yet
+    future: Any = None                              # asyncio future (agenerate)
+    # prefilled state while rows of the request still wait for a slot: (keys, values per layer, hidden)
+    state: Any = None
+    placed: int = 0                                 # rows already in a slot
+
+    def __post_init__(self) -> None:
+        self.samples = [None] * self.n
+        self.left = self.n
+
+
+class _Row:
+    __slots__ = ("req", "j", "gen", "toks", "lps", "text", "length", "tok")
+
+    def __init__(self, req: Request, j: int):
+        self.req, self.j = req, j
+        self.gen = torch.Generator().manual_seed(derive_seed(req.seed, j))
+        self.toks: list[int] = []
+        self.lps: list[float] = []
+        self.text = ""
+        self.length = len(req.prompt)  # tokens in the cache
+        self.tok = 0                    # last sampled token (fed at the next decode step)
+
+
+class _Layer:
+    __slots__ = ("kbuf", "vbuf")
+
+    def __init__(self, kbuf: torch.Tensor, vbuf: torch.Tensor):
+        self.kbuf, self.vbuf = kbuf, vbuf
+
+
+class _Cache:
+    """What :meth:`LeanDecoder.step` reads: ``layers[i].kbuf / .vbuf``."""
+
+    def __init__(self, layers: list[_Layer]):
+        self.layers = layers
+
+
+class DecodePool:
+    """The continuous-batching decode loop over ``engine``'s model (module doc).
+
+    max_rows: rows decoding together at most; kv_budget_bytes: the KV buffers' size at most (None: no
+    limit). ``stats``: a :class:`GenerateStats` of everything served (``decode_rows``: active rows per
+    decode step; ``extra["slots"]``: buffer rows per decode step)."""
+
+    def __init__(self, engine: Any, max_rows: int = 64, kv_budget_bytes: int | None = None):
+        self.engine = engine
+        self.max_rows = max(1, int(max_rows))
+        self.kv_budget_bytes = None if kv_budget_bytes is None else int(kv_budget_bytes)
+        self.stats = GenerateStats()
+        self.stats.extra["slots"] = []
+        self.pending: deque[Request] = deque()
+        self._inbox: list[Request] = []
+        self._driver: asyncio.Task | None = None
+        self._reset()
+
+    # ----------------------------------------------------------------------------------- state
+    def _reset(self) -> None:
+        self.slots: list[_Row | None] = []
+        self.cache: _Cache | None = None
+        self.width = 0
+        self.h: torch.Tensor | None = None
+        self._lean = None
+
+    def _setup(self) -> None:
+        """Per burst of work: the decode step and head weights as the model is now."""
+        eng = self.engine
+        self._lean = eng._lean_decoder()
+        if self._lean is None:
+            raise ValueError("DecodePool needs the lean decode step (a Llama-family model without LoRA)")
+        _, weight, bias = head_of(eng.model)
+        self._w32, self._b32 = weight.float(), None if bias is None else bias.float()
+        self._bpt = kv_bytes_per_token(eng.model)
+        self._piece = PieceDecoder(eng.tokenizer)
+
+    @property
+    def busy(self) -> bool:
+        return bool(self.pending or self._inbox or any(s is not None for s in self.slots))
+
+    def _fits(self, rows: int, width: int) -> bool:
+        return self.kv_budget_bytes is None or rows * width * self._bpt <= self.kv_budget_bytes
+
+    # ----------------------------------------------------------------------------------- admission
+    def _admit(self) -> None:
+        """Fill free slots from the pending requests (FIFO), prefilling the prompts not yet prefilled;
+        reallocate the buffers when the rows need more slots or columns, or when half the slots are idle."""
+        live = [s for s in self.slots if s is not None]
+        free = len(self.slots) - len(live)
+        take: list[tuple[Request, int]] = []
+        need_w = max((len(r.req.prompt) + r.req.cap for r in live), default=0)
+        queue = [(req, j) for req in self.pending for j in range(req.placed, req.n)]
+        for req, j in queue:
+            w = max(need_w, len(req.prompt) + req.cap)
+            rows = len(live) + len(take) + 1
+            if rows > self.max_rows:
+                break
+            in_place = len(take) < free and w <= self.width
+            if not in_place and not self._fits(rows, w):
+                if not live and not take:
+                    raise ValueError(f"a request of {len(req.prompt)} prompt tokens + {req.cap} new tokens needs "
+                                     f"{w * self._bpt} bytes of KV cache, over the pool's budget of "
+                                     f"{self.kv_budget_bytes} bytes")
+                break
+            take.append((req, j))
+            need_w = w
+        if not take:
+            if live and 2 * len(live) <= len(self.slots) and len(self.slots) > 1 and not self.pending:
+                self._layout(live, need_w)  # compact: half the slots idle and nothing to refill them with
+            return
+        fresh = []
+        for req, _j in take:
+            if req.state is None and req not in fresh:
+                fresh.append(req)
+        if fresh:
+            self._prefill(fresh)
+        if len(take) > free or need_w > self.width:
+            self._layout(live, need_w, extra=len(take))
+        free_idx = [i for i, s in enumerate(self.slots) if s is None]
+        for (req, j), i in zip(take, free_idx):
+            keys, values, h = req.state
+            row = _Row(req, j)
+            p = len(req.prompt)
+            for li, lay in enumerate(self.cache.layers):
+                lay.kbuf[i, :, :p] = keys[li]
+                lay.vbuf[i, :, :p] = values[li]
+            self.h[i] = h.to(self.h.dtype)
+            self.slots[i] = row
+            req.placed += 1
+            if req.placed == req.n:
+                req.state = None
+                self.pending.remove(req)
+        self.stats.samples += len(take)
+
+    def _prefill(self, reqs: list[Request]) -> None:
+        eng = self.engine
+        prompts = [r.prompt for r in reqs]
+        width = max(len(p) for p in prompts)
+        h, cache = eng._prefill(eng.model.get_decoder(), prompts, width)
+        for i, r in enumerate(reqs):
+            p = len(r.prompt)
+            keys = [lay.keys[i, :, width - p: width].clone() for lay in cache.layers]
+            values = [lay.values[i, :, width - p: width].clone() for lay in cache.layers]
+            r.state = (keys, values, h[i].clone())
+        self.stats.prompts += len(reqs)
+        self.stats.prompt_tokens += sum(len(p) for p in prompts)
+        self.stats.forward_calls += 1
+
+    def _layout(self, live: list[_Row], width: int, extra: int = 0) -> None:
+        """New buffers of ``len(live) + extra`` slots x ``width`` columns holding the live rows (first)."""
+        old = [i for i, s in enumerate(self.slots) if s is not None]
+        rows = len(live) + extra
+        model = self.engine.model
+        cfg = model.config.get_text_config(decoder=True) if hasattr(model.config, "get_text_config") else model.config
+        hkv = cfg.num_key_value_heads
+        hd = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        dev = self.engine.device
+        idx = torch.tensor(old, dtype=torch.long, device=dev)
+        layers = []
+        for li, layer in enumerate(model.get_decoder().layers):
+            dt = layer.self_attn.k_proj.weight.dtype
+            kb = torch.zeros((rows, hkv, width, hd), dtype=dt, device=dev)
+            vb = torch.zeros_like(kb)
+            if old:
+                w = min(width, self.width)
+                kb[: len(old), :, :w] = self.cache.layers[li].kbuf[idx, :, :w]
+                vb[: len(old), :, :w] = self.cache.layers[li].vbuf[idx, :, :w]
+            layers.append(_Layer(kb, vb))
+        hidden = model.config.get_text_config(decoder=True).hidden_size if hasattr(
+            model.config, "get_text_config") else model.config.hidden_size
+        h = torch.zeros((rows, hidden), dtype=self.h.dtype if self.h is not None else self._h_dtype(), device=dev)
+        if old:
+            h[: len(old)] = self.h[idx]
+        self.cache, self.width, self.h = _Cache(layers), width, h
+        self.slots = [self.slots[i] for i in old] + [None] * extra
+
+    def _h_dtype(self) -> torch.dtype:
+        return self.engine.model.get_decoder().norm.weight.dtype
+
+    # ----------------------------------------------------------------------------------- one step
+    def iterate(self) -> list[Request]:
+        """Admit pending requests, sample one token for every live row, retire finished rows, run one
+        decode step for the rest. Returns the requests answered at this step (``req.samples`` complete)."""
+        self._admit()
+        active = [i for i, s in enumerate(self.slots) if s is not None]
+        if not active:
+            return []
+        logits = F.linear(self.h[torch.tensor(active, device=self.h.device)].float(), self._w32, self._b32)
+        rows = [self.slots[i] for i in active]
+        tok = torch.empty(len(active), dtype=torch.long)
+        lp = torch.empty(len(active), dtype=torch.float32)
+        from .transformers_engine import sample_next
+
+        groups: dict[tuple[float, float], list[int]] = {}
+        for a, r in enumerate(rows):
+            groups.setdefault((r.req.temperature, r.req.top_p), []).append(a)
+        for (temp, top_p), members in groups.items():
+            sel = torch.tensor(members, device=logits.device)
+            part = logits if len(members) == len(rows) else logits[sel]
+            u = None if temp <= 0 else torch.cat([torch.rand((1, 1), generator=rows[a].gen) for a in members])
+            t, l = sample_next(part, temp, top_p, None, consume=True, uniforms=u)
+            tok[torch.tensor(members)] = t.cpu()
+            lp[torch.tensor(members)] = l.float().cpu()
+        done: list[Request] = []
+        going: list[int] = []
+        for i, r, t, l in zip(active, rows, tok.tolist(), lp.tolist()):
+            r.toks.append(t)
+            r.lps.append(l)
+            finish: FinishReason | None = None
+            if t in r.req.stop:
+                finish = "stop"
+            elif r.req.stop_when is not None:
+                r.text += self._piece(t)
+                if r.req.stop_when(r.text):
+                    finish = "stop"
+            if finish is None and len(r.toks) >= r.req.cap:
+                finish = "length"
+            if finish is None:
+                r.tok = t
+                going.append(i)
+                continue
+            self.slots[i] = None
+            req = r.req
+            req.samples[r.j] = Sample(req.index, list(req.prompt), r.toks, r.lps, finish)
+            self.stats.new_tokens += len(r.toks)
+            req.left -= 1
+            if req.left == 0:
+                done.append(req)
+        if going:
+            self._decode(going)
+        return done
+
+    def _decode(self, going: list[int]) -> None:
+        dev = self.h.device
+        n = len(self.slots)
+        tok = [0] * n
+        pos = [0] * n
+        for i in going:
+            r = self.slots[i]
+            tok[i], pos[i] = r.tok, r.length
+        pos_t = torch.tensor(pos, dtype=torch.long, device=dev)
+        width = max(pos) + 1
+        mask = torch.arange(width, device=dev)[None, :] <= pos_t[:, None]
+        self.h = self._lean.step(torch.tensor(tok, dtype=torch.long, device=dev), pos_t, pos_t, mask, self.cache)
+        for i in going:
+            self.slots[i].length += 1
+        self.stats.forward_calls += 1
+        self.stats.decode_rows.append(len(going))
+        self.stats.extra["slots"].append(n)
+
+    # ----------------------------------------------------------------------------------- serving
+    def _context(self):
+        """inference mode and eval mode around pool work (restored after)."""
+        import contextlib
+
+        model = self.engine.model
+
+        @contextlib.contextmanager
+        def ctx():
+            was = model.training
+            model.eval()
+            try:
+                with torch.inference_mode():
+                    yield
+            finally:
+                model.train(was)
+
+        return ctx()
+
+    def run(self, requests: list[Request]) -> None:
+        """Serve ``requests`` to the end in this thread (``req.samples`` filled)."""
+        if self.busy:
+            raise RuntimeError("DecodePool.run: the pool is already serving requests")
+        self.pending.extend(requests)
+        try:
+            with self._context():
+                self._setup()
+                while self.pending or any(s is not None for s in self.slots):
+                    self.iterate()
+        finally:
+            self.pending.clear()
+            self._reset()
+
+    async def serve(self, requests: list[Request]) -> None:
+        """Serve ``requests`` in the shared loop of this pool (started if idle); returns when all are answered.
+        Decode steps run in a worker thread, one at a time; requests submitted by other coroutines while
+        it runs join at the next step."""
+        loop = asyncio.get_running_loop()
+        for r in requests:
+            r.future = loop.create_future()
+        self._inbox.extend(requests)
+        if self._driver is None or self._driver.done():
+            self._driver = loop.create_task(self._drive())
+        await asyncio.gather(*(r.future for r in requests))
+
+    async def _drive(self) -> None:
+        loop = asyncio.get_running_loop()
+        failed: BaseException | None = None
+        try:
+            await loop.run_in_executor(None, self._setup)
+            while True:
+                if self._inbox:
+                    self.pending.extend(self._inbox)
+                    self._inbox.clear()
+                if not self.pending and not any(s is not None for s in self.slots):
+                    break
+                done = await loop.run_in_executor(None, self._step_in_context)
+                for req in done:
+                    if not req.future.done():
+                        req.future.set_result(None)
+        except BaseException as e:  # noqa: BLE001 - delivered to every waiting request
+            failed = e
+        finally:
+            waiting = list(self.pending) + list(self._inbox) + [s.req for s in self.slots if s is not None]
+            self.pending.clear()
+            self._inbox.clear()
+            self._reset()
+            for req in waiting:
+                if req.future is not None and not req.future.done():
+                    req.future.set_exception(failed or RuntimeError("decode pool stopped"))
+        if failed is not None and not isinstance(failed, Exception):
+            raise failed
+
+    def _step_in_context(self) -> list[Request]:
+        with self._context():
+            return self.iterate()

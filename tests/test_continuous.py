@@ -1,0 +1,144 @@
+"""Tests of reflrl.engines.continuous: the continuous-batching decode loop (refill, KV budget, per-row seeds)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+
+from reflrl.engines.continuous import kv_bytes_per_token
+from reflrl.engines.transformers_engine import TransformersEngine
+from reflrl.logprobs import sequence_logprobs
+from reflrl.models import load_model
+
+from doubles import right_padded
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return load_model("tiny-random", dtype="float32", seed=0)
+
+
+@pytest.fixture(scope="module")
+def prompts(tiny):
+    _, tok = tiny
+    return [tok.encode("hello there"), tok.encode("a much longer prompt with more tokens in it, ok"),
+            tok.encode("x"), tok.encode("another prompt of middling length")]
+
+
+def pooled(tiny, **kw):
+    return TransformersEngine(*tiny, continuous=True, **kw)
+
+
+def close(a, b, atol=1e-5):
+    return torch.allclose(torch.tensor(a), torch.tensor(b), atol=atol)
+
+
+@pytest.mark.parametrize("temperature,top_p", [(1.0, 1.0), (0.7, 1.0), (1.0, 0.9)])
+def test_pooled_logprobs_match_the_trainers_recomputation(tiny, prompts, temperature, top_p):
+    """Rows refilled into freed slots (3 rows for 8 samples) sample log-probs the trainer recomputes."""
+    model, _ = tiny
+    eng = pooled(tiny, max_batch_size=3)
+    out = eng.generate(prompts, n=2, max_new_tokens=[4, 9, 6, 7], temperature=temperature, top_p=top_p, seed=2)
+    assert [s.prompt_index for s in out] == [0, 0, 1, 1, 2, 2, 3, 3]
+    assert max(eng.last_stats.extra["slots"]) <= 3
+    ids, am, rm = right_padded(out)
+    with torch.no_grad():
+        lp = sequence_logprobs(model, ids, am, rm, temperature=temperature)
+    for i, s in enumerate(out):
+        p = len(s.prompt_ids)
+        assert s.prompt_ids == prompts[s.prompt_index]
+        assert torch.allclose(lp[i, p: p + len(s.token_ids)], torch.tensor(s.logprobs), atol=1e-4)
+
+
+def test_pooled_greedy_equals_the_batch_path(tiny, prompts):
+    caps = [5, 9, 7, 3]
+    old = TransformersEngine(*tiny).generate(prompts, n=2, max_new_tokens=caps, temperature=0.0)
+    new = pooled(tiny, max_batch_size=3).generate(prompts, n=2, max_new_tokens=caps, temperature=0.0)
+    assert [s.token_ids for s in old] == [s.token_ids for s in new]
+    assert [s.finish_reason for s in old] == [s.finish_reason for s in new]
+    assert all(close(a.logprobs, b.logprobs) for a, b in zip(old, new))
+
+
+def test_a_refilled_row_never_sees_the_slots_earlier_sequence(tiny, prompts):
+    """Two slots: the long prompt finishes after 3 tokens, the short prompt 'x' takes its slot, over columns
+    the long sequence wrote; it must decode exactly as it does alone."""
+    long_p, short_p = prompts[1] * 3, prompts[2]
+    alone = pooled(tiny).generate([short_p], max_new_tokens=8, temperature=0.0)[0]
+    eng = pooled(tiny, max_batch_size=2)
+    out = eng.generate([long_p, prompts[0], short_p], max_new_tokens=[3, 14, 8], temperature=0.0)
+    # 'x' was refilled in place (two slots while it decoded: no new buffers, no compaction)
+    assert eng.last_stats.extra["slots"][:10] == [2] * 10
+    assert out[2].token_ids == alone.token_ids and len(alone.token_ids) == 8
+    assert close(out[2].logprobs, alone.logprobs)
+
+
+def test_kv_budget_serves_in_waves_with_the_same_results(tiny, prompts):
+    model, _ = tiny
+    kw = dict(n=2, max_new_tokens=6, temperature=1.0, seed=4)
+    free = pooled(tiny).generate(prompts, **kw)
+    widest = max(len(p) for p in prompts) + 6
+    budget = 2 * widest * kv_bytes_per_token(model)  # two rows of the widest request at most
+    eng = pooled(tiny, kv_budget_bytes=budget)
+    tight = eng.generate(prompts, **kw)
+    assert max(eng.last_stats.extra["slots"]) <= 2 < len(tight)
+    assert [s.token_ids for s in free] == [s.token_ids for s in tight]
+    assert all(close(a.logprobs, b.logprobs) for a, b in zip(free, tight))
+    with pytest.raises(ValueError, match="over the pool's budget"):
+        pooled(tiny, kv_budget_bytes=widest * kv_bytes_per_token(model) - 1).generate(prompts, **kw)
+
+
+def test_samples_depend_on_the_seed_not_on_arrival_or_the_other_rows(tiny, prompts):
+    eng = pooled(tiny, max_batch_size=4)
+    kw = dict(n=2, max_new_tokens=8, temperature=1.0)
+
+    async def together(order):
+        outs = await asyncio.gather(*(eng.agenerate([prompts[i]], seed=10 + i, **kw) for i in order))
+        return {i: o for i, o in zip(order, outs)}
+
+    alone = {i: eng.generate([prompts[i]], seed=10 + i, **kw) for i in range(len(prompts))}
+    forward = asyncio.run(together([0, 1, 2, 3]))
+    backward = asyncio.run(together([3, 2, 1, 0]))
+    for i in range(len(prompts)):
+        for run in (forward, backward):
+            assert [s.token_ids for s in run[i]] == [s.token_ids for s in alone[i]]
+            assert all(close(a.logprobs, b.logprobs) for a, b in zip(run[i], alone[i]))
+    assert alone[0][0].token_ids != alone[0][1].token_ids  # the n rows of a prompt draw different streams
+    other = eng.generate([prompts[0]], seed=99, **kw)
+    assert [s.token_ids for s in other] != [s.token_ids for s in alone[0]]
+
+
+def test_requests_that_arrive_while_the_pool_decodes_join_its_steps(tiny, prompts):
+    eng = pooled(tiny, max_batch_size=8)
+
+    async def later():
+        await asyncio.sleep(0)
+        await asyncio.sleep(0)
+        return await eng.agenerate([prompts[1]], n=2, max_new_tokens=10, temperature=1.0, seed=1)
+
+    async def main():
+        return await asyncio.gather(eng.agenerate([prompts[0]], n=2, max_new_tokens=10, temperature=1.0, seed=0),
+                                    later())
+
+    a, b = asyncio.run(main())
+    rows = eng.pool().stats.decode_rows
+    assert max(rows) == 4  # the later request decoded beside the first
+    assert len(rows) < 2 * 9  # fewer steps than serving the two requests one after the other
+    assert not eng.pool().busy
+
+
+def test_pool_restores_train_mode_and_falls_back_without_the_lean_step(tiny, prompts):
+    model, tok = tiny
+    model.train()
+    eng = pooled(tiny)
+    asyncio.run(eng.agenerate(prompts, max_new_tokens=3))
+    eng.generate(prompts, max_new_tokens=3)
+    assert model.training
+    model.eval()
+    plain = TransformersEngine(model, tok, continuous=True, lean=False)  # no lean step: the batch path
+    out = plain.generate(prompts, max_new_tokens=4, temperature=0.0)
+    ref = TransformersEngine(model, tok).generate(prompts, max_new_tokens=4, temperature=0.0)
+    assert [s.token_ids for s in out] == [s.token_ids for s in ref]
+    assert [s.token_ids for s in asyncio.run(plain.agenerate(prompts, max_new_tokens=4, temperature=0.0))] == \
+        [s.token_ids for s in ref]
