@@ -176,8 +176,11 @@ async def aevaluate_episodes(engine: Any, tokenizer: Any, envs: Sequence[Any], t
     a token cap), ``seconds``; ``clean_accuracy`` and ``n_clean`` (episodes that met no fault: no attempt
     of theirs failed with an env fault), ``recovery_under_faults`` and ``n_faulted`` (of the episodes that
     met at least one fault, the share that still ended right), ``recovered_by_policy`` (episodes the
-    policy itself ended right after a fault it was shown), ``masked`` (a fault no action could handle),
-    ``eval_fault_seed``; with ``recover`` (an async ``trajectories -> RecoveryResult``, e.g.
+    policy itself ended right after a fault it was shown), ``recoverable_under_faults``, the API-change
+    numbers (``adaptation``, ``adaptation_<kind>``, ``n_changed``, ``n_change_recoverable``,
+    ``n_change_recoverable_<kind>``: of the episodes whose call at the change was right apart from it, the
+    share that ended right; :func:`reflrl.rollout.fault_outcomes`), ``masked`` (a fault no action could
+    handle), ``eval_fault_seed``; with ``recover`` (an async ``trajectories -> RecoveryResult``, e.g.
     :func:`reflrl.recovery.arecover` with a greedy spec) also reflection's repair rate on the failed
     episodes by cause: ``reflected_env_fault`` / ``recovered_env_fault`` / ``reflection_ratio_env_fault``
     (failures caused by a fault) and the same for ``policy_error``. Ratios are None where there is

@@ -547,7 +547,14 @@ def fault_outcomes(trajs: Sequence[Trajectory]) -> dict[str, Any]:
     policy itself ended right after a fault it was shown; ``recoverable_under_faults``: of the episodes that
     met a fault, the share that ended right or failed only by not calling its faulted calls again (the
     answer given at the fault was right: ``fault_caused``), the most recovery under faults can reach
-    without better first answers."""
+    without better first answers.
+
+    API changes (the sticky ``param_renamed`` / ``tool_moved`` faults; the env's ``api_changes`` and
+    ``change_recoverable`` info at the episode's end): ``n_changed``, the episodes that met at least one
+    change; ``adaptation`` / ``n_change_recoverable``: of the episodes whose call at the change was right
+    apart from it (``change_recoverable``), the share that ended right; ``adaptation_<kind>`` /
+    ``n_change_recoverable_<kind>`` the same for the episodes that met a change of that kind
+    (:data:`API_CHANGE_KINDS`). None where there is no episode to divide by."""
     clean = [bool(t.correct) and not t.masked for t in trajs if not t.met_fault]
     hit = [bool(t.correct) and not t.masked for t in trajs if t.met_fault]
     caused = sum(1 for t in trajs if t.met_fault and not t.masked and not t.correct
@@ -555,7 +562,38 @@ def fault_outcomes(trajs: Sequence[Trajectory]) -> dict[str, Any]:
     return {"clean_accuracy": (sum(clean) / len(clean)) if clean else None, "n_clean": len(clean),
             "recovery_under_faults": (sum(hit) / len(hit)) if hit else None, "n_faulted": len(hit),
             "recovered_by_policy": sum(t.recovered_by_policy for t in trajs),
-            "recoverable_under_faults": ((sum(hit) + caused) / len(hit)) if hit else None}
+            "recoverable_under_faults": ((sum(hit) + caused) / len(hit)) if hit else None,
+            **adaptation_outcomes(trajs)}
+
+
+# the fault kinds of API evolution: a parameter renamed, a tool moved to a successor (sticky per episode and tool)
+API_CHANGE_KINDS = ("param_renamed", "tool_moved")
+
+
+def api_changes(t: Trajectory) -> list[dict[str, Any]]:
+    """The API changes the episode met (the env's ``api_changes`` at its last step: every change met so
+    far, in the order met); empty when it met none or the env does not report them."""
+    return list((t.last.info.get("api_changes") if t.last is not None else None) or [])
+
+
+def adaptation_outcomes(trajs: Sequence[Trajectory]) -> dict[str, Any]:
+    """The API-change part of :func:`fault_outcomes`: ``n_changed``, ``adaptation`` and
+    ``n_change_recoverable``, and per kind of :data:`API_CHANGE_KINDS` ``adaptation_<kind>`` and
+    ``n_change_recoverable_<kind>``. An episode is right when it is correct and not masked."""
+    changed = [(t, {c.get("kind") for c in api_changes(t)}) for t in trajs]
+    changed = [(t, kinds) for t, kinds in changed if kinds]
+    rec = [(t, kinds) for t, kinds in changed if t.last.info.get("change_recoverable")]
+
+    def share(ts: list[Trajectory]) -> float | None:
+        return (sum(bool(t.correct) and not t.masked for t in ts) / len(ts)) if ts else None
+
+    out: dict[str, Any] = {"adaptation": share([t for t, _ in rec]), "n_changed": len(changed),
+                           "n_change_recoverable": len(rec)}
+    for kind in API_CHANGE_KINDS:
+        ts = [t for t, kinds in rec if kind in kinds]
+        out[f"adaptation_{kind}"] = share(ts)
+        out[f"n_change_recoverable_{kind}"] = len(ts)
+    return out
 
 
 def rollout_stats(trajs: Sequence[Trajectory]) -> dict[str, Any]:

@@ -1,8 +1,9 @@
 """The default recipe over several seeds: held-out accuracy of the base model, after the warm-up and after
 RL, the paired RL gain (after RL - after warm-up, same run) and wall time, mean ± std; under faults also
-accuracy on the episodes that met no fault, recovery under faults and reflection's repair rates, with the
-paired RL gains, and an equal-time control: the RL phase's minutes spent on more supervised steps on the
-clean demonstrations instead, from the same warm-up checkpoint.
+accuracy on the episodes that met no fault, recovery under faults, adaptation to API changes (runs with
+param_renamed / tool_moved faults) and reflection's repair rates, with the paired RL gains, and an
+equal-time control: the RL phase's minutes spent on more supervised steps on the clean demonstrations
+instead, from the same warm-up checkpoint.
 
     .venv/bin/python scripts/bench_recipe.py --seeds 0,1,2 [--faults rate_limit=0.1] [--test-size 240]
                                              [--no-control] [--config FILE] [--set key=value ...]
@@ -33,13 +34,15 @@ from reflrl.experiment.runner import fmt_mean_std as mean_std, run_train, train_
 
 
 FAULT_KEYS = ("accuracy", "clean_accuracy", "recovery_under_faults", "recoverable_under_faults",
+              "adaptation", "adaptation_param_renamed", "adaptation_tool_moved",
               "reflection_ratio_env_fault", "reflection_ratio_policy_error")
+COUNT_KEYS = ("n_faulted", "n_clean", "n_changed", "n_change_recoverable")
 
 
 def heldout_row(s: dict) -> dict:
     """A run summary's held-out numbers after the warm-up and after RL (fault runs: ``summary['heldout']``)."""
     h = s.get("heldout") or {}
-    return {stage: {k: (h.get(stage) or {}).get(k) for k in FAULT_KEYS + ("n_faulted", "n_clean")}
+    return {stage: {k: (h.get(stage) or {}).get(k) for k in FAULT_KEYS + COUNT_KEYS}
             for stage in ("after_warmup", "after")}
 
 

@@ -10,7 +10,8 @@ what a user runs: model loading, warm-up and both evaluations included), one aft
 run's summary.json is read back. Printed per variant: held-out accuracy after training (mean ± std over
 seeds) and its gain over the start; under faults, the accuracy on the held-out episodes that met no fault
 and the recovery under faults (of the episodes that met one, the share that still ended right), each
-with its gain; the recovered-trajectory ratio (failed rollouts recovered by
+with its gain (with API-change faults also adaptation, overall and per kind: of the episodes whose call
+at the change was right apart from it, the share that ended right); the recovered-trajectory ratio (failed rollouts recovered by
 reflection / failed rollouts, over all seeds), tool calls per trajectory with a learning signal, RL
 steps and wall time; then whether the paper's ordering holds (tool_rerl > cot_is > grpo, on accuracy and
 on recovery under faults; ref not better than cot when both ran).
@@ -105,6 +106,12 @@ def warmup_evaluation(run_dir: str | Path, after: dict | None) -> tuple[float | 
     return h.get("accuracy"), h
 
 
+# adaptation to API changes (summary heldout): overall and per kind, columns only when some run met a change
+ADAPTATION_KEYS = ("adaptation", "adaptation_param_renamed", "adaptation_tool_moved")
+ADAPTATION_LABELS = {"adaptation": "adaptation", "adaptation_param_renamed": "adaptation, param renamed",
+                     "adaptation_tool_moved": "adaptation, tool moved"}
+
+
 def _held(r: dict, stage: str, key: str) -> float | None:
     return (r.get(f"heldout_{stage}") or {}).get(key)
 
@@ -119,10 +126,14 @@ def _gains(rs: list[dict], key: str | None = None) -> list[float]:
 def table(rows: list[dict], variants: list[str]) -> tuple[str, dict[str, float], dict[str, float]]:
     """The markdown table, each variant's mean accuracy after training and its mean recovery under
     faults after training (runs with faults only: of the held-out episodes that met a fault, the share
-    that still ended right)."""
+    that still ended right). When some run's held-out episodes met API changes (param_renamed,
+    tool_moved), a column per kind of adaptation after training (gain): of the episodes whose call at the
+    change was right apart from it, the share that ended right."""
+    adapt = [k for k in ADAPTATION_KEYS if any(_held(r, st, k) is not None for r in rows for st in ("before", "after"))]
     out = ["| variant | seeds | held-out acc. after | gain | no fault met, after (gain) | recovery under faults, "
-           "after (gain) | recovered ratio | tool calls / signal | RL steps | RL min | wall min |",
-           "|---|---|---|---|---|---|---|---|---|---|---|"]
+           "after (gain) | " + "".join(f"{ADAPTATION_LABELS[k]}, after (gain) | " for k in adapt)
+           + "recovered ratio | tool calls / signal | RL steps | RL min | wall min |",
+           "|---|---|---|---|---|---|" + "---|" * len(adapt) + "---|---|---|---|---|"]
     means: dict[str, float] = {}
     recovery: dict[str, float] = {}
     for v in variants:
@@ -135,14 +146,15 @@ def table(rows: list[dict], variants: list[str]) -> tuple[str, dict[str, float],
         if rec:
             recovery[v] = statistics.mean(rec)
         held = {k: (f"{mean_std([_held(r, 'after', k) for r in rs])} ({mean_std(_gains(rs, k))})")
-                for k in ("clean_accuracy", "recovery_under_faults")}
+                for k in ("clean_accuracy", "recovery_under_faults", *adapt)}
         failed = sum(r["failed"] for r in rs)
         ratio = f"{sum(r['recovered'] for r in rs) / failed:.1%}" if failed else "n/a"
         sig = sum(r["signal_trajectories"] or 0 for r in rs)
         calls = sum(r["tool_calls"] or 0 for r in rs)
         tps = f"{calls / sig:.2f}" if sig else "n/a"
         out.append(f"| {v} | {len(rs)} | {mean_std(after)} | {mean_std(_gains(rs))} | {held['clean_accuracy']} | "
-                   f"{held['recovery_under_faults']} | {ratio} | {tps} | {mean_std([float(r['steps']) for r in rs], '.1f')} | "
+                   f"{held['recovery_under_faults']} | " + "".join(f"{held[k]} | " for k in adapt)
+                   + f"{ratio} | {tps} | {mean_std([float(r['steps']) for r in rs], '.1f')} | "
                    f"{mean_std([(r.get('rl_s') or 0.0) / 60 for r in rs], '.1f')} | "
                    f"{mean_std([r['wall_s'] / 60 for r in rs], '.1f')} |")
     return "\n".join(out), means, recovery

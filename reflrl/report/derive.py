@@ -311,12 +311,16 @@ def mean_std(xs: Sequence[float]) -> tuple[float, float, int]:
 # (key, label): the held-out numbers a run reports at base / after the warm-up / after RL (summary ``heldout``)
 HELDOUT_METRICS = (("accuracy", "overall accuracy"), ("clean_accuracy", "accuracy, no fault met"),
                    ("recovery_under_faults", "recovery under faults"),
+                   ("adaptation", "adaptation to API changes"),
+                   ("adaptation_param_renamed", "adaptation, param renamed"),
+                   ("adaptation_tool_moved", "adaptation, tool moved"),
                    ("reflection_ratio_env_fault", "reflection's repair rate, fault-caused failures"),
                    ("reflection_ratio_policy_error", "reflection's repair rate, policy errors"))
 HELDOUT_STAGES = (("before", "base"), ("after_warmup", "after warm-up"), ("after", "after RL"))
 # per-step keys of the RL rollouts (metrics.jsonl) for each held-out metric
 ROLLOUT_KEYS = {"accuracy": "rollout_accuracy", "clean_accuracy": "rollout_clean_accuracy",
                 "recovery_under_faults": "rollout_recovery_under_faults",
+                **{k: f"rollout_{k}" for k in ("adaptation", "adaptation_param_renamed", "adaptation_tool_moved")},
                 "reflection_ratio_env_fault": "reflection_ratio_env_fault",
                 "reflection_ratio_policy_error": "reflection_ratio_policy_error"}
 

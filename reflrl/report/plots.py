@@ -259,26 +259,32 @@ STAGE_STYLE = {"base": ("s", "#555555"), "after warm-up": ("D", COLORS[3]), "aft
 
 def learning_curves_plot(run: RunData) -> Figure:
     """Four panels: overall accuracy, accuracy with no fault met, recovery under faults, reflection's repair
-    rate by cause; each with the RL rollouts' value per step, the held-out points (base, after warm-up,
-    after RL) and validation."""
+    rate by cause; a fifth, adaptation to API changes (overall and per kind), when the run met one. Each
+    with the RL rollouts' value per step, the held-out points (base, after warm-up, after RL) and
+    validation."""
     curves = {c.key: c for c in D.learning_curves(run)}
     if all(c.empty for c in curves.values()):
         raise NoData("no per-step rollout metrics and no held-out evaluation")
-    fig = Figure(figsize=(11.0, 7.2), layout="constrained")
     panels = [("overall accuracy", ["accuracy"]), ("accuracy, no fault met", ["clean_accuracy"]),
               ("recovery under faults (episodes that met a fault, share right)", ["recovery_under_faults"]),
               ("reflection's repair rate by cause", ["reflection_ratio_env_fault", "reflection_ratio_policy_error"])]
-    names = {"reflection_ratio_env_fault": "fault-caused", "reflection_ratio_policy_error": "policy errors"}
+    adapt = ["adaptation", "adaptation_param_renamed", "adaptation_tool_moved"]
+    if any(not curves[k].empty for k in adapt):
+        panels.append(("adaptation to API changes (call at the change right apart from it, share right)", adapt))
+    names = {"reflection_ratio_env_fault": "fault-caused", "reflection_ratio_policy_error": "policy errors",
+             "adaptation_param_renamed": "param renamed", "adaptation_tool_moved": "tool moved"}
+    rows = (len(panels) + 1) // 2
+    fig = Figure(figsize=(11.0, 3.6 * rows), layout="constrained")
     for i, (title, keys) in enumerate(panels):
-        ax = fig.add_subplot(2, 2, i + 1)
+        ax = fig.add_subplot(rows, 2, i + 1)
         ax.grid(True, alpha=0.3)
         drew = False
         for j, key in enumerate(keys):
             c = curves[key]
             tag = f"{names[key]}: " if key in names else ""
-            ls = "-" if j == 0 else "--"
+            ls = ("-", "--", ":")[min(j, 2)]
             if c.rollout_steps:
-                ax.plot(c.rollout_steps, [100 * v for v in c.rollout], ls, color=COLORS[0 if j == 0 else 4], lw=1,
+                ax.plot(c.rollout_steps, [100 * v for v in c.rollout], ls, color=COLORS[(0, 4, 5)[min(j, 2)]], lw=1,
                         alpha=0.7, marker=".", ms=4, label=f"{tag}RL rollouts (per step)")
             if c.val_steps:
                 ax.plot(c.val_steps, [100 * v for v in c.val], ls, color=COLORS[2], marker="^", ms=5,
@@ -309,8 +315,10 @@ RUN_PLOTS: tuple[PlotSpec, ...] = (
     PlotSpec("learning_curves", "Learning curves: accuracy, no fault met, recovery under faults, reflection",
              "Per RL step, the RL rollouts' own numbers (sampled at the rollout temperature): overall accuracy "
              "(share of episodes that ended right), accuracy of the episodes that met no fault, recovery under "
-             "faults (of the episodes that met at least one fault, the share that still ended right) and "
-             "reflection's repair rate on the failures it reflected on, fault-caused vs policy errors. The large "
+             "faults (of the episodes that met at least one fault, the share that still ended right), "
+             "reflection's repair rate on the failures it reflected on, fault-caused vs policy errors, and, when "
+             "the run met API changes (param_renamed, tool_moved), adaptation: of the episodes whose call at the "
+             "change was right apart from it, the share that ended right, overall and per kind. The large "
              "markers are the held-out evaluations (greedy, the evaluation's fixed fault seed): base model and "
              "after the warm-up at step 0, after RL at the last step; triangles are validation evaluations "
              "(train.eval_every).",

@@ -267,8 +267,9 @@ def run_sections(run: RunData) -> tuple[list[Section], list[Section]]:
 
 def heldout_section(run: RunData) -> Section | None:
     """The held-out numbers at base / after warm-up / after RL (summary ``heldout``): overall accuracy,
-    accuracy with no fault met, recovery under faults, reflection's repair rate by cause; and RL's gain
-    over the warm-up. None when the run recorded no held-out evaluation."""
+    accuracy with no fault met, recovery under faults, adaptation to API changes (overall and per kind,
+    only where an evaluation met one), reflection's repair rate by cause; and RL's gain over the warm-up.
+    None when the run recorded no held-out evaluation."""
     stages = D.heldout_stages(run)
     if not stages:
         return None
@@ -277,6 +278,9 @@ def heldout_section(run: RunData) -> Section | None:
 
     def count(stage: str, key: str) -> str:
         of = {"clean_accuracy": "n_clean", "recovery_under_faults": "n_faulted",
+              "adaptation": "n_change_recoverable",
+              "adaptation_param_renamed": "n_change_recoverable_param_renamed",
+              "adaptation_tool_moved": "n_change_recoverable_tool_moved",
               "reflection_ratio_env_fault": "reflected_env_fault",
               "reflection_ratio_policy_error": "reflected_policy_error"}.get(key)
         n = (h.get(stage) or {}).get(of) if of else None
@@ -285,6 +289,8 @@ def heldout_section(run: RunData) -> Section | None:
     body = []
     for key, label in D.HELDOUT_METRICS:
         vals = [stages[k].get(key) for k, _ in cols]
+        if key.startswith("adaptation") and all(v is None for v in vals):
+            continue  # no evaluation met an API change (of this kind)
         w, a = stages.get("after_warmup", {}).get(key), stages.get("after", {}).get(key)
         gain = f"{(a - w) * 100:+.1f} points" if w is not None and a is not None else "n/a"
         body.append([label] + [(pct(v) + count(k, key)) if v is not None else "n/a"

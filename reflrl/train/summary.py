@@ -7,6 +7,7 @@ from reflrl import config as C
 from reflrl.budget import EXIT_BUDGET_CUT, budget_cut_text
 from reflrl.precision import DtypeChoice
 from reflrl.recovery import RecoveryLedger, format_recovery
+from reflrl.rollout import API_CHANGE_KINDS
 from reflrl.threads import describe as threads_summary
 
 
@@ -28,6 +29,9 @@ def ledger_totals(envs: Sequence[Any]) -> dict[str, Any]:
 
 
 STAGES = (("before", "eval_before"), ("after_warmup", "eval_after_warmup"), ("after", "eval_after"))
+# the API-change numbers of a held-out evaluation (reflrl.rollout.adaptation_outcomes)
+ADAPTATION_KEYS = ("adaptation", *(f"adaptation_{k}" for k in API_CHANGE_KINDS), "n_changed", "n_change_recoverable",
+                   *(f"n_change_recoverable_{k}" for k in API_CHANGE_KINDS))
 
 
 def heldout_numbers(ev: dict[str, Any] | None, faults: bool) -> dict[str, Any] | None:
@@ -36,7 +40,9 @@ def heldout_numbers(ev: dict[str, Any] | None, faults: bool) -> dict[str, Any] |
     match without faults), ``clean_accuracy`` (episodes that met no fault), ``recovery_under_faults`` (of
     the episodes that met at least one fault, the share that still ended right; None without faults),
     reflection's repair rate on the failed episodes by cause (``reflection_ratio_env_fault`` /
-    ``_policy_error``, None when the variant does not reflect) and the counts behind them."""
+    ``_policy_error``, None when the variant does not reflect), adaptation to API changes (``adaptation``
+    and ``adaptation_<kind>``: of the episodes whose call at the change was right apart from it, the share
+    that ended right; None when no episode met one) and the counts behind them."""
     if not ev:
         return None
     if not faults or "clean_accuracy" not in ev:
@@ -47,6 +53,7 @@ def heldout_numbers(ev: dict[str, Any] | None, faults: bool) -> dict[str, Any] |
             "first_answer_accuracy": ev.get("first_answer_accuracy"),
             "clean_accuracy": ev.get("clean_accuracy"), "recovery_under_faults": ev.get("recovery_under_faults"),
             "recoverable_under_faults": ev.get("recoverable_under_faults"),
+            **{k: ev.get(k) for k in ADAPTATION_KEYS},
             "n": ev.get("n_episodes", ev.get("n")), "n_clean": ev.get("n_clean"), "n_faulted": ev.get("n_faulted"),
             "recovered_by_policy": ev.get("recovered_by_policy"),
             "masked": ev.get("masked"), "eval_fault_seed": ev.get("eval_fault_seed"),
@@ -137,14 +144,17 @@ def format_by_gold_calls(s: dict[str, Any]) -> str | None:
 HELDOUT_LINES = (("no fault met", "clean_accuracy"),
                  ("recovery under faults", "recovery_under_faults"),
                  ("recoverable (answer at the fault right)", "recoverable_under_faults"),
+                 ("adaptation to API changes", "adaptation"),
+                 *((f"adaptation, {k.replace('_', ' ')}", f"adaptation_{k}") for k in API_CHANGE_KINDS),
                  ("reflection repaired, fault-caused failures", "reflection_ratio_env_fault"),
                  ("reflection repaired, policy errors", "reflection_ratio_policy_error"))
 
 
 def format_heldout(s: dict[str, Any]) -> list[str]:
     """Lines: one per held-out metric, its three points base -> after warm-up -> after RL (the stages the
-    run evaluated) and RL's gain over the warm-up: no fault met, recovery under faults, reflection's repair
-    rate by cause (the overall accuracy has its own line); none when the run had no faults."""
+    run evaluated) and RL's gain over the warm-up: no fault met, recovery under faults, adaptation to API
+    changes (overall and per kind, only where an evaluation's episodes met one), reflection's repair rate
+    by cause (the overall accuracy has its own line); none when the run had no faults."""
     h = {k: v for k, v in (s.get("heldout") or {}).items() if v}
     if not h or not any("first_answer_accuracy" in v for v in h.values()):
         return []
@@ -170,6 +180,8 @@ def format_heldout(s: dict[str, Any]) -> list[str]:
 def _count(key: str, e: dict[str, Any]) -> str:
     """`` (n of m)``: the episodes behind a held-out number (none for the overall accuracy)."""
     of = {"clean_accuracy": "n_clean", "recovery_under_faults": "n_faulted",
+          "adaptation": "n_change_recoverable",
+          **{f"adaptation_{k}": f"n_change_recoverable_{k}" for k in API_CHANGE_KINDS},
           "reflection_ratio_env_fault": "reflected_env_fault",
           "reflection_ratio_policy_error": "reflected_policy_error"}.get(key)
     return f" (of {e[of]:.0f})" if of and isinstance(e.get(of), (int, float)) else ""
