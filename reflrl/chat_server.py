@@ -299,7 +299,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--model", default="smollm2-135m-instruct", help="registry name, HF id or checkpoint folder")
     ap.add_argument("--port", type=int, default=8011, help="TCP port on 127.0.0.1 (0 = any free port)")
     ap.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
-                    help="auto: bfloat16 only where the CPU computes it natively, else float32 (reflrl.precision)")
+                    help="auto: the faster of bfloat16 and float32 on this CPU; float32 where bfloat16 is emulated (reflrl.precision)")
     ap.add_argument("--seed", type=int, default=0, help="init seed of tiny-random")
     ap.add_argument("--max-batch-size", type=int, default=16, help="rows decoded together (n samples)")
     ap.add_argument("--log-level", default="info")

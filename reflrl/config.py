@@ -56,7 +56,7 @@ class ModelConfig:
     """The policy model (see reflrl.models)."""
 
     name: str = _f("smollm2-135m-instruct", "registry name ('smollm2-135m-instruct', 'tiny-random'), HF id or local path")
-    dtype: str = _f("auto", "weights/compute dtype on the CPU: 'auto' (bfloat16 only where the CPU computes it natively, else float32; reflrl.precision) | 'float32' | 'bfloat16'")
+    dtype: str = _f("auto", "weights/compute dtype on the CPU: 'auto' (the faster of bfloat16 and float32 on this CPU, measured once per CPU model; float32 where bfloat16 is emulated; reflrl.precision) | 'float32' | 'bfloat16'")
     trainable: str = _f("top_layers:12", "what trains: 'all' | 'none' | 'lora' | 'top_layers:K' (the top K decoder layers + head)")
     trainable_dtype: str | None = _f("float32", "dtype of the trainable parameters (float32 master weights); null = same as dtype")
     lora_r: int = _f(16, "LoRA rank (trainable='lora')")

@@ -1,7 +1,7 @@
 """Which device the native trainer runs on: ``train.device: auto | cpu | cuda``, and the precision there.
 
-- ``cpu``: the CPU, with ``model.dtype`` resolved by :mod:`reflrl.precision` (bfloat16 only where the
-  CPU computes it natively).
+- ``cpu``: the CPU, with ``model.dtype`` resolved by :mod:`reflrl.precision` (the faster of bfloat16 and
+  float32 there; bfloat16 only where the CPU computes it natively).
 - ``cuda``: the first CUDA device torch sees (``cuda:0``; pick another with ``CUDA_VISIBLE_DEVICES``).
   ``model.dtype: auto`` is bfloat16 there when the GPU supports it (float32 otherwise); an explicit
   ``float32`` / ``bfloat16`` is honoured. A machine where torch sees no CUDA device is refused with

@@ -15,7 +15,7 @@ Names understood by :func:`load_model`:
   environment variable.
 
 Precision (``dtype=``): ``"auto"`` (the default) takes the CPU's rule in :mod:`reflrl.precision`
-(bfloat16 only where the CPU computes it natively, float32 otherwise); ``"float32"`` /
+(the faster of bfloat16 and float32, bfloat16 only where the CPU computes it natively); ``"float32"`` /
 ``"bfloat16"`` force one.
 
 Tokenizer conventions (all names): ``eos`` is ``<|im_end|>`` (id 2) so sampling stops at the end of

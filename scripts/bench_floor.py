@@ -5,7 +5,7 @@ from it -- measured in one run, every figure a ratio of two timings taken here a
         [--threads 2] [--rl-steps 2] [--warmup-steps 3] [--peer] [--set KEY=VALUE ...] [--json FILE]
 
 1. The machine: matmul rate at the model's shapes (K=576, N=1536) for M = 1 .. 2048 rows, in the run's
-   precision; memory bandwidth (a 256 MB copy).
+   precision; memory bandwidth (a 256 MB copy); before and after the timed work (3.-5.).
 2. Floors computed from those rates and each phase's own token counts:
    - prefill: the prompt tokens' FLOPs (2 x linear parameters + attention) at the large-M matmul rate;
    - decode: per decode step with b live rows, max(weight bytes / bandwidth, FLOPs(b) / rate(b));
@@ -23,6 +23,12 @@ from it -- measured in one run, every figure a ratio of two timings taken here a
 
 The RL step's rollouts per minute are printed too. CPU-heavy (a few minutes on 2 cores): run it
 alone; other busy processes make every multi-threaded operation wait.
+
+A busy machine cannot pass: the matmul rates and the bandwidth are measured before AND after the timed
+work, and the 1-minute load average is read before the start and after the timed work. Where a figure
+moved by more than 20% between the two readings, or the load says another process was running
+(:func:`floor_verdict` has the rule), no ratio is printed: the script says why (both readings, the
+load) and exits with status 3. Otherwise every floor uses the faster of each figure's two readings.
 """
 from __future__ import annotations
 
@@ -35,7 +41,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -292,7 +298,107 @@ def floor_of_generation(fl: Floors, g: dict[str, Any]) -> tuple[float, float]:
     return fl.prefill(g["prompt_tokens"], ctx), fl.decode(g["rows"], ctx + 32)
 
 
+# ------------------------------------------------------------------------------------------ the check
+DRIFT_MAX = 0.20  # before/after floor figures further apart than this share of the larger: refused
+LOAD_ALLOW_PER_CORE, LOAD_ALLOW_MIN = 0.25, 0.5  # runnable tasks beyond the benchmark's own, per core / at least
+
+
+class FloorMeasure(NamedTuple):
+    """The machine's floor figures at one moment: matmul FLOP/s by rows M, memory bandwidth in bytes/s."""
+
+    rates: dict[int, float]
+    bw: float
+
+    def best(self, other: "FloorMeasure") -> "FloorMeasure":
+        """Each figure's faster reading of the two (the floor is what the machine can do)."""
+        return FloorMeasure({m: max(r, other.rates.get(m, r)) for m, r in self.rates.items()}, max(self.bw, other.bw))
+
+
+def measure_floor(dtype: torch.dtype) -> FloorMeasure:
+    return FloorMeasure(matmul_rates(dtype), bandwidth())
+
+
+def loadavg() -> float:
+    """The 1-minute load average (0.0 where the platform has none)."""
+    try:
+        return os.getloadavg()[0]
+    except (OSError, AttributeError):
+        return 0.0
+
+
+def load_allowance(ncpu: int) -> float:
+    return max(LOAD_ALLOW_MIN, LOAD_ALLOW_PER_CORE * ncpu)
+
+
+def floor_verdict(before: FloorMeasure, after: FloorMeasure, loadavg: tuple[float, float], ncpu: int,
+                  threads: int) -> tuple[bool, str]:
+    """Whether the run's ratios can be trusted: (ok, reason). Pure: the figures are passed in.
+
+    ``before`` / ``after``: the floor figures measured before and after the timed work; ``loadavg``: the
+    1-minute load average (before the benchmark started any work, after the timed work); ``ncpu``: the
+    cores; ``threads``: the benchmark's torch threads.
+
+    Refused when
+    - a matmul rate (any M) or the bandwidth differs by more than :data:`DRIFT_MAX` (20%) of the larger
+      of its two readings: something else took the cores during one of them, so the floor is not the
+      machine's and neither are the timings between them;
+    - the load before the start exceeds the allowance: more than max(0.5, 0.25 x cores) runnable tasks,
+      with the benchmark still idle (a job that ended seconds ago still counts: the 1-minute average
+      decays over a minute, which is the point -- its tail would slow the first measurement);
+    - the load after exceeds ``threads`` (the benchmark's own busy threads, which the 1-minute average
+      approaches during minutes of timed work) plus the same allowance: another process ran during
+      the timed work's last minute or so.
+    A disturbance that came and went in the middle of the timed work with both ends quiet is not seen
+    by any of these; run the benchmark alone.
+    """
+    problems = []
+    pairs = [(f"matmul M={m}", before.rates[m] / 1e9, after.rates[m] / 1e9, "GFLOP/s")
+             for m in before.rates if m in after.rates]
+    pairs.append(("memory bandwidth", before.bw / 1e9, after.bw / 1e9, "GB/s"))
+    worst = []
+    for name, a, b, unit in pairs:
+        gap = abs(a - b) / max(a, b, 1e-12)
+        if gap > DRIFT_MAX:
+            worst.append((gap, f"{name} {a:.1f} before, {b:.1f} after {unit} ({100 * gap:.0f}% apart)"))
+    if worst:
+        worst.sort(reverse=True)
+        problems.append(f"the floor moved by more than {100 * DRIFT_MAX:.0f}% between before and after the "
+                        f"timed work: " + "; ".join(w for _, w in worst[:4]) +
+                        (f"; and {len(worst) - 4} more" if len(worst) > 4 else ""))
+    allow = load_allowance(ncpu)
+    load_before, load_after = loadavg
+    if load_before > allow:
+        problems.append(f"load average {load_before:.2f} before the start on {ncpu} cores (allowed "
+                        f"{allow:.2f} with the benchmark idle)")
+    if load_after > threads + allow:
+        problems.append(f"load average {load_after:.2f} after the timed work on {ncpu} cores (allowed "
+                        f"{threads + allow:.2f}: the benchmark's threads, {threads}, + {allow:.2f})")
+    if problems:
+        return False, "the machine was busy: " + "; ".join(problems)
+    return True, (f"floor steady (every figure within {100 * DRIFT_MAX:.0f}% before and after), load average "
+                  f"{load_before:.2f} before and {load_after:.2f} after on {ncpu} cores")
+
+
+def floor_line(when: str, fm: FloorMeasure, dtype_name: str) -> str:
+    return (f"floor {when}: matmul GFLOP/s (M x 576 x 1536, {dtype_name}): " +
+            ", ".join(f"M={m} {r / 1e9:.0f}" for m, r in fm.rates.items()) +
+            f"; memory bandwidth {fm.bw / 1e9:.1f} GB/s (read + write)")
+
+
 # ------------------------------------------------------------------------------------------- main
+class Timed:
+    """What the timed work measured; the floors and ratios are computed from it after the check.
+    steps: per RL step, its wall time, where it went and the generation counts its floors need; eval:
+    the same for the greedy evaluation; decode_tps: decode tokens/s at batch 32; warmup: a warm-up
+    step's wall time and its bare forward+backward; peer: TRL's step time beside reflrl's (--peer)."""
+
+    def __init__(self, model: torch.nn.Module, steps: list[dict[str, Any]] | None = None,
+                 eval: dict[str, Any] | None = None, decode_tps: float = 0.0,
+                 warmup: dict[str, float] | None = None, peer: dict[str, Any] | None = None):
+        self.model, self.steps, self.eval = model, steps or [], eval or {}
+        self.decode_tps, self.warmup, self.peer = decode_tps, warmup or {}, peer
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--checkpoint", default=None, help="start RL from this checkpoint (model.init_from)")
@@ -305,48 +411,69 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
     ap.add_argument("--json", default=None, help="write the figures to this file")
     args = ap.parse_args(argv)
+    load_before = loadavg()  # the benchmark has done nothing yet
+    ncpu = os.cpu_count() or 1
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     torch.set_num_threads(args.threads)
 
-    from reflrl import config as C
     from reflrl.precision import resolve_dtype
-    from reflrl.train.loop import Trainer
 
     choice = resolve_dtype(args.dtype)
     dtype = torch.bfloat16 if choice.dtype == "bfloat16" else torch.float32
     cap = torch.backends.cpu.get_cpu_capability()
     print(f"CPU capability {cap}; {choice.log_line()}; torch threads {args.threads}; "
-          f"load average before {os.getloadavg()[0]:.1f}", flush=True)
+          f"load average before {load_before:.2f} on {ncpu} cores", flush=True)
     res: dict[str, Any] = {"cpu_capability": cap, "dtype": choice.dtype, "threads": args.threads}
 
-    # 1. the machine
-    rates = matmul_rates(dtype)
-    rates32 = rates if dtype == torch.float32 else matmul_rates(torch.float32)
-    bw = bandwidth()
-    print("matmul GFLOP/s (M x 576 x 1536, " + choice.dtype + "): " +
-          ", ".join(f"M={m} {r / 1e9:.0f}" for m, r in rates.items()), flush=True)
-    if rates32 is not rates:
+    # 1. the machine, before the timed work
+    before = measure_floor(dtype)
+    print(floor_line("before", before, choice.dtype), flush=True)
+    if dtype != torch.float32:
+        rates32 = matmul_rates(torch.float32)
         print("matmul GFLOP/s float32: " + ", ".join(f"M={m} {r / 1e9:.0f}" for m, r in rates32.items()))
-    print(f"memory bandwidth: {bw / 1e9:.1f} GB/s (read + write)", flush=True)
-    res.update(matmul_gflops={m: r / 1e9 for m, r in rates.items()}, bandwidth_gbs=bw / 1e9)
 
-    # the default recipe's trainer
+    # 2-5. the timed work
+    timed = run_timed(args)
+
+    # 1 again: the machine after it, and whether the figures can be trusted
+    after = measure_floor(dtype)
+    load_after = loadavg()
+    print(floor_line("after", after, choice.dtype), flush=True)
+    ok, reason = floor_verdict(before, after, (load_before, load_after), ncpu, args.threads)
+    res["floor_check"] = {"ok": ok, "reason": reason, "load_before": load_before, "load_after": load_after,
+                          "cores": ncpu, **{f"{w}_{k}": v for w, fm in (("before", before), ("after", after))
+                                            for k, v in (("matmul_gflops", {m: r / 1e9 for m, r in fm.rates.items()}),
+                                                         ("bandwidth_gbs", fm.bw / 1e9))}}
+    if ok:
+        print(f"floor check: {reason}", flush=True)
+        best = before.best(after)
+        res.update(matmul_gflops={m: r / 1e9 for m, r in best.rates.items()}, bandwidth_gbs=best.bw / 1e9)
+        report_ratios(Floors(timed.model, best.rates, best.bw), timed, res)
+    else:
+        print(f"NO RATIOS: {reason}. Run it again on a quiet machine.", flush=True)
+    if args.json:
+        Path(args.json).write_text(json.dumps(res, indent=1, default=float))
+    return 0 if ok else 3
+
+
+def run_timed(args: argparse.Namespace) -> Timed:
+    """The default recipe's pieces, timed (the module doc's 3.-5.): wall times and where they go are
+    printed as they come; the floors and ratios wait for the check."""
+    from reflrl import config as C
+    from reflrl.train.loop import Trainer
+
     over = [f"model.dtype={args.dtype}", f"env.faults={args.faults}", "train.out_dir=" + tempfile.mkdtemp(prefix="floor")]
     if args.checkpoint:
         over += [f"model.init_from={args.checkpoint}", "warmup.enabled=false"]
     cfg = C.load_config(None, over + list(args.set))
     tr = Trainer(cfg, Path(cfg.train.out_dir) / "run", progress=False, quiet=True)
-    fl = Floors(tr.model, rates, bw)
     tap = Tap(tr)
-    print(f"model: {sum(p.numel() for p in tr.model.parameters()) / 1e6:.1f}M parameters, "
-          f"{fl.weight_bytes / 2**20:.0f} MiB of weights read per decode step; "
-          f"decode-step floor {1000 * fl.decode_step(1, 300):.1f} ms (1 row) .. "
-          f"{1000 * fl.decode_step(32, 300):.1f} ms (32 rows)", flush=True)
+    timed = Timed(model=tr.model)
+    print(f"model: {sum(p.numel() for p in tr.model.parameters()) / 1e6:.1f}M parameters", flush=True)
 
     # 2. RL steps
     tr.train_step()  # warm (first-call allocations)
     tr.step += 1
-    steps = []
     for _ in range(args.rl_steps):
         tap.reset()
         tap.capture = True
@@ -357,9 +484,6 @@ def main(argv: list[str] | None = None) -> int:
         tr.step += 1
         ro, rf = tap.gen.get("rollout", {}), tap.gen.get("reflection", {})
         fb_floor = update_floor(tr.model, tap.update_batches)
-        pre_f, dec_f = floor_of_generation(fl, ro) if ro else (0.0, 0.0)
-        rpre_f, rdec_f = floor_of_generation(fl, rf) if rf else (0.0, 0.0)
-        floor = pre_f + dec_f + rpre_f + rdec_f + fb_floor
         upd = m.get("time_update_s", 0.0)
         parts = {"prefill": ro.get("prefill_s", 0.0), "decode": ro.get("decode_s", 0.0),
                  "tools": tap.union("tools"), "critic": tap.times.get("critic", 0.0),
@@ -368,17 +492,13 @@ def main(argv: list[str] | None = None) -> int:
         parts["log-probs"] = max(0.0, upd - parts["backward"] - parts["optimizer"])
         parts["other"] = wall - sum(parts.values())
         n_roll = ro.get("samples", 0) + rf.get("samples", 0)  # rollouts and reflection retries sampled
-        steps.append({"wall_s": wall, "floor_s": floor, "ratio": wall / floor if floor else None, "parts": parts,
-                      "floor_parts": {"prefill": pre_f, "decode": dec_f, "reflection": rpre_f + rdec_f,
-                                      "forward+backward": fb_floor},
-                      "new_tokens": ro.get("new_tokens", 0) + rf.get("new_tokens", 0),
-                      "rollouts": n_roll, "rollouts_per_min": 60 * n_roll / wall})
-        s = steps[-1]
-        print(f"RL step: {wall:.2f}s, floor {floor:.2f}s -> {s['ratio']:.2f}x; {n_roll} rollouts "
-              f"({s['rollouts_per_min']:.0f}/min), {s['new_tokens']} new tokens", flush=True)
+        s = {"wall_s": wall, "parts": parts, "rollout": ro, "reflection": rf, "forward+backward_floor_s": fb_floor,
+             "new_tokens": ro.get("new_tokens", 0) + rf.get("new_tokens", 0),
+             "rollouts": n_roll, "rollouts_per_min": 60 * n_roll / wall}
+        timed.steps.append(s)
+        print(f"RL step: {wall:.2f}s; {n_roll} rollouts ({s['rollouts_per_min']:.0f}/min), "
+              f"{s['new_tokens']} new tokens", flush=True)
         print("  where it goes: " + ", ".join(f"{k} {v:.2f}s" for k, v in parts.items()), flush=True)
-        print("  floor parts:   " + ", ".join(f"{k} {v:.2f}s" for k, v in s["floor_parts"].items()), flush=True)
-    res["rl_steps"] = steps
 
     # 3. greedy evaluation of the test split
     tap.reset()
@@ -386,30 +506,23 @@ def main(argv: list[str] | None = None) -> int:
     ev = tr.evaluate("test")
     wall = time.perf_counter() - t0
     g = tap.gen.get("rollout", {})
-    pre_f, dec_f = floor_of_generation(fl, g) if g else (0.0, 0.0)
-    floor = pre_f + dec_f
-    res["eval"] = {"tasks": len(tr.splits["test"]), "wall_s": wall, "floor_s": floor, "ratio": wall / floor,
-                   "prefill_s": g.get("prefill_s"), "decode_s": g.get("decode_s"), "tools_s": tap.union("tools"),
-                   "new_tokens": g.get("new_tokens"), "accuracy": ev.get("accuracy")}
-    e = res["eval"]
-    print(f"greedy evaluation of {e['tasks']} tasks: {wall:.1f}s, floor {floor:.2f}s -> {e['ratio']:.2f}x "
-          f"(prefill {e['prefill_s']:.1f}s, decode {e['decode_s']:.1f}s, tools {e['tools_s']:.1f}s; "
-          f"{e['new_tokens']} new tokens)", flush=True)
+    timed.eval = {"tasks": len(tr.splits["test"]), "wall_s": wall, "gen": g, "tools_s": tap.union("tools"),
+                  "accuracy": ev.get("accuracy")}
+    print(f"greedy evaluation of {len(tr.splits['test'])} tasks: {wall:.1f}s (prefill {g.get('prefill_s', 0):.1f}s, "
+          f"decode {g.get('decode_s', 0):.1f}s, tools {timed.eval['tools_s']:.1f}s; {g.get('new_tokens')} new tokens)",
+          flush=True)
 
     # 4. decode throughput at batch 32
     from reflrl.engines.transformers_engine import TransformersEngine
 
     eng = TransformersEngine(tr.model, tr.tokenizer)
-    g = torch.Generator().manual_seed(0)
-    prompts = [torch.randint(100, 40000, (200,), generator=g).tolist() for _ in range(32)]
+    gen = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(100, 40000, (200,), generator=gen).tolist() for _ in range(32)]
     eng.generate(prompts[:2], n=1, max_new_tokens=4, stop_ids=[], seed=0)
     eng.generate(prompts, n=1, max_new_tokens=64, stop_ids=[], seed=0)
     st = eng.last_stats
-    tps = st.new_tokens / st.decode_s
-    allowed = 32 / fl.decode_step(32, 232)
-    res["decode_b32"] = {"tokens_per_s": tps, "floor_tokens_per_s": allowed, "share_of_floor": tps / allowed}
-    print(f"decode at batch 32: {tps:.0f} tokens/s; the matmul rate and bandwidth allow {allowed:.0f} "
-          f"({100 * tps / allowed:.0f}%)", flush=True)
+    timed.decode_tps = st.new_tokens / st.decode_s
+    print(f"decode at batch 32: {timed.decode_tps:.0f} tokens/s", flush=True)
 
     # 5. warm-up (SFT) steps
     from reflrl.sft import build_examples, train_sft
@@ -423,17 +536,69 @@ def main(argv: list[str] | None = None) -> int:
     tap.capture = False
     per = out["seconds"] / max(1, out["steps"])
     fb = bare_forward_backward(tr.model, tap.batches, [p for p in tr.model.parameters() if p.requires_grad])
-    per_floor = fb / max(1, out["steps"])
-    res["warmup_step"] = {"wall_s": per, "floor_s": per_floor, "ratio": per / per_floor}
-    print(f"warm-up step: {per:.2f}s, bare forward+backward+AdamW on the same tokens {per_floor:.2f}s -> "
-          f"{per / per_floor:.2f}x", flush=True)
+    timed.warmup = {"wall_s": per, "floor_s": fb / max(1, out["steps"])}
+    print(f"warm-up step: {per:.2f}s; bare forward+backward+AdamW on the same tokens "
+          f"{timed.warmup['floor_s']:.2f}s", flush=True)
 
     if args.peer:
-        res["peer"] = peer(tr, cfg, steps)
+        timed.peer = peer(tr, cfg, timed.steps)
     tr.close()
-    if args.json:
-        Path(args.json).write_text(json.dumps(res, indent=1, default=float))
-    return 0
+    return timed
+
+
+def report_ratios(fl: Floors, timed: Timed, res: dict[str, Any]) -> None:
+    """Print each timed piece beside its floor (only once the floor check passed) and fill ``res``."""
+    print(f"{fl.weight_bytes / 2**20:.0f} MiB of weights read per decode step; decode-step floor "
+          f"{1000 * fl.decode_step(1, 300):.1f} ms (1 row) .. {1000 * fl.decode_step(32, 300):.1f} ms (32 rows)",
+          flush=True)
+    steps = []
+    for s in timed.steps:
+        ro, rf = s["rollout"], s["reflection"]
+        pre_f, dec_f = floor_of_generation(fl, ro) if ro else (0.0, 0.0)
+        rpre_f, rdec_f = floor_of_generation(fl, rf) if rf else (0.0, 0.0)
+        fb_floor = s["forward+backward_floor_s"]
+        floor = pre_f + dec_f + rpre_f + rdec_f + fb_floor
+        row = {"wall_s": s["wall_s"], "floor_s": floor, "ratio": s["wall_s"] / floor if floor else None,
+               "parts": s["parts"], "floor_parts": {"prefill": pre_f, "decode": dec_f,
+                                                    "reflection": rpre_f + rdec_f, "forward+backward": fb_floor},
+               "new_tokens": s["new_tokens"], "rollouts": s["rollouts"], "rollouts_per_min": s["rollouts_per_min"]}
+        steps.append(row)
+        ratio = f"{row['ratio']:.2f}x" if row["ratio"] else "-"
+        print(f"RL step: {s['wall_s']:.2f}s, floor {floor:.2f}s -> {ratio}", flush=True)
+        print("  floor parts:   " + ", ".join(f"{k} {v:.2f}s" for k, v in row["floor_parts"].items()), flush=True)
+    res["rl_steps"] = steps
+
+    e = timed.eval
+    if e:
+        g = e["gen"]
+        pre_f, dec_f = floor_of_generation(fl, g) if g else (0.0, 0.0)
+        floor = pre_f + dec_f
+        res["eval"] = {"tasks": e["tasks"], "wall_s": e["wall_s"], "floor_s": floor,
+                       "ratio": e["wall_s"] / floor if floor else None, "prefill_s": g.get("prefill_s"),
+                       "decode_s": g.get("decode_s"), "tools_s": e["tools_s"], "new_tokens": g.get("new_tokens"),
+                       "accuracy": e["accuracy"]}
+        ratio = f"{e['wall_s'] / floor:.2f}x" if floor else "-"
+        print(f"greedy evaluation of {e['tasks']} tasks: {e['wall_s']:.1f}s, floor {floor:.2f}s -> {ratio}", flush=True)
+
+    if timed.decode_tps:
+        allowed = 32 / fl.decode_step(32, 232)
+        tps = timed.decode_tps
+        res["decode_b32"] = {"tokens_per_s": tps, "floor_tokens_per_s": allowed, "share_of_floor": tps / allowed}
+        print(f"decode at batch 32: {tps:.0f} tokens/s; the matmul rate and bandwidth allow {allowed:.0f} "
+              f"({100 * tps / allowed:.0f}%)", flush=True)
+
+    w = timed.warmup
+    if w:
+        res["warmup_step"] = {"wall_s": w["wall_s"], "floor_s": w["floor_s"], "ratio": w["wall_s"] / w["floor_s"]}
+        print(f"warm-up step: {w['wall_s']:.2f}s, bare forward+backward+AdamW on the same tokens {w['floor_s']:.2f}s "
+              f"-> {w['wall_s'] / w['floor_s']:.2f}x", flush=True)
+
+    p = timed.peer
+    if p:
+        p = dict(p, speedup=p["trl_step_s"] / p["reflrl_step_s"])
+        res["peer"] = p
+        print(f"peer: TRL {p['trl_version']} GRPOTrainer {p['trl_step_s']:.1f}s per step, reflrl "
+              f"{p['reflrl_step_s']:.1f}s -> reflrl {p['speedup']:.1f}x faster", flush=True)
 
 
 def peer(tr: Any, cfg: Any, steps: list[dict[str, Any]]) -> dict[str, Any] | None:
@@ -484,8 +649,8 @@ def peer(tr: Any, cfg: Any, steps: list[dict[str, Any]]) -> dict[str, Any] | Non
     theirs = statistics.median(times[1:]) if len(times) > 1 else times[0]
     print(f"peer: TRL {trl.__version__} GRPOTrainer, {B} prompts x {n}, {cap} new tokens at most, "
           f"{'bfloat16 weights' if bf16 else 'float32'}: {theirs:.1f}s per step (median of {len(times) - 1}); "
-          f"reflrl {mine:.1f}s -> reflrl {theirs / mine:.1f}x faster", flush=True)
-    return {"trl_version": trl.__version__, "trl_step_s": theirs, "reflrl_step_s": mine, "speedup": theirs / mine}
+          f"reflrl {mine:.1f}s", flush=True)
+    return {"trl_version": trl.__version__, "trl_step_s": theirs, "reflrl_step_s": mine}
 
 
 if __name__ == "__main__":

@@ -45,33 +45,115 @@ def test_auto_takes_float32_on_avx2_without_benchmarking(tmp_path):
     assert c.log_line() == "precision: float32 (auto: AVX2 CPU without native bfloat16, where bfloat16 is emulated)"
 
 
+def _timing(decode: float, update: float) -> P.PrecisionTiming:
+    """A measurement where bfloat16 takes ``decode`` / ``update`` times float32's time."""
+    return P.PrecisionTiming(bf16_decode=decode * 0.01, fp32_decode=0.01, bf16_update=update * 0.1, fp32_update=0.1)
+
+
 @pytest.mark.parametrize("features", [AVX512_BF16, AMX], ids=["avx512_bf16", "amx"])
-def test_auto_takes_bfloat16_where_native_and_the_benchmark_confirms(tmp_path, features):
-    c = P.resolve_dtype("auto", features=features, bench=lambda: 0.55, cache=tmp_path / "p.json")
-    assert c.dtype == "bfloat16" and c.bf16_slowdown == pytest.approx(0.55) and not c.cached
-    assert "bfloat16" in c.log_line() and "0.55x the time of float32" in c.log_line()
-    # the verdict is cached: the next resolution does not measure again
-    again = P.resolve_dtype("auto", features=features, bench=_never, cache=tmp_path / "p.json")
-    assert again.dtype == "bfloat16" and again.cached
+def test_auto_takes_bfloat16_where_native_and_measured_faster(tmp_path, features):
+    c = P.resolve_dtype("auto", features=features, bench=lambda: _timing(0.5, 0.7), cache=tmp_path / "p.json")
+    assert c.dtype == "bfloat16" and c.bf16_slowdown == pytest.approx(0.56) and not c.cached
+    assert "bfloat16 measured faster" in c.log_line() and "bfloat16 took 0.56x float32's time" in c.log_line()
+    assert "decode 16x576x1536: 0.50x, update 2048x576x1536: 0.70x" in c.reason
+    assert c.timing["decode_ratio"] == pytest.approx(0.5) and c.to_dict()["timing"]["update_ratio"] == pytest.approx(0.7)
 
 
-def test_auto_distrusts_a_capability_the_benchmark_contradicts(tmp_path):
-    c = P.resolve_dtype("auto", features=AVX512_BF16, bench=lambda: 6.0, cache=False)
-    assert c.dtype == "float32" and "6.00x the time of float32" in c.reason
+def test_auto_takes_float32_where_native_bfloat16_measured_slower():
+    """An AVX512-BF16 Xeon without AMX ran the recipe 1.2-1.4x faster in float32: auto must take it."""
+    c = P.resolve_dtype("auto", features=AVX512_BF16, bench=lambda: _timing(1.3, 1.2), cache=False)
+    assert c.dtype == "float32" and "float32 measured faster" in c.reason and "1.27x" in c.reason
 
 
-def test_auto_keeps_native_bfloat16_on_a_busy_machine(tmp_path):
-    """A loaded machine can slow either side of the micro-benchmark a few times over: that must not
-    switch a native-bfloat16 CPU to float32 (the precision, and so the run's numbers, would then depend
-    on the load of the moment)."""
-    c = P.resolve_dtype("auto", features=AVX512_BF16, bench=lambda: 2.1, cache=False)
-    assert c.dtype == "bfloat16"
+def test_the_rule_weighs_decode_over_update_and_keeps_float32_within_five_percent():
+    # faster at decode, slower at update: decode's weight (0.7) decides
+    assert P.decide_dtype(_timing(0.8, 1.2)) == "bfloat16"  # 0.7*0.8 + 0.3*1.2 = 0.92
+    assert P.decide_dtype(_timing(0.8, 1.4)) == "float32"  # 0.98
+    assert P.decide_dtype(_timing(1.2, 0.4)) == "float32"  # 0.96: the update's gain does not outweigh decode
+    assert P.decide_dtype(_timing(0.97, 0.97)) == "float32"  # within 5%: the more exact one
+    c = P.resolve_dtype("auto", features=AMX, bench=lambda: _timing(0.97, 0.97), cache=False)
+    assert c.dtype == "float32" and "bfloat16 less than 5% faster" in c.reason
+
+
+class _FakeMachine:
+    """A clock and matmuls whose seconds are scripted: ``cost[(dtype, kind)]``; the calls whose index
+    (among all calls) is in ``slow`` take ``factor`` times longer -- a busy moment."""
+
+    def __init__(self, cost, slow=(), factor=20.0):
+        self.now, self.calls, self.cost, self.slow, self.factor = 0.0, [], cost, set(slow), factor
+
+    def clock(self):
+        return self.now
+
+    def work(self, dtype, kind):
+        self.calls.append((dtype, kind))
+        self.now += self.cost[dtype, kind] * (self.factor if len(self.calls) - 1 in self.slow else 1.0)
+
+
+COST = {("bfloat16", "decode"): 0.8, ("float32", "decode"): 1.0,
+        ("bfloat16", "update"): 0.9, ("float32", "update"): 1.0}
+
+
+def test_the_measurement_interleaves_and_keeps_each_sides_fastest_so_a_busy_moment_does_not_decide():
+    quiet = _FakeMachine(COST)
+    t = P.measure_precisions(repeats=3, clock=quiet.clock, work=quiet.work)
+    assert t.decode_ratio == pytest.approx(0.8) and t.update_ratio == pytest.approx(0.9)
+    timed = quiet.calls[4:]  # after one untimed warm-up of each product
+    assert timed == [("bfloat16", "decode"), ("float32", "decode"), ("bfloat16", "update"), ("float32", "update")] * 3
+    # the first timed bfloat16 decode (call 4) and update (call 6) happen while the machine is busy: 20x slower
+    busy = _FakeMachine(COST, slow=(4, 6))
+    t2 = P.measure_precisions(repeats=3, clock=busy.clock, work=busy.work)
+    assert (t2.decode_ratio, t2.update_ratio) == pytest.approx((0.8, 0.9)) and P.decide_dtype(t2) == "bfloat16"
+    # a busy float32 repeat cannot hand the choice to bfloat16 either
+    slow_bf16 = {("bfloat16", "decode"): 1.2, ("float32", "decode"): 1.0, ("bfloat16", "update"): 1.2,
+                 ("float32", "update"): 1.0}
+    m = _FakeMachine(slow_bf16, slow=(5, 7))
+    assert P.decide_dtype(P.measure_precisions(repeats=3, clock=m.clock, work=m.work)) == "float32"
+    # with one repeat the same busy moment would have decided: the repeats are what make it stable
+    m1 = _FakeMachine(slow_bf16, slow=(5, 7))
+    assert P.decide_dtype(P.measure_precisions(repeats=1, clock=m1.clock, work=m1.work)) == "bfloat16"
+
+
+def test_the_measurement_is_cached_per_cpu_model(tmp_path, monkeypatch):
+    cache = tmp_path / "p.json"
+    calls = []
+
+    def bench():
+        calls.append(1)
+        return _timing(0.6, 0.8)
+
+    c = P.resolve_dtype("auto", features=AVX512_BF16, bench=bench, cache=cache)
+    assert c.dtype == "bfloat16" and not c.cached and len(calls) == 1
+    stored = json.loads(cache.read_text())
+    (key, entry), = stored.items()
+    assert "Xeon (test)" in key and f"torch={torch.__version__}" in key and "AVX512" in key
+    assert entry["dtype"] == "bfloat16" and entry["ratio"] == pytest.approx(0.66)
+    # the same CPU model: read, not measured, the same decision and reason -- at another thread count too
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 7)
+    again = P.resolve_dtype("auto", features=AVX512_BF16, bench=_never, cache=cache)
+    assert again.cached and again.dtype == c.dtype and again.reason == c.reason
+    # an explicit bfloat16 on it reads the same measurement
+    assert P.resolve_dtype("bfloat16", features=AVX512_BF16, bench=_never, cache=cache).cached
+    # another CPU model measures anew, and both are kept
+    other = P.CpuFeatures("AVX512", avx512_bf16=True, model="Xeon without AMX (test)")
+    c2 = P.resolve_dtype("auto", features=other, bench=lambda: _timing(1.3, 1.2), cache=cache)
+    assert not c2.cached and c2.dtype == "float32" and len(json.loads(cache.read_text())) == 2
+    # a damaged cache file is measured over, not an error
+    cache.write_text("{not json")
+    assert not P.resolve_dtype("auto", features=AVX512_BF16, bench=bench, cache=cache).cached and len(calls) == 2
+
+
+def test_an_explicit_float32_measures_nothing():
+    c = P.resolve_dtype("float32", features=AMX, bench=_never, cache=False)
+    assert c.dtype == "float32" and c.reason.startswith("as configured") and c.timing is None
 
 
 def test_explicit_bfloat16_on_avx2_runs_with_a_warning_giving_the_measured_slowdown(tmp_path):
-    c = P.resolve_dtype("bfloat16", features=AVX2, bench=lambda: 43.0, cache=False)
+    c = P.resolve_dtype("bfloat16", features=AVX2, bench=lambda: P.PrecisionTiming(0.43, 0.01, 0.43, 0.01,
+                                                                                    emulated=True), cache=False)
     assert c.dtype == "bfloat16"
-    assert c.warning and "43.0x slower than float32" in c.warning and "model.dtype=auto" in c.warning
+    assert c.warning and "43.0x float32's time on a 256x576x1536 matmul (emulated)" in c.warning
+    assert "about 43.0x slower" in c.warning and "model.dtype=auto" in c.warning
     err = io.StringIO()
     P.announce(c, file=err)
     assert "precision: bfloat16" in err.getvalue() and "warning:" in err.getvalue()
@@ -84,12 +166,17 @@ def test_unknown_dtype_names_the_choices():
         C.load_config(None, ["model.dtype=half"])
 
 
-def test_the_micro_benchmark_is_sub_second_and_positive():
-    import time
+def test_the_real_measurement_gives_positive_figures():
+    """The real products, once each way (on an AVX2 CPU, bfloat16's are emulated: the probe only)."""
+    t = P.measure_precisions(repeats=1, probe_only=not P.cpu_features().native_bf16)
+    assert min(t.bf16_decode, t.fp32_decode, t.bf16_update, t.fp32_update) > 0 and t.ratio > 0
 
-    t0 = time.perf_counter()
-    r = P.measure_bf16_slowdown()
-    assert r > 0 and time.perf_counter() - t0 < 1.5
+
+def test_an_explicit_bfloat16_on_an_avx2_cpu_measures_only_the_probe(tmp_path):
+    m = _FakeMachine({("bfloat16", "probe"): 0.4, ("float32", "probe"): 0.01})
+    t = P.measure_precisions(clock=m.clock, work=m.work, probe_only=True)
+    assert {k for _, k in m.calls} == {"probe"} and t.emulated and t.ratio == pytest.approx(40.0)
+    assert P.decide_dtype(t) == "float32"
 
 
 def test_trainer_logs_and_summarises_its_precision(tmp_path, monkeypatch, capsys):
@@ -110,7 +197,7 @@ def test_a_bfloat16_cpu_gets_one_precision_line_that_says_auto(tmp_path, monkeyp
     from reflrl.train.setup import load_policy
 
     monkeypatch.setattr(P, "cpu_features", lambda: AVX512_BF16)
-    monkeypatch.setattr(P, "measure_bf16_slowdown", lambda: 0.5)
+    monkeypatch.setattr(P, "measure_precisions", lambda **_: _timing(0.5, 0.5))
     cfg = C.load_config(ROOT / "configs" / "tiny.yaml", ["model.dtype=auto", "model.trainable=all"])
     monkeypatch.setattr(P, "_cache_file", lambda: tmp_path / "precision.json")  # this fake CPU's verdict
     lines: list[str] = []

@@ -72,7 +72,7 @@ def add_eval_commands(subparsers: Any) -> None:
     ev.add_argument("--max-steps", type=int, default=20, help="BFCL multi-turn steps per turn before force-quit")
     ev.add_argument("--out", default=None, help="output folder (default runs/eval/<time>-<model>)")
     ev.add_argument("--dtype", default="auto", choices=("auto", "bfloat16", "float32"),
-                    help="local model precision; auto: bfloat16 only where the CPU computes it natively (reflrl.precision)")
+                    help="local model precision; auto: the faster of bfloat16 and float32 on this CPU (reflrl.precision)")
     ev.add_argument("--batch-size", type=int, default=8, help="prompts decoded together (local model)")
     ev.add_argument("--concurrency", type=int, default=4, help="parallel requests (endpoint)")
     ev.add_argument("--threads", type=int, default=None,

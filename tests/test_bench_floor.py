@@ -1,0 +1,92 @@
+"""scripts/bench_floor.py refuses to print ratios measured on a busy machine: the floor is measured before
+and after the timed work, and the load average is read; the measurements are injected here, so the test
+does not depend on this machine's load."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from script_loader import load_script
+
+GF = 1e9
+QUIET = {1: 2 * GF, 8: 15 * GF, 32: 60 * GF, 2048: 250 * GF}
+
+
+def _fm(bf, rates=QUIET, bw=20e9):
+    return bf.FloorMeasure(dict(rates), bw)
+
+
+def test_agreeing_figures_and_a_quiet_load_pass():
+    bf = load_script("bench_floor")
+    after = _fm(bf, {m: r * 0.9 for m, r in QUIET.items()}, 18e9)  # 10% apart: within the rule
+    ok, reason = bf.floor_verdict(_fm(bf), after, (0.1, 2.3), ncpu=2, threads=2)
+    assert ok and "0.10 before and 2.30 after" in reason
+
+
+def test_a_floor_that_moved_is_refused_naming_both_readings():
+    bf = load_script("bench_floor")
+    # what a run started while another benchmark was finishing measured: bfloat16 matmuls at 0-7 GFLOP/s
+    busy = _fm(bf, {1: 0.1 * GF, 8: 3 * GF, 32: 7 * GF, 2048: 7 * GF})
+    ok, reason = bf.floor_verdict(busy, _fm(bf), (0.2, 2.0), ncpu=2, threads=2)
+    assert not ok
+    assert "matmul M=2048 7.0 before, 250.0 after GFLOP/s (97% apart)" in reason
+    ok, reason = bf.floor_verdict(_fm(bf), _fm(bf, bw=12e9), (0.2, 2.0), ncpu=2, threads=2)
+    assert not ok and "memory bandwidth 20.0 before, 12.0 after GB/s (40% apart)" in reason
+
+
+@pytest.mark.parametrize("load, ncpu, threads, where", [
+    ((1.1, 2.0), 2, 2, "1.10 before the start"),       # another job's threads still in the 1-minute average
+    ((0.0, 3.2), 2, 2, "3.20 after the timed work"),   # beyond the benchmark's 2 threads + 0.5
+    ((3.0, 8.0), 8, 4, "3.00 before the start"),      # 8 cores: 2.0 allowed before
+])
+def test_a_high_load_average_is_refused(load, ncpu, threads, where):
+    bf = load_script("bench_floor")
+    ok, reason = bf.floor_verdict(_fm(bf), _fm(bf), load, ncpu=ncpu, threads=threads)
+    assert not ok and where in reason and "busy" in reason
+
+
+def _fake_run(bf, monkeypatch, floors, loads):
+    """main() with the machine's measurements and the timed work replaced: the tiny model, one RL step's
+    and one evaluation's token counts and seconds."""
+    from reflrl.models import load_model
+
+    model, _ = load_model("tiny-random", dtype="float32", seed=0)
+    gen = {"prefill_s": 0.2, "decode_s": 1.0, "prompt_tokens": 400, "prompts": 4, "new_tokens": 64, "samples": 8,
+           "rows": [8] * 8, "ctx": [100.0]}
+    step = {"wall_s": 2.0, "parts": {"decode": 1.0}, "rollout": gen, "reflection": {},
+            "forward+backward_floor_s": 0.1, "new_tokens": 64, "rollouts": 8, "rollouts_per_min": 240.0}
+    timed = bf.Timed(model=model, steps=[step], eval={"tasks": 4, "wall_s": 1.5, "gen": gen, "tools_s": 0.1,
+                                                      "accuracy": 0.5},
+                     decode_tps=100.0, warmup={"wall_s": 0.5, "floor_s": 0.25})
+    monkeypatch.setattr(bf, "measure_floor", lambda dtype: floors.pop(0))
+    monkeypatch.setattr(bf, "loadavg", lambda: loads.pop(0))
+    monkeypatch.setattr(bf, "run_timed", lambda args: timed)
+    monkeypatch.setattr(bf.os, "cpu_count", lambda: 2)
+
+
+def test_main_on_a_disturbed_machine_prints_no_ratio_and_exits_non_zero(tmp_path, monkeypatch, capsys):
+    bf = load_script("bench_floor")
+    busy = _fm(bf, {m: r / 40 for m, r in QUIET.items()})
+    _fake_run(bf, monkeypatch, [busy, _fm(bf)], [2.4, 2.1])
+    code = bf.main(["--dtype", "float32", "--threads", "2", "--json", str(tmp_path / "f.json")])
+    out = capsys.readouterr().out
+    assert code != 0
+    assert "NO RATIOS: the machine was busy" in out and "load average 2.40 before the start" in out
+    assert "(98% apart)" in out  # the two readings, side by side
+    assert "->" not in out and "floor 0" not in out
+    res = json.loads((tmp_path / "f.json").read_text())
+    assert res["floor_check"]["ok"] is False and "rl_steps" not in res and "eval" not in res
+
+
+def test_main_on_a_quiet_machine_prints_the_ratios(tmp_path, monkeypatch, capsys):
+    bf = load_script("bench_floor")
+    _fake_run(bf, monkeypatch, [_fm(bf), _fm(bf, {m: r * 0.95 for m, r in QUIET.items()})], [0.05, 2.0])
+    code = bf.main(["--dtype", "float32", "--threads", "2", "--json", str(tmp_path / "f.json")])
+    out = capsys.readouterr().out
+    assert code == 0 and "floor check: floor steady" in out and "NO RATIOS" not in out
+    assert "RL step: 2.00s, floor" in out and "greedy evaluation of 4 tasks: 1.5s, floor" in out
+    assert "warm-up step: 0.50s, bare forward+backward+AdamW on the same tokens 0.25s -> 2.00x" in out
+    res = json.loads((tmp_path / "f.json").read_text())
+    assert res["floor_check"]["ok"] is True and res["rl_steps"][0]["ratio"] > 0
+    assert res["matmul_gflops"]["2048"] == pytest.approx(250.0)  # the faster of the two readings
