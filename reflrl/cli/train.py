@@ -6,7 +6,7 @@ from datetime import datetime
 from pathlib import Path
 
 from reflrl import config as C
-from reflrl.errors import IncompleteRun, UserError
+from reflrl.errors import IncompleteRun
 
 DEFAULT_CONFIG = C.default_recipe()  # configs/default.yaml, shipped as package data (same in a wheel)
 
@@ -34,7 +34,8 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
                    help="cpu: this process's trainer (default); verl: build a verl config from --config "
                         "(a configs/verl/*.yaml recipe) and launch verl's trainer on Ray (docs/scale-out.md)")
     p.add_argument("--dry-run", action="store_true",
-                   help="with --backend verl: build and validate the verl config, print it, don't train")
+                   help="with --backend verl: build and validate the verl config, print it, don't train (without verl "
+                        "installed: on reflrl's copy of verl's defaults, without verl's own checks)")
     p.set_defaults(func=run)
     return p
 
@@ -81,10 +82,12 @@ def _run_verl(args: argparse.Namespace) -> int:
     here, see docs/scale-out.md). Configuration errors are ConfigErrors (exit 2)."""
     if not args.config:
         raise C.ConfigError("--backend verl needs --config configs/verl/<recipe>.yaml")
-    try:
-        from reflrl.verl_backend.launch import launch
-    except ImportError as e:
-        raise UserError(f"the verl backend needs the verl extra (pip install 'reflrl[verl]'): {e}") from None
+    from reflrl.verl_backend import require_verl
+
+    if not args.dry_run:
+        require_verl()  # before anything else: one line naming what to install (exit 2)
+    from reflrl.verl_backend.launch import launch
+
     overrides = list(args.overrides) + ([f"env.faults={args.faults}"] if args.faults else [])
     out = launch(args.config, overrides, dry_run=args.dry_run, write_data=not args.dry_run)
     if args.dry_run:

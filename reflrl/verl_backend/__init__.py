@@ -11,18 +11,50 @@
 - :mod:`.launch`     -- ``reflrl train --backend verl --config configs/verl/X.yaml``.
 
 Importing this package does not import verl; the submodules that need it import it lazily and
-raise a clear error naming ``pip install -e '.[verl]'`` when it is missing. See docs/scale-out.md.
+raise :class:`VerlMissing` (one line naming ``pip install 'reflrl[verl]'``) when it is missing. The
+translation to verl's config (:mod:`.config`, ``reflrl train --backend verl --dry-run``) works without
+verl. See docs/scale-out.md.
 """
+from __future__ import annotations
+
+import importlib.util
+
+from reflrl.errors import UserError
 
 VERL_VERSION = "0.9.1"
+INSTALL = "pip install 'reflrl[verl]' (from a checkout: pip install -e '.[verl]')"
+
+
+class VerlMissing(UserError, ImportError):
+    """verl (or a package the verl backend needs before it) is not installed or cannot be imported;
+    the message says what to install (``reflrl train`` exits 2 with it)."""
+
+
+def verl_available() -> bool:
+    """Whether verl is installed (found, not imported)."""
+    try:
+        return importlib.util.find_spec("verl") is not None
+    except (ImportError, ValueError):
+        return False
 
 
 def require_verl():
-    """Import verl, or raise ImportError explaining how to install the extra."""
+    """Import verl, or raise :class:`VerlMissing` saying how to install it (one line)."""
     try:
         import verl  # noqa: F401
-    except ImportError as e:  # pragma: no cover - exercised only without the extra
-        raise ImportError(
-            f"the verl backend needs verl=={VERL_VERSION}: pip install -e '.[verl]' "
-            f"(base install, no extras; it keeps the CPU torch) -- {e}") from e
+    except ImportError as e:
+        if e.name == "verl" or not verl_available():
+            raise VerlMissing(f"the verl backend trains with verl {VERL_VERSION}, which is not installed: {INSTALL}; "
+                              "verl needs NVIDIA GPUs (--dry-run translates the config without it)") from None
+        raise VerlMissing(f"verl is installed but does not import ({type(e).__name__}: {e}): {INSTALL} brings "
+                          "what it needs") from None
     return verl
+
+
+def require_omegaconf() -> None:
+    """The verl config is an OmegaConf config: raise :class:`VerlMissing` naming the package if it is missing."""
+    try:
+        import omegaconf  # noqa: F401
+    except ImportError as e:
+        raise VerlMissing(f"reflrl's verl config needs omegaconf ({e}): pip install 'omegaconf>=2.3,<2.4' "
+                          "(a dependency of reflrl: reinstalling reflrl brings it)") from None

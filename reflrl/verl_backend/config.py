@@ -17,6 +17,10 @@ agent loop's episode defaults) and runs verl's validation (:func:`validate_verl_
 dataclass) plus conversion of the algorithm, rollout and critic sections to verl's config dataclasses
 (``omega_conf_to_dataclass``), which reject unknown or ill-typed keys.
 
+Without verl installed (``make install`` alone; the dry run), the default config is reflrl's copy of the
+same composition (``verl_ppo_trainer.yaml``, :data:`DEFAULT_SNAPSHOT`; a test checks it equals verl's
+own), unknown keys are still refused, and only our own checks run: verl's need verl.
+
 Mapping decisions (why):
 
 - ``algo.policy_loss`` "clip_higher"/"ppo_clip" -> verl ``vanilla`` (same math, tested); "tool_rerl" ->
@@ -48,10 +52,12 @@ from reflrl.config import Config, ConfigError, config_from_dict, validate
 
 from reflrl.algos.importance import DEFAULT_LOG_CAP
 
-from . import require_verl
+from . import VERL_VERSION, require_verl, verl_available
 from .advantages import DEFAULT_EPS
 
 REWARD_FILE = str(Path(__file__).with_name("reward.py"))
+#: verl's default trainer config, composed (module doc): used when verl is not installed
+DEFAULT_SNAPSHOT = Path(__file__).with_name("verl_ppo_trainer.yaml")
 
 POLICY_LOSS_MAP = {"clip_higher": "vanilla", "ppo_clip": "vanilla", "tool_rerl": "reflrl_tool_rerl"}
 ADVANTAGE_MAP = {"grpo": "reflrl_grpo", "dr_grpo": "reflrl_dr_grpo", "rloo": "rloo", "gae": "gae"}
@@ -462,18 +468,24 @@ def refusals(cfg: Config, s: "VerlSettings") -> list[str]:
     return out
 
 
-def rollout_correction_for(loss_mode: str):
-    """verl's ``algorithm.rollout_correction`` for a loss mode: for our ``reflrl_tool_rerl*`` losses
-    token-level, untruncated IS weights (the behaviour log-prob carrier); None otherwise."""
-    require_verl()
-    from verl.trainer.config.algorithm import RolloutCorrectionConfig
-
+def rollout_correction_settings(loss_mode: str) -> dict[str, Any] | None:
+    """The fields of verl's ``algorithm.rollout_correction`` for a loss mode: for our ``reflrl_tool_rerl*``
+    losses token-level, untruncated IS weights (the behaviour log-prob carrier); None otherwise."""
     from .losses import LOSS_LEVELS, UNTRUNCATED_THRESHOLD
 
     if loss_mode not in LOSS_LEVELS:
         return None
-    return RolloutCorrectionConfig(rollout_is="token", rollout_is_threshold=UNTRUNCATED_THRESHOLD,
-                                   rollout_is_batch_normalize=False, rollout_rs=None, bypass_mode=False)
+    return {"rollout_is": "token", "rollout_is_threshold": UNTRUNCATED_THRESHOLD,
+            "rollout_is_batch_normalize": False, "rollout_rs": None, "bypass_mode": False}
+
+
+def rollout_correction_for(loss_mode: str):
+    """:func:`rollout_correction_settings` as verl's ``RolloutCorrectionConfig`` (needs verl)."""
+    require_verl()
+    from verl.trainer.config.algorithm import RolloutCorrectionConfig
+
+    rc = rollout_correction_settings(loss_mode)
+    return None if rc is None else RolloutCorrectionConfig(**rc)
 
 
 def variant_loss(cfg: Config) -> tuple[str, bool]:
@@ -599,10 +611,8 @@ def verl_keys(cfg: Config, s: VerlSettings) -> dict[str, Any]:
             "critic.ppo_mini_batch_size": s.ppo_mini_batch_size,
             "critic.model.path": m.name,
         })
-    rc = rollout_correction_for(loss_mode)
-    if rc is not None:
-        for f in ("rollout_is", "rollout_is_threshold", "rollout_is_batch_normalize", "rollout_rs", "bypass_mode"):
-            k[f"algorithm.rollout_correction.{f}"] = getattr(rc, f)
+    for f, v in (rollout_correction_settings(loss_mode) or {}).items():
+        k[f"algorithm.rollout_correction.{f}"] = v
     return k
 
 
@@ -643,6 +653,9 @@ def _compose_default():
 
 
 def _compose_default_uncached():
+    """verl's own files composed through Hydra; without verl, :func:`load_default_snapshot`."""
+    if not verl_available():
+        return load_default_snapshot()
     verl = require_verl()
     from hydra import compose, initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
@@ -652,6 +665,41 @@ def _compose_default_uncached():
         GlobalHydra.instance().clear()
     with initialize_config_dir(config_dir=cdir, version_base=None):
         return compose(config_name="ppo_trainer")
+
+
+def load_default_snapshot():
+    """reflrl's copy of verl's composed default config (:data:`DEFAULT_SNAPSHOT`), struct mode on as
+    Hydra returns it (setting an unknown key is an error)."""
+    from omegaconf import OmegaConf
+
+    conf = OmegaConf.load(DEFAULT_SNAPSHOT)
+    OmegaConf.set_struct(conf, True)
+    return conf
+
+
+SNAPSHOT_HEADER = """\
+# verl {version}'s default PPO trainer config: verl/trainer/config/ppo_trainer.yaml composed by Hydra, as
+# `python -m verl.trainer.main_ppo` starts from it (interpolations kept). Copyright the verl authors,
+# Apache License 2.0 (https://github.com/volcengine/verl). reflrl.verl_backend.config translates a recipe
+# onto it when verl is not installed (`reflrl train --backend verl --dry-run`); with verl installed it
+# composes verl's own files instead, and tests/test_verl_offline.py checks that the two are equal.
+# Written by reflrl.verl_backend.config.write_default_snapshot() (needs verl).
+"""
+
+
+def write_default_snapshot(path: str | Path = DEFAULT_SNAPSHOT) -> Path:
+    """Write the installed verl's composed default config to ``path`` (:data:`DEFAULT_SNAPSHOT`: after
+    a verl upgrade)."""
+    from omegaconf import OmegaConf
+
+    verl = require_verl()
+    text = SNAPSHOT_HEADER.format(version=verl.__version__) + OmegaConf.to_yaml(_compose_default_uncached())
+    Path(path).write_text(text)
+    return Path(path)
+
+
+def _verl_name() -> str:
+    return f"verl {require_verl().__version__}" if verl_available() else f"verl {VERL_VERSION}, reflrl's copy"
 
 
 def _set(conf: Any, key: str, value: Any) -> None:
@@ -666,16 +714,19 @@ def _set(conf: Any, key: str, value: Any) -> None:
         OmegaConf.update(conf, key, value, merge=False)
     except (ConfigAttributeError, ConfigKeyError):
         hint = _dataclass_only_hint(conf, key)
-        raise ConfigError(f"verl config has no key {key!r} (verl {require_verl().__version__}); "
+        raise ConfigError(f"verl config has no key {key!r} ({_verl_name()}); "
                           + (hint or "prefix it with '+' to add a new key")) from None
 
 
 def _dataclass_only_hint(conf: Any, key: str) -> str | None:
     """For a key that verl's config dataclass of its section has but verl's YAML lacks (e.g.
     ``actor_rollout_ref.rollout.enable_sleep_mode``): how to set it (the '+' prefix)."""
-    from hydra.utils import get_class
     from omegaconf import OmegaConf
 
+    try:
+        from hydra.utils import get_class
+    except ImportError:  # hydra comes with verl: without it, no hint
+        return None
     parent, _, leaf = key.rpartition(".")
     node = OmegaConf.select(conf, parent) if parent else None
     target = node.get("_target_") if node is not None and hasattr(node, "get") else None
@@ -723,20 +774,21 @@ def validate_verl_config(conf: Any) -> None:
     """verl's own checks: ``validate_config`` as ``verl.trainer.main_ppo.main`` runs it (with a critic
     it builds verl's CriticConfig, which loads the model's HF config: the model path must be local or
     reachable), then the algorithm and rollout sections through verl's config dataclasses, then our
-    loss's requirements."""
-    require_verl()
-    from verl.trainer.ppo.utils import need_critic, need_reference_policy
-    from verl.utils.config import omega_conf_to_dataclass, validate_config
-
-    validate_config(config=conf, use_reference_policy=need_reference_policy(conf), use_critic=need_critic(conf))
-    omega_conf_to_dataclass(conf.algorithm)
-    omega_conf_to_dataclass(conf.actor_rollout_ref.rollout)
+    loss's requirements. Without verl installed, our loss's requirements only."""
     loss_mode = conf.actor_rollout_ref.actor.policy_loss.loss_mode
-    from verl.trainer.ppo.core_algos import POLICY_LOSS_REGISTRY
+    if verl_available():
+        require_verl()
+        from verl.trainer.ppo.utils import need_critic, need_reference_policy
+        from verl.utils.config import omega_conf_to_dataclass, validate_config
 
-    if loss_mode not in POLICY_LOSS_REGISTRY:
-        raise ConfigError(f"policy loss {loss_mode!r} is not registered in verl (is the reflrl plugin "
-                          "installed? pip install -e '.[verl]')")
+        validate_config(config=conf, use_reference_policy=need_reference_policy(conf), use_critic=need_critic(conf))
+        omega_conf_to_dataclass(conf.algorithm)
+        omega_conf_to_dataclass(conf.actor_rollout_ref.rollout)
+        from verl.trainer.ppo.core_algos import POLICY_LOSS_REGISTRY
+
+        if loss_mode not in POLICY_LOSS_REGISTRY:
+            raise ConfigError(f"policy loss {loss_mode!r} is not registered in verl (is the reflrl plugin "
+                              "installed? pip install -e '.[verl]')")
     if loss_mode.startswith("reflrl_tool_rerl"):
         rc = conf.algorithm.rollout_correction
         if rc.rollout_is != "token" or rc.bypass_mode or rc.rollout_rs is not None or rc.rollout_is_batch_normalize:

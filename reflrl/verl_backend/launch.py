@@ -13,12 +13,15 @@ Steps (:func:`launch`):
    (``verl.trainer.main_ppo.run_ppo`` with its ``TaskRunnerV1``, or the legacy ``TaskRunner`` when
    ``trainer.use_v1=false``), exactly what ``python -m verl.trainer.main_ppo`` does after Hydra.
 
-Before Ray starts and before any data file is written, :func:`preflight` imports what verl's trainer
+First of all, before the recipe is read or anything optional imported, verl itself must import
+(:func:`reflrl.verl_backend.require_verl`: one line naming ``pip install 'reflrl[verl]'`` otherwise). Then,
+before Ray starts and before any data file is written, :func:`preflight` imports what verl's trainer
 and rollout will import (TransferQueue for the default v1 trainer, the rollout engine, Ray, the agent
 loop's cachetools/fastapi) and names every missing package with the extra that brings it.
 
 ``dry_run=True`` builds and validates the config (step 3) without writing data or checking packages,
-and returns it (tested on the CPU). The training itself needs GPUs and vLLM/SGLang
+and returns it (tested on the CPU). It needs omegaconf (a dependency of reflrl), not verl: without verl
+the config is built on reflrl's copy of verl's defaults and only reflrl's own checks run (it says so). The training itself needs GPUs and vLLM/SGLang
 (``pip install 'verl[vllm]==0.9.1'``); it was never run end to end. See docs/scale-out.md.
 """
 from __future__ import annotations
@@ -29,6 +32,7 @@ from typing import Any
 
 from reflrl.errors import UserError
 
+from . import VERL_VERSION, require_omegaconf, require_verl, verl_available
 from .config import Recipe, build_verl_config, load_recipe
 
 #: module -> (what to install, why): the packages a verl run imports beyond verl's base requirements
@@ -89,8 +93,15 @@ def launch(config_path: str | Path, overrides: list[str] | tuple[str, ...] = (),
            write_data: bool = True) -> Any:
     """Launch verl training for a recipe (module doc). Returns the verl config (``dry_run``) or None
     after training. Raises ConfigError / verl's validation errors naming what is wrong."""
+    if not dry_run:
+        require_verl()  # first: one line naming the extra, before anything else is read or imported
+    require_omegaconf()
     recipe = load_recipe(config_path, list(overrides))
     conf = build_verl_config(recipe)
+    if dry_run and not verl_available():
+        print(f"[reflrl] verl is not installed: this is verl {VERL_VERSION}'s default config (reflrl's copy) with "
+              "the recipe applied; verl's own checks did not run (pip install 'reflrl[verl]' runs them)",
+              file=sys.stderr)
     if not dry_run:
         preflight(conf)  # before any file is written and before Ray starts
     if write_data:
