@@ -70,6 +70,8 @@ def _generate_texts(engine: Any, tokenizer: Any, tasks: Sequence[Task], messages
     if gen.stop_when() is not None:
         extra["stop_when"] = gen.stop_when()
     tokens = capped = 0
+    if getattr(engine, "continuous", False):  # one decode loop refills its rows from all the prompts
+        batch_size = max(1, len(order))
     for s in range(0, len(order), batch_size):
         chunk = order[s: s + batch_size]
         samples = engine.generate([prompts[i] for i in chunk], n=1, max_new_tokens=[caps[i] for i in chunk],

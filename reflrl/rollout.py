@@ -10,6 +10,11 @@ over every trajectory that is *ready* (not waiting for a tool); tool calls of al
 concurrently on the event loop while the next generation batch runs in a worker thread
 (torch releases the GIL), again following VerlTool sec. 3.3.
 
+On a continuous-batching engine (``rollout.continuous``: :func:`pooled`) there are no generation batches:
+each task's n first answers are one request and each later answer of an episode its own, submitted to the
+engine's decode loop as soon as the episode is ready (:func:`_pooled_episodes`), so an episode's next turn
+decodes beside the others' answers instead of waiting for a batch.
+
 Tokenization (VerlTool, sec. 3.3 "Tokenization"): the action tokens of a trajectory are exactly the
 sampled ids (never re-tokenized text); observation tokens (tool messages rendered by the chat
 template + the next assistant header) are tokenized separately and appended with loss_mask 0, so the
@@ -271,17 +276,41 @@ def generate_batch(engine: Any, prompts: list[list[int]], cfg: RolloutSpec, *, n
 
     Returns, per sample, (sampled ids, their log-probs, finished) where finished is False when the
     sample was cut at its cap (the engine's finish_reason "length")."""
+    out = engine.generate(prompts, **_engine_args(cfg, n, max_new_tokens, seed))
+    return _checked(out, len(prompts), n)
+
+
+async def agenerate_batch(engine: Any, prompts: list[list[int]], cfg: RolloutSpec, *, n: int = 1,
+                          max_new_tokens: int | Sequence[int] | None = None, seed: int = 0
+                          ) -> list[tuple[list[int], list[float], bool]]:
+    """:func:`generate_batch` through the engine's awaitable ``agenerate`` (a continuous-batching engine:
+    the prompts join the decode loop that serves every waiting request, :func:`pooled`)."""
+    out = await engine.agenerate(prompts, **_engine_args(cfg, n, max_new_tokens, seed))
+    return _checked(out, len(prompts), n)
+
+
+def pooled(engine: Any, cfg: RolloutSpec) -> bool:
+    """Whether rollouts go through ``engine``'s continuous batching (its ``continuous`` flag and an
+    ``agenerate``; env steps concurrent): every answer, first or after a fault, is then its own request,
+    submitted as soon as its episode is ready, instead of one engine call per batch of ready episodes."""
+    return bool(cfg.concurrent and getattr(engine, "continuous", False) and hasattr(engine, "agenerate"))
+
+
+def _engine_args(cfg: RolloutSpec, n: int, max_new_tokens: int | Sequence[int] | None, seed: int) -> dict[str, Any]:
     mnt = max_new_tokens or cfg.max_new_tokens
     if not isinstance(mnt, int) and len(set(mnt)) == 1:
         mnt = int(next(iter(mnt)))
-    extra: dict[str, Any] = {}
+    extra: dict[str, Any] = {"n": n, "max_new_tokens": mnt, "temperature": cfg.temperature, "top_p": cfg.top_p,
+                             "seed": seed}
     stop_when = cfg.stop_when()
     if stop_when is not None:
         extra["stop_when"] = stop_when
-    out = engine.generate(prompts, n=n, max_new_tokens=mnt, temperature=cfg.temperature,
-                          top_p=cfg.top_p, seed=seed, **extra)
-    if len(out) != len(prompts) * n:
-        raise ValueError(f"engine returned {len(out)} samples for {len(prompts)} prompts x {n}")
+    return extra
+
+
+def _checked(out: list[Any], n_prompts: int, n: int) -> list[tuple[list[int], list[float], bool]]:
+    if len(out) != n_prompts * n:
+        raise ValueError(f"engine returned {len(out)} samples for {n_prompts} prompts x {n}")
     res = []
     for smp in out:
         ids = [int(t) for t in smp.token_ids]
@@ -390,7 +419,9 @@ async def arollout(engine: Any, tokenizer: Any, envs: Sequence[Any], tasks: Sequ
         messages.append(list(msgs))
         trajs.append(Trajectory(task=tasks[k // n], group=k // n, prompt_ids=render_prompt(tokenizer, msgs),
                                 seed=seed + k))
-    if cfg.max_turns <= 1:
+    if pooled(engine, cfg):
+        await _pooled_episodes(engine, tokenizer, envs, trajs, messages, cfg, t, seed)
+    elif cfg.max_turns <= 1:
         await _single_turn(engine, tokenizer, envs, trajs, cfg, t, seed, messages)
     else:
         await _multi_turn(engine, tokenizer, envs, trajs, messages, cfg, t, seed)
@@ -503,6 +534,102 @@ async def _multi_turn(engine, tokenizer, envs, trajs: list[Trajectory], messages
                 continue
             if _observe(tokenizer, tr, messages, k, info, text, ids):
                 ready.append(k)
+
+
+class OverlapTimer:
+    """Wall seconds during which at least one of several overlapping waits was in progress (``with busy:``),
+    added to ``timings[key]``: generation and env steps overlap on the continuous path, so each is counted
+    as the time it was going on, not the sum over episodes."""
+
+    def __init__(self, timings: dict[str, float], key: str):
+        self.timings, self.key, self.open, self.t0 = timings, key, 0, 0.0
+
+    def __enter__(self) -> None:
+        if self.open == 0:
+            self.t0 = time.perf_counter()
+        self.open += 1
+
+    def __exit__(self, *exc: Any) -> None:
+        self.open -= 1
+        if self.open == 0:
+            self.timings[self.key] += time.perf_counter() - self.t0
+
+
+async def _pooled_episodes(engine, tokenizer, envs, trajs: list[Trajectory], messages: list[list[dict]],
+                           cfg: RolloutSpec, t: dict[str, float], seed: int) -> None:
+    """The episodes of :func:`arollout` on a continuous-batching engine (:func:`pooled`): each task's n first
+    answers are one request (its prompt prefilled once), each later answer of an episode (a turn after a
+    fault the policy is shown, or the next turn of a multi-turn env) its own request, submitted as soon as
+    the episode's env step has answered; the engine decodes every waiting request in one loop. The same
+    episodes as the batch path (caps, turn and token limits, truncation, masking), sampled from other
+    seeds: a task's first answers from ``derive_seed(seed, 0, group)``, turn j of episode k from
+    ``derive_seed(seed, 1, k, j)``."""
+    from reflrl.envs.seeding import derive_seed
+
+    single = cfg.max_turns <= 1
+    caps = [answer_token_cap(tr.task, tokenizer, cfg) if single else cfg.max_new_tokens for tr in trajs]
+    sem = asyncio.Semaphore(cfg.concurrency) if cfg.concurrency > 0 else None
+    gen_busy, env_busy = OverlapTimer(t, "generate_s"), OverlapTimer(t, "env_s")
+
+    async def env_step(k: int, text: str):
+        with env_busy:
+            if sem is None:
+                return await step_episode(envs[k], text)
+            async with sem:
+                return await step_episode(envs[k], text)
+
+    async def act(k: int, ids: list[int], lps: list[float], fin: bool) -> int:
+        """Record answer ``ids`` of episode k, step its env: 0 when the episode ended, 1 when the env went on
+        but added nothing to answer, 2 when the env's answer was appended (the next turn is due)."""
+        tr = trajs[k]
+        tr.append_action(ids, lps)
+        tr.turns += 1
+        text = tokenizer.decode(ids, skip_special_tokens=True)
+        tr.texts.append(text)
+        if not fin:
+            tr.truncated = True
+        _obs, reward, term, trunc, info = await env_step(k, text)
+        record_step(tr, reward, info)
+        if term or trunc or tr.masked or tr.truncated or (not single and tr.turns >= cfg.max_turns):
+            tr.truncated = tr.truncated or (bool(trunc) and not term)
+            return 0
+        return 2 if _observe(tokenizer, tr, messages, k, info, text, ids) else 1
+
+    async def later_turns(k: int) -> None:
+        tr = trajs[k]
+        while True:
+            if not _fits(tr, cfg):
+                tr.truncated = True
+                return
+            prompt = tr.prompt_ids + tr.response_ids
+            room = min(caps[k], max(1, cfg.max_total_tokens - len(prompt)))
+            with gen_busy:
+                (ids, lps, fin), = await agenerate_batch(engine, [prompt], cfg, max_new_tokens=room,
+                                                         seed=derive_seed(seed, 1, k, tr.turns))
+            if await act(k, ids, lps, fin) < 2:
+                return
+
+    async def episode(k: int, ids: list[int], lps: list[float], fin: bool) -> None:
+        going = await act(k, ids, lps, fin)
+        if going == 2:
+            await later_turns(k)
+        if single and going and trajs[k].last.env_fault_treatment == "to-policy":
+            trajs[k].masked = True  # the token budget ended it while a fault was still open
+
+    async def group(members: list[int]) -> None:
+        first = trajs[members[0]]
+        with gen_busy:
+            samples = await agenerate_batch(engine, [first.prompt_ids], cfg, n=len(members),
+                                            max_new_tokens=caps[members[0]], seed=derive_seed(seed, 0, first.group))
+        await asyncio.gather(*(episode(k, *smp) for k, smp in zip(members, samples)))
+
+    if single:
+        by_group: dict[tuple[int, tuple[int, ...]], list[int]] = {}
+        for k, tr in enumerate(trajs):  # the rollouts of a task that share its prompt: one request
+            by_group.setdefault((tr.group, tuple(tr.prompt_ids)), []).append(k)
+        await asyncio.gather(*(group(members) for members in by_group.values()))
+    else:
+        await asyncio.gather(*(later_turns(k) for k in range(len(trajs))))
 
 
 def _observe(tokenizer, tr: Trajectory, messages: list[list[dict]], k: int, info: dict[str, Any], text: str,

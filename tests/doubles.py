@@ -46,6 +46,25 @@ class ScriptedEngine:
         pass
 
 
+class PooledScriptedEngine(ScriptedEngine):
+    """:class:`ScriptedEngine` with a continuous-batching engine's interface (``continuous``, an awaitable
+    ``agenerate``, as reflrl.rollout.pooled asks): the same answers; ``requests`` records each request's
+    samples (prompts x n)."""
+
+    continuous = True
+
+    def __init__(self, tokenizer, answer, row_as_sample: bool = False):
+        super().__init__(tokenizer, answer, row_as_sample)
+        self.requests: list[int] = []
+
+    async def agenerate(self, prompts, n=1, **kw):
+        import asyncio
+
+        self.requests.append(len(prompts) * n)
+        await asyncio.sleep(0)  # another coroutine's request may arrive meanwhile, as in a decode loop
+        return self.generate(prompts, n=n, **kw)
+
+
 def gold_text(task: Task) -> str:
     return format_calls(list(task.gold[0]), "hermes")
 

@@ -142,3 +142,25 @@ def test_pool_restores_train_mode_and_falls_back_without_the_lean_step(tiny, pro
     assert [s.token_ids for s in out] == [s.token_ids for s in ref]
     assert [s.token_ids for s in asyncio.run(plain.agenerate(prompts, max_new_tokens=4, temperature=0.0))] == \
         [s.token_ids for s in ref]
+
+
+def test_rollout_continuous_runs_a_training_step_through_the_pool(tmp_path):
+    """rollout.continuous=true: the run's engines decode through the pool (within rollout.kv_budget_mb),
+    a step's rollouts are served by the shared loop, and the held-out evaluation by a pool."""
+    from reflrl import train as T
+
+    from doubles import tiny_cfg
+
+    cfg = tiny_cfg(tmp_path, **{"rollout.continuous": "true", "rollout.kv_budget_mb": 8,
+                                "reflection.variant": "grpo", "train.save_every": 0})
+    tr = T.Trainer(cfg, tmp_path / "run", progress=False, quiet=True)
+    try:
+        assert tr.engine.continuous and tr.eval_engine.continuous
+        assert tr.engine.kv_budget_bytes == 8 * 2**20
+        m = tr.train_step()
+        stats = tr.engine.pool().stats
+        assert stats.samples == 8 and stats.prompts == 2 and m["rollout_accuracy"] >= 0
+        res = tr.evaluate("test")
+        assert res["n"] == len(tr.splits["test"]) == tr.eval_engine.last_stats.samples
+    finally:
+        tr.close()

@@ -252,6 +252,27 @@ def test_tool_rerl_step_repairs_batches_trains_and_accounts(tmp_path):
         tr.close()
 
 
+def test_pooled_engine_serves_each_retry_as_its_own_request(tmp_path):
+    """On a continuous-batching engine every retry under q* is submitted as soon as its critique is ready
+    (no round barrier): one request per retry, the same repairs as the batched rounds."""
+    from doubles import PooledScriptedEngine
+    from reflrl.train.data import splits_from_config
+
+    cfg = tiny_cfg(tmp_path, "tool_rerl")
+    sp = splits_from_config(cfg.data)
+    tasks = sp["train"] + sp["val"] + sp["test"]
+    tr = T.Trainer(cfg, tmp_path / "run", progress=False, quiet=True,
+                   engine=lambda model, tok: PooledScriptedEngine(tok, repairing_answer(tasks)))
+    try:
+        m = tr.train_step()
+        n_fail = int(m["reflect/failed"])
+        assert n_fail == 4 and tr.engine.requests == [4, 4] + [1] * n_fail
+        assert m["reflect/recovered_by_reflection"] == n_fail and m["reflect/generate_calls"] == n_fail
+        assert m["critic/calls"] == 2 * n_fail and m["zero_var_ratio"] == 1.0
+    finally:
+        tr.close()
+
+
 def test_tool_rerl_step_trains_the_repairs_on_q_with_eq2s_weight(tmp_path, monkeypatch):
     """The headline step: failures repaired under q* join their groups (``group=add``, the default
     recipe's), the update really runs, the repaired rows are trained on the ORIGINAL prompt q, and each

@@ -11,7 +11,7 @@ from reflrl.envs.parsing import format_calls
 from reflrl.envs.types import Task, ToolCall
 
 
-from doubles import ScriptedEngine, answer_by_task, gold_text  # noqa: E402  (shared test doubles)
+from doubles import PooledScriptedEngine, ScriptedEngine, answer_by_task, gold_text  # noqa: E402  (shared test doubles)
 
 
 @pytest.fixture(scope="module")
@@ -105,18 +105,20 @@ def test_env_steps_run_concurrently():
 
 
 # ----------------------------------------------------------------------------- multi turn
-def test_multi_turn_observation_tokens_are_separate_and_masked(tok, tasks):
+@pytest.mark.parametrize("base", [ScriptedEngine, PooledScriptedEngine])
+def test_multi_turn_observation_tokens_are_separate_and_masked(tok, tasks, base):
     """Turn 1 calls the gold tool, turn 2 answers in text: the response is
     [action 1 ids] + [observation ids] + [action 2 ids], the action ids are EXACTLY the sampled ones,
     observation tokens have loss_mask 0, and the whole sequence renders as the chat template's
-    rendering of the final conversation (VerlTool sec. 3.3 'Tokenization')."""
+    rendering of the final conversation (VerlTool sec. 3.3 'Tokenization'); batched or through
+    continuous batching (each turn its own request)."""
     task = tasks[0]
     sampled: dict[int, list[list[int]]] = {}
 
     def answer(text, j):
         return gold_text(task) if "<|im_start|>tool" not in text else "The result is in."
 
-    class Recording(ScriptedEngine):
+    class Recording(base):
         def generate(self, prompts, n=1, **kw):
             out = super().generate(prompts, n=n, **kw)
             for s in out:
@@ -193,3 +195,69 @@ def test_policy_visible_fault_continues_the_single_turn_episode(tok, tasks):
     # calling again until the call is answered gets every episode right
     assert all(t.correct and t.reward == 1.0 for t in trajs if not t.masked)
     assert len(eng.calls) > 1
+
+
+# ----------------------------------------------------------------------- continuous batching
+def _same(a: list[R.Trajectory], b: list[R.Trajectory]) -> None:
+    for x, y in zip(a, b, strict=True):
+        assert (x.group, x.response_ids, x.loss_mask, x.old_logprobs, x.turns) == \
+            (y.group, y.response_ids, y.loss_mask, y.old_logprobs, y.turns)
+        assert (x.reward, x.correct, x.masked, x.truncated, len(x.steps)) == \
+            (y.reward, y.correct, y.masked, y.truncated, len(y.steps))
+
+
+def test_pooled_rollouts_are_the_batch_paths_episodes(tok, tasks):
+    """A continuous-batching engine gets one request per task (its n first answers) and one per later
+    turn, submitted as each episode becomes ready; the episodes are the batch path's (same answers)."""
+    spec = R.RolloutSpec(max_new_tokens=96, answer_cap=1.5)
+    batch = run(R.arollout(ScriptedEngine(tok, answer_by_task(tasks)), tok, make_envs(6, tasks), tasks[:2], 3,
+                           spec, seed=5))
+    eng = PooledScriptedEngine(tok, answer_by_task(tasks))
+    pooled = run(R.arollout(eng, tok, make_envs(6, tasks), tasks[:2], 3, spec, seed=5))
+    _same(batch, pooled)
+    assert eng.requests == [3, 3]
+    assert [t.correct for t in pooled] == [True, False, True, True, False, True]
+
+
+def test_pooled_turns_after_a_fault_are_the_batch_paths(tok, tasks):
+    def again(text, j):
+        return gold_text(next(t for t in tasks if t.query in text))
+
+    spec = R.RolloutSpec(max_new_tokens=96)
+    mk = lambda: make_envs(12, tasks, faults="server_error=0.5", fault_exposure="policy")  # noqa: E731
+    batch = run(R.arollout(ScriptedEngine(tok, again), tok, mk(), tasks[:6], 2, spec, seed=1))
+    eng = PooledScriptedEngine(tok, again)
+    timings: dict[str, float] = {}
+    pooled = run(R.arollout(eng, tok, mk(), tasks[:6], 2, spec, seed=1, timings=timings))
+    _same(batch, pooled)
+    later = sum(t.turns - 1 for t in pooled)
+    assert later > 0 and eng.requests == [2] * 6 + [1] * later  # each turn after a fault: its own request
+    assert timings["generate_s"] > 0 and timings["env_s"] > 0
+
+
+def test_pooled_rollout_logprobs_match_the_trainer(tok, tasks):
+    """The tiny model through the engine's shared decode loop: the rollouts' log-probs are the trainer's."""
+    import torch
+
+    from reflrl.engines.transformers_engine import TransformersEngine
+    from reflrl.logprobs import sequence_logprobs
+    from reflrl.models import load_model
+
+    model, mtok = load_model("tiny-random", dtype="float32", seed=0)
+    eng = TransformersEngine(model, mtok, max_batch_size=4, continuous=True)
+    spec = R.RolloutSpec(max_new_tokens=12, temperature=0.7)
+    trajs = run(R.arollout(eng, mtok, make_envs(6, tasks), tasks[:2], 3, spec, seed=3))
+    assert eng.pool().stats.samples == 6 and max(eng.pool().stats.decode_rows) == 4
+    seqs = [t.prompt_ids + t.response_ids for t in trajs]
+    width = max(map(len, seqs))
+    ids = torch.zeros(len(seqs), width, dtype=torch.long)
+    am, rm = torch.zeros_like(ids), torch.zeros_like(ids)
+    for i, (t, q) in enumerate(zip(trajs, seqs)):
+        ids[i, : len(q)] = torch.tensor(q)
+        am[i, : len(q)] = 1
+        rm[i, len(t.prompt_ids): len(q)] = torch.tensor(t.loss_mask)
+    with torch.no_grad():
+        lp = sequence_logprobs(model, ids, am, rm, temperature=0.7)
+    for i, t in enumerate(trajs):
+        p = len(t.prompt_ids)
+        assert torch.allclose(lp[i, p: p + len(t.response_ids)], torch.tensor(t.old_logprobs), atol=1e-4)

@@ -265,8 +265,6 @@ class DecodePool:
         rows = [self.slots[i] for i in active]
         tok = torch.empty(len(active), dtype=torch.long)
         lp = torch.empty(len(active), dtype=torch.float32)
-        from .transformers_engine import sample_next
-
         groups: dict[tuple[float, float], list[int]] = {}
         for a, r in enumerate(rows):
             groups.setdefault((r.req.temperature, r.req.top_p), []).append(a)
@@ -274,7 +272,7 @@ class DecodePool:
             sel = torch.tensor(members, device=logits.device)
             part = logits if len(members) == len(rows) else logits[sel]
             u = None if temp <= 0 else torch.cat([torch.rand((1, 1), generator=rows[a].gen) for a in members])
-            t, l = sample_next(part, temp, top_p, None, consume=True, uniforms=u)
+            t, l = self.engine.sample(part, temp, top_p, None, consume=True, uniforms=u)
             tok[torch.tensor(members)] = t.cpu()
             lp[torch.tensor(members)] = l.float().cpu()
         done: list[Request] = []
@@ -372,6 +370,9 @@ class DecodePool:
     async def _drive(self) -> None:
         loop = asyncio.get_running_loop()
         failed: BaseException | None = None
+        model = self.engine.model
+        was_training = model.training
+        model.eval()  # for the whole burst: a nested generate restores eval mode, not a mode read mid-burst
         try:
             await loop.run_in_executor(None, self._setup)
             while True:
@@ -387,6 +388,7 @@ class DecodePool:
         except BaseException as e:  # noqa: BLE001 - delivered to every waiting request
             failed = e
         finally:
+            model.train(was_training)
             waiting = list(self.pending) + list(self._inbox) + [s.req for s in self.slots if s is not None]
             self.pending.clear()
             self._inbox.clear()
@@ -398,5 +400,5 @@ class DecodePool:
             raise failed
 
     def _step_in_context(self) -> list[Request]:
-        with self._context():
+        with torch.inference_mode():  # thread-local: entered in the worker thread that runs the step
             return self.iterate()

@@ -126,6 +126,8 @@ class TransformersEngine:
             that do not fit wait for rows to finish); None = no limit beyond ``max_batch_size`` rows.
     """
 
+    sample = staticmethod(sample_next)  # the draw of one token per row (the continuous pool calls it too)
+
     def __init__(self, model: nn.Module, tokenizer: Any, max_batch_size: int = 64, trunk_cache: Any = None,
                  lean: bool = True, continuous: bool = False, kv_budget_bytes: int | None = None):
         self.model = model

@@ -1,5 +1,7 @@
 """Reflection-recovery of one round of rollouts (:func:`arecover`): triage, batched reflection-guided
-retries, repaired rollouts in their groups.
+retries, repaired rollouts in their groups. The retries of one attempt round go to the engine in one call
+(:class:`.batcher.RoundBatcher`); on a continuous-batching engine (:func:`reflrl.rollout.pooled`) each retry
+is its own request instead, decoded as soon as its critique is ready, seeded by (seed, rollout, attempt).
 
 A rollout of several steps (faults the policy sees, ``env.fault_exposure="policy"``: the tool's error
 came back and the policy answered it) is repaired at its LAST step: q is the conversation before the
@@ -138,6 +140,11 @@ async def arecover(trajs: list[R.Trajectory], *, cfg: C.Config, engine: Any, tok
         return [Generation(tokenizer.decode(ids, skip_special_tokens=True), ids, lps) for ids, lps, _fin in out]
 
     batcher = RoundBatcher(len(chosen), sample)
+    # a continuous-batching engine: each retry is its own request, decoded as soon as its q* is ready
+    pooled = R.pooled(engine, rollout_cfg)
+    busy = {"generate_s": 0.0}
+    gen_timer = R.OverlapTimer(busy, "generate_s")
+    requests = [0]
     errors: list[str] = []
 
     async def repair(k: int) -> RepairRecord | None:
@@ -167,7 +174,17 @@ async def arecover(trajs: list[R.Trajectory], *, cfg: C.Config, engine: Any, tok
             cap = R.answer_token_cap(t.task, tokenizer, rollout_cfg)  # the rollouts' cap for this task
 
             async def generate(messages: list[dict]) -> Generation:
-                return await batcher.generate((messages, cap))
+                if not pooled:
+                    return await batcher.generate((messages, cap))
+                requests[0] += 1
+                asked[0] += 1
+                with gen_timer:
+                    (ids, lps, _fin), = await R.agenerate_batch(
+                        engine, [R.render_prompt(tokenizer, messages)], rollout_cfg, max_new_tokens=cap,
+                        seed=derive_seed(seed, 3, k, asked[0]))
+                return Generation(tokenizer.decode(ids, skip_special_tokens=True), ids, lps)
+
+            asked = [0]
 
             return await reflect_and_retry(generate, critic, step_env, t.task, _first_generation(t),
                                            f.max_attempts, first_feedback=fb0, messages=q or messages_of(t.task),
@@ -208,6 +225,7 @@ async def arecover(trajs: list[R.Trajectory], *, cfg: C.Config, engine: Any, tok
         if k not in picked:
             counts["unrecovered"] += 1
             counts["discarded"] += cause == "env_fault"
-    counts["generate_calls"] = batcher.calls
+    counts["generate_calls"] = requests[0] if pooled else batcher.calls
     trajs.extend(added)
-    return RecoveryResult(records, counts, stats, time.perf_counter() - t0, gen_s[0], errors)
+    return RecoveryResult(records, counts, stats, time.perf_counter() - t0, busy["generate_s"] if pooled else gen_s[0],
+                          errors)

@@ -175,9 +175,12 @@ def build_components(cfg: C.Config, train_tasks: Sequence[Any], *, say: Callable
     if engine is not None:
         rollout_engine = eval_engine = engine(model, tok)
     else:
-        rollout_engine = TransformersEngine(model, tok, max_batch_size=max(64, cfg.rollout.n * cfg.rollout.batch_prompts))
+        r = cfg.rollout  # continuous batching (rollout.continuous) within a KV budget
+        pool = {"continuous": r.continuous,
+                "kv_budget_bytes": None if r.kv_budget_mb is None else int(r.kv_budget_mb * 2**20)}
+        rollout_engine = TransformersEngine(model, tok, max_batch_size=max(64, r.n * r.batch_prompts), **pool)
         # held-out evaluations see the same prompts each time: the frozen bottom layers run once per prompt
-        eval_engine = TransformersEngine(model, tok, max_batch_size=64, trunk_cache=TrunkCache(model))
+        eval_engine = TransformersEngine(model, tok, max_batch_size=64, trunk_cache=TrunkCache(model), **pool)
     variant = variant_of(cfg)  # Tool-ReRL variant (reflection.variant): its critic when it repairs failures
     if variant.reflect and critic is None:
         critic = build_critic(cfg, rollout_engine, tok)
