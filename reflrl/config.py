@@ -189,7 +189,8 @@ class SamplingConfig:
 
 @dataclass
 class WarmupConfig:
-    """Supervised warm-up on the training split's gold calls (reflrl.sft)."""
+    """Supervised warm-up on the training split's gold calls and on following a critique of a policy
+    error (reflrl.sft, reflrl.train.warmup)."""
 
     enabled: Union[str, bool] = _f("auto", "'auto' (run when the format rate < threshold) | true | false")
     format_rate_threshold: float = _f(0.5, "auto: warm up when fewer than this share of probe samples parse")
@@ -199,6 +200,8 @@ class WarmupConfig:
     batch_size: int = _f(4, "SFT examples per step")
     time_budget_min: float | None = _f(None, "guard: cut the warm-up after this many minutes (reported as a cut: the result is then not the recipe's); null = no limit")
     eval_after: bool = _f(True, "evaluate the held-out split right after the warm-up, so the summary tells the warm-up's gain from RL's (one more evaluation)")
+    critique_share: float = _f(0.5, "share of the warm-up's examples that teach following a critique (the rest are the gold demonstrations): each is the retry prompt q* of a policy error, as the RL phase's reflection retries build it (a gold call made wrong: the wrong tool, a wrong value or a dropped argument; seeded), with the rule critic's analysis naming the fix, and the gold call as the target; none shows a tool error or a fault (reflrl.recovery.critique_examples); 0 = gold demonstrations only")
+    critique_reveal: str = _f("call", "the rule critic's level in the critique examples' feedback, one that names the fix: 'value' (the expected values) | 'call' (+ the whole expected call) | 'answer' (the same, in the policy's answer format); see reflection.reveal")
 
 
 @dataclass
@@ -539,6 +542,9 @@ def _warmup(cfg: "Config") -> Problems:
     if w.enabled not in ("auto", True, False):
         yield f"warmup.enabled: expected 'auto', true or false, got {_show(w.enabled)}"
     yield from _in_unit(w, "warmup", "format_rate_threshold")
+    if not 0 <= w.critique_share < 1:
+        yield f"warmup.critique_share: must be in [0, 1) (the rest of the examples are gold demonstrations), got {w.critique_share}"
+    yield from _one_of("warmup.critique_reveal", w.critique_reveal, ("value", "call", "answer"))
     yield from _at_least(w, "warmup", 0, "steps", "probe_n")
     yield from _at_least(w, "warmup", 1, "batch_size")
     yield from _at_least(w, "warmup", 0, "lr", strict=True)

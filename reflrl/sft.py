@@ -13,6 +13,11 @@ Demonstrations stay clean: they are gold answers of fault-free episodes (the req
 calls), so none shows a tool failing and a recovery from it; acting on a misbehaving tool is left to RL
 (``env.fault_exposure="policy"``). :func:`shows_fault` tells such an example apart, and the warm-up
 counts them (``demonstrations_with_fault`` in its record: 0).
+
+Beside them, critique-following examples (``kind="critique"``, :func:`example_from_messages`): the retry
+prompt q* of a policy error, with a critique that names the fix, followed by the gold answer
+(:mod:`reflrl.recovery.critique_examples`, ``warmup.critique_share``). They are trained the same way:
+the loss is on the answer tokens only, never on q*.
 """
 from __future__ import annotations
 
@@ -38,6 +43,7 @@ class SFTExample:
     answer_ids: list[int]
     task_id: str = ""
     shows_fault: bool = False  # the prompt holds a tool's failure or a critique of one (a recovery)
+    kind: str = "demonstration"  # | "critique": q* of a policy error -> the gold answer
 
 
 def shows_fault(messages: Sequence[dict]) -> bool:
@@ -73,16 +79,18 @@ def build_examples(tasks: Sequence[Task], tokenizer: Any, messages_fn: Callable[
 
     Tasks without gold calls are skipped (counted in the returned list's absence; see
     :func:`build_examples_report`)."""
-    eot = end_of_turn_id(tokenizer)
-    out = []
-    for t in tasks:
-        if not t.gold or not t.gold[0]:
-            continue
-        answer = format_calls(list(t.gold[0]), fmt)
-        ids = tokenizer(answer, add_special_tokens=False)["input_ids"]
-        msgs = messages_fn(t)
-        out.append(SFTExample(render_prompt(tokenizer, msgs), list(ids) + [eot], t.id, shows_fault(msgs)))
-    return out
+    return [example_from_messages(messages_fn(t), t.gold[0], tokenizer, fmt, t.id)
+            for t in tasks if t.gold and t.gold[0]]
+
+
+def example_from_messages(messages: list[dict], gold: Sequence[Any], tokenizer: Any, fmt: str = "hermes",
+                          task_id: str = "", kind: str = "demonstration") -> SFTExample:
+    """An example with an explicit prompt: ``messages`` rendered with the chat template and the
+    assistant generation prompt, then the ``gold`` calls written in ``fmt``, tokenized on their own,
+    and the end-of-turn token (the answer, the only tokens with loss)."""
+    ids = tokenizer(format_calls(list(gold), fmt), add_special_tokens=False)["input_ids"]
+    return SFTExample(render_prompt(tokenizer, messages), list(ids) + [end_of_turn_id(tokenizer)], task_id,
+                      shows_fault(messages), kind)
 
 
 def sft_pad_id(tokenizer: Any) -> int:
@@ -153,7 +161,8 @@ def train_sft(model: torch.nn.Module, tokenizer: Any, examples: Sequence[SFTExam
     not carried into RL); the learning rate follows :func:`lr_schedule`. ``should_stop(done,
     seconds_per_step)`` is a guard asked before each step (the run's time budget): when it says stop,
     training ends early and the result says ``cut``. ``on_step(done, loss)`` reports progress.
-    Returns {"steps", "planned", "cut", "loss_first", "loss_last", "seconds"}.
+    Returns {"steps", "planned", "cut", "loss_first", "loss_last", "seconds", "trained_by_kind"} (the
+    examples trained on per :attr:`SFTExample.kind`, repeats counted).
     """
     if not examples:
         raise ValueError("SFT warm-up has no examples (no training task has gold calls)")
@@ -165,6 +174,7 @@ def train_sft(model: torch.nn.Module, tokenizer: Any, examples: Sequence[SFTExam
     rng = random.Random(seed)
     batches: list[list[int]] = []
     losses: list[float] = []
+    trained: dict[str, int] = {}
     t0 = time.perf_counter()
     model.train()
     done = 0
@@ -177,6 +187,8 @@ def train_sft(model: torch.nn.Module, tokenizer: Any, examples: Sequence[SFTExam
             batches = _epoch_batches(examples, batch_size, rng)
         idx = batches.pop()
         batch = collate([examples[i] for i in idx], pad)
+        for i in idx:
+            trained[examples[i].kind] = trained.get(examples[i].kind, 0) + 1
         cur_lr = lr_schedule(s, steps=steps, lr=lr, warmup_steps=warmup_steps)
         for g in opt.param_groups:
             g["lr"] = cur_lr
@@ -198,4 +210,4 @@ def train_sft(model: torch.nn.Module, tokenizer: Any, examples: Sequence[SFTExam
     del opt
     return {"steps": done, "planned": steps, "cut": cut, "loss_first": losses[0] if losses else None,
             "loss_last": (sum(losses[-5:]) / len(losses[-5:])) if losses else None,
-            "seconds": time.perf_counter() - t0}
+            "seconds": time.perf_counter() - t0, "trained_by_kind": trained}

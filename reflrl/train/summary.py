@@ -187,6 +187,21 @@ def _count(key: str, e: dict[str, Any]) -> str:
     return f" (of {e[of]:.0f})" if of and isinstance(e.get(of), (int, float)) else ""
 
 
+def format_warmup_examples(wu: dict[str, Any]) -> str:
+    """``warm-up demonstrations: 512 gold answers of fault-free episodes and 512 critique-following
+    examples (...; trained on 118 and 122); 0 showed a fault or a recovery``: the warm-up's examples of
+    each kind (warmup.critique_share), how many of each its steps drew, and how many showed a tool fault."""
+    crit = wu.get("critique_examples") or 0
+    line = f"warm-up demonstrations: {wu['demonstrations']} gold answers of fault-free episodes"
+    if crit:
+        trained = wu.get("sft_trained_by_kind") or {}
+        line += (f" and {crit} critique-following examples (the retry prompt of a policy error, its critique "
+                 f"naming the fix -> the gold call)")
+        if trained:
+            line += f"; trained on {trained.get('demonstration', 0)} and {trained.get('critique', 0)}"
+    return line + f"; {wu.get('demonstrations_with_fault', 0)} showed a fault or a recovery from one"
+
+
 def format_time_split(s: dict[str, Any]) -> str | None:
     """``time split: load 20s (4%), evaluations 60s (12%), warm-up 100s (20%), RL 300s (60%), other 20s
     (4%) of 500s; RL 60% of the run``; None for a summary without it."""
@@ -228,8 +243,7 @@ def format_summary(s: dict[str, Any]) -> str:
                      f"({s['precision']['reason']})")
     wu = s.get("warmup") or {}
     if wu.get("demonstrations") is not None:
-        lines.append(f"warm-up demonstrations: {wu['demonstrations']} gold answers of fault-free episodes; "
-                     f"{wu.get('demonstrations_with_fault', 0)} showed a fault or a recovery")
+        lines.append(format_warmup_examples(wu))
     if s.get("format_rate_before") is not None:
         lines.append(f"format rate (sampled): {pct(s['format_rate_before'])} -> {pct(s.get('format_rate_after'))}"
                      f"  (warm-up {'ran' if s['warmup'].get('ran') else 'skipped'})")

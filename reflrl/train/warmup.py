@@ -1,5 +1,7 @@
 """The supervised warm-up phase of a run: when the base model cannot yet write tool calls, SFT on the
-training split's gold calls for ``warmup.steps`` steps (:mod:`reflrl.sft`) before RL."""
+training split's gold calls for ``warmup.steps`` steps (:mod:`reflrl.sft`) before RL. A share of the
+examples (``warmup.critique_share``) follow a critique: the retry prompt q* of a policy error whose
+critique names the fix -> the gold call (:mod:`reflrl.recovery.critique_examples`)."""
 from __future__ import annotations
 
 import time
@@ -8,7 +10,7 @@ from typing import Any, Callable
 from reflrl import config as C
 from reflrl.envs.seeding import derive_seed
 from reflrl.progress import Progress
-from reflrl.sft import build_examples, train_sft
+from reflrl.sft import SFTExample, build_examples, example_from_messages, train_sft
 
 
 def run_warmup(cfg: C.Config, *, model: Any, tokenizer: Any, train_tasks: list, messages: Callable[[Any], list],
@@ -36,6 +38,9 @@ def run_warmup(cfg: C.Config, *, model: Any, tokenizer: Any, train_tasks: list, 
 
     # demonstrations are gold answers of fault-free episodes: none shows a fault or a recovery (counted)
     out["demonstrations"] = len(examples)
+    critiques = critique_following(cfg, train_tasks, tokenizer, messages, fmt, len(examples))
+    out["critique_examples"] = len(critiques)
+    examples += critiques
     out["demonstrations_with_fault"] = sum(e.shows_fault for e in examples)
 
     def should_stop(done: int, sps: float | None) -> bool:
@@ -57,3 +62,21 @@ def run_warmup(cfg: C.Config, *, model: Any, tokenizer: Any, train_tasks: list, 
             else f"{res['loss_first']:.2f} -> {res['loss_last']:.2f}")
     say(f"warm-up: {res['steps']} SFT steps in {res['seconds']:.0f}s, loss {loss}")
     return out
+
+def critique_following(cfg: C.Config, train_tasks: list, tokenizer: Any, messages: Callable[[Any], list], fmt: str,
+                       demonstrations: int) -> list[SFTExample]:
+    """The warm-up's critique-following examples (``warmup.critique_share`` of all its examples, beside
+    ``demonstrations`` gold answers): q* of a corrupted gold call with the rule critic's analysis at
+    ``warmup.critique_reveal``, rendered in ``reflection.mode`` as the RL phase's retries render it
+    -> the gold call; seeded by ``train.seed``. None when the share is 0."""
+    w = cfg.warmup
+    if w.critique_share <= 0:
+        return []
+    from reflrl.recovery.critics import get_critic
+    from reflrl.recovery.critique_examples import critique_count, critique_examples
+
+    made = critique_examples(train_tasks, messages_fn=messages,
+                             critic=get_critic("rule", reveal=w.critique_reveal, parser=cfg.env.parser), fmt=fmt,
+                             count=critique_count(w.critique_share, demonstrations),
+                             seed=derive_seed(cfg.train.seed, 13, bits=31), mode=cfg.reflection.mode)
+    return [example_from_messages(c.messages, c.gold, tokenizer, fmt, c.task.id, kind="critique") for c in made]
