@@ -49,6 +49,8 @@ class EnvFault:
                    calling again, and the call itself was right.
     arguments:     the failed call's arguments (visible faults), to name the call to make again.
     also:          further visible faults of the same answer (a parallel answer's other failed calls).
+    param, new:    an API change's record from the server (param_renamed: the parameter's old and
+                   new name; tool_moved: param None, new the successor tool).
     """
 
     kind: str
@@ -60,6 +62,8 @@ class EnvFault:
     visible: bool = False
     arguments: dict[str, Any] | None = None
     also: tuple["EnvFault", ...] = ()
+    param: str | None = None
+    new: str | None = None
 
 
 @dataclass

@@ -33,6 +33,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from reflrl.envs.types import ToolCall
+from reflrl.faults.kinds import CHANGE_KINDS
 
 from .base import EnvFault, Score
 
@@ -204,12 +205,39 @@ def describe_visible_fault(fault: EnvFault) -> str:
     the tool answered 429 (rate_limit) with Retry-After 2 s to get_weather(city="Paris"); call it again
     with the same arguments."`` A parallel answer's failed calls are each named (the others got answers)."""
     faults = (fault, *fault.also)
+    if any(f.kind in CHANGE_KINDS for f in faults):
+        return " ".join(describe_api_change(f) if f.kind in CHANGE_KINDS else
+                        f"The tool answered {_fault_answer(f)} to {_call_text(f)}; call it again with the same arguments."
+                        for f in faults)
     if len(faults) == 1:
         return (f"Your call was right; the tool answered {_fault_answer(fault)} to {_call_text(fault)}; "
                 "call it again with the same arguments.")
     told = "; ".join(f"{_fault_answer(f)} to {_call_text(f)}" for f in faults)
     return (f"Your calls were right; the tool answered {told}; call each of these again with the same "
             "arguments.")
+
+
+def describe_api_change(fault: EnvFault) -> str:
+    """The fix an API change asks for, from the server's record of it (``fault.param`` / ``fault.new``;
+    else its message in ``fault.detail``), with the call to make: ``"Your call was right but the API
+    changed: get_current_weather now takes 'location' in place of 'city': call
+    get_current_weather(location="Paris")."`` / ``"get_air_quality was retired; call get_air_quality_v2
+    with the same arguments: get_air_quality_v2(city="Paris")."``"""
+    import json
+
+    args = dict(fault.arguments or {})
+    if fault.kind == "param_renamed" and fault.param and fault.new:
+        new_args = {(fault.new if k == fault.param else k): v for k, v in args.items()}
+        call = f"{fault.tool}({', '.join(f'{k}={json.dumps(v, ensure_ascii=False, default=str)}' for k, v in new_args.items())})"
+        return (f"Your call was right but the API changed: the tool {fault.tool} now takes '{fault.new}' in place "
+                f"of '{fault.param}': call {call}.")
+    if fault.kind == "tool_moved" and fault.new:
+        call = _call_text(EnvFault(fault.kind, fault.new, arguments=args))
+        return (f"Your call was right but the API changed: {fault.tool} was retired; call {fault.new} with the "
+                f"same arguments: {call}.")
+    said = f": {fault.detail}" if fault.detail else ""
+    return (f"Your call was right but the API changed ({fault.kind}){said}; make the call the way the "
+            "tool's answer says.")
 
 
 def describe_env_fault(fault: EnvFault) -> str:
@@ -223,6 +251,8 @@ def describe_env_fault(fault: EnvFault) -> str:
     """
     if fault.visible:
         return describe_visible_fault(fault)
+    if fault.kind in CHANGE_KINDS:
+        return describe_api_change(fault)
     tool = f"The tool `{fault.tool}`" if fault.tool else "The tool"
     st = f"HTTP {fault.status}" if fault.status else None
     tried = f" after {fault.attempts} attempts" if fault.attempts and fault.attempts > 1 else ""

@@ -29,6 +29,8 @@ than its Content-Length)
 U+FFFD in a string
 a result failing the tool's ``returns``     SchemaDrift                  env_fault / schema_drift
 schema
+400 with code parameter_renamed             ParamRenamed (never retried) env_fault / param_renamed
+410 with code tool_moved                    ToolMoved (never retried)    env_fault / tool_moved
 404 unknown_tool                            UnknownTool (a PolicyError)  policy_error
 422 invalid_arguments                       InvalidArguments (a          policy_error
                                             PolicyError)
@@ -70,8 +72,9 @@ from reflrl.faults.inject import NET_EXTENSION
 
 from .clock import SystemClock
 from .errors import (Banned, ConnectionReset, InvalidArguments, InvalidFile, MalformedBody,
-                     PolicyError, RateLimited, SchemaDrift, ServerError, ToolBug, ToolCallError,
-                     ToolClientError, ToolFault, ToolTimeout, TruncatedBody, UnknownTool)
+                     ParamRenamed, PolicyError, RateLimited, SchemaDrift, ServerError, ToolBug,
+                     ToolCallError, ToolClientError, ToolFault, ToolMoved, ToolTimeout, TruncatedBody,
+                     UnknownTool)
 from .retry import RetryPolicy
 
 __all__ = ["CallOutcome", "InProcessTransport", "RetryPolicy", "ToolClient", "ToolClientError",
@@ -145,7 +148,13 @@ def classify_response(status: int, headers: httpx.Headers | dict, body: bytes,
     ToolClientError for a client bug.
 
     returns: the tool's ``returns`` JSON schema (or a jsonschema validator of it), if known."""
-    said = {"code": _error_type(body), "server_message": _error_message(body)} if status >= 400 else {}
+    said = {"code": _error_code(body), "server_message": _error_message(body)} if status >= 400 else {}
+    if status in (400, 410):  # an API change (reflrl.faults.evolve): its body names the new name
+        cls = {(400, "parameter_renamed"): ParamRenamed, (410, "tool_moved"): ToolMoved}.get(
+            (status, _error_code(body)))
+        if cls is not None:
+            raise cls(f"HTTP {status}: {_error_message(body)}", status=status, detail=said["code"],
+                      error_fields=_error_fields(body), **said)
     if status == 429:
         ra = parse_retry_after(headers.get("retry-after"))
         raise RateLimited("429 Too Many Requests", status=status, detail=f"retry_after={ra}",
@@ -222,6 +231,19 @@ def _error_obj(body: bytes) -> dict:
         return e if isinstance(e, dict) else {}
     except (ValueError, UnicodeDecodeError):
         return {}
+
+
+def _error_code(body: bytes) -> str | None:
+    """The error body's ``code`` (Stripe style), else its ``type``."""
+    e = _error_obj(body)
+    c = e.get("code")
+    return c if isinstance(c, str) else _error_type(body)
+
+
+def _error_fields(body: bytes, limit: int = 200) -> dict[str, str]:
+    """The error body's other short string fields (``param``, ``new_param``, ``successor`` ...)."""
+    return {k: v for k, v in _error_obj(body).items()
+            if isinstance(k, str) and isinstance(v, str) and k not in ("message",) and len(v) <= limit}
 
 
 def _error_type(body: bytes) -> str | None:

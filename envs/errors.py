@@ -17,7 +17,11 @@ Like httpx's exception hierarchy, one class per thing a client can see, grouped 
     │   │                                     httpx.DecodingError
     │   ├── Banned              ip_ban        403 (retried only after an identity change)
     │   ├── InvalidFile         invalid_file  404 file_missing; a result with NUL / U+FFFD
-    │   └── SchemaDrift         schema_drift  a result that fails the tool's ``returns`` schema
+    │   ├── SchemaDrift         schema_drift  a result that fails the tool's ``returns`` schema
+    │   └── ApiChanged          (the API changed under the client: a retry cannot help, the
+    │       │                   policy can change the call; never retried)
+    │       ├── ParamRenamed    param_renamed 400 code parameter_renamed (``param``, ``new_param``)
+    │       └── ToolMoved       tool_moved    410 code tool_moved (``successor``)
     ├── PolicyError             triage "policy_error": the model's mistake; never retried
     │   ├── UnknownTool         404 unknown_tool (a tool this episode does not offer)
     │   └── InvalidArguments    422 invalid_arguments (schema violation, not a JSON object)
@@ -31,7 +35,8 @@ Like httpx's exception hierarchy, one class per thing a client can see, grouped 
 Every ToolCallError carries what the client saw: ``status`` (HTTP status, None for a transport
 error), ``detail`` (the short specifics the ledger records: "503", "retry_after=2.0",
 "ReadTimeout", "invalid_arguments", ...), ``retry_after`` (seconds, RateLimited only), ``code`` and
-``server_message`` (the error body's type and message, when the server sent one) and its
+``server_message`` (the error body's code, else its type, and its message, when the server sent one),
+``error_fields`` (the error body's other string fields, e.g. ``param`` / ``new_param``) and its
 ``triage`` and ``kind``: the observed ``FaultEvent`` (reflrl.faults.ledger) the client records for
 that attempt takes triage, kind, status and detail from it (a slow answer is not an error: an answer slower than the
 client's threshold, error answers included, is recorded with kind "latency"). ``str(error)`` is
@@ -62,13 +67,14 @@ class ToolCallError(Exception):
 
     def __init__(self, message: str, *, status: int | None = None, detail: str = "",
                  retry_after: float | None = None, code: str | None = None,
-                 server_message: str | None = None) -> None:
+                 server_message: str | None = None, error_fields: dict[str, str] | None = None) -> None:
         super().__init__(message)
         self.status = status
         self.detail = detail
         self.retry_after = retry_after
         self.code = code
         self.server_message = server_message
+        self.error_fields = dict(error_fields or {})
 
     def observation(self) -> str:
         """The failure as an API's caller sees it, one line: ``HTTP 429 Too Many Requests: too many
@@ -161,6 +167,31 @@ class InvalidFile(ToolFault, kind="invalid_file"):
 
 class SchemaDrift(ToolFault, kind="schema_drift"):
     """A result that fails the tool's declared ``returns`` schema (a field renamed or missing)."""
+
+
+class ApiChanged(ToolFault):
+    """The API changed under the client (a deploy): the call as written cannot succeed again, so it is
+    never retried; the server's answer says how to change it."""
+
+
+class ParamRenamed(ApiChanged, kind="param_renamed"):
+    """400 with code parameter_renamed: the tool takes ``new_param`` in place of ``param``."""
+
+    @property
+    def param(self) -> str | None:
+        return self.error_fields.get("param")
+
+    @property
+    def new_param(self) -> str | None:
+        return self.error_fields.get("new_param")
+
+
+class ToolMoved(ApiChanged, kind="tool_moved"):
+    """410 Gone with code tool_moved: the tool is retired; ``successor`` takes the same arguments."""
+
+    @property
+    def successor(self) -> str | None:
+        return self.error_fields.get("successor")
 
 
 def retryable_faults() -> tuple[type[ToolFault], ...]:

@@ -23,6 +23,13 @@ Decisions: ``reflrl.faults.decide(plan, seed, episode, step, call, attempt)``, a
 - The client identity that an ``ip_ban`` bans is X-Reflrl-Client (else "anonymous"); the ban holds
   for that identity's later attempts of the same episode (request identity).
 - ``invalid_file`` applies to reflrl's file tools only and is refused in a proxy plan.
+- API changes (``param_renamed``, ``tool_moved``; ``reflrl.faults.evolve``) act on the route's last path
+  segment (``POST /v1/weather`` is retired for ``POST /v1/weather_v2``, which is forwarded as the old
+  route) and on a JSON-object request body (a renamed key: the old one gets 400, the new one is forwarded
+  under the old). The proxy knows no schema, so the renamed key is picked among the keys of the first
+  JSON-object body it sees for that (episode, route), and kept. They are sticky per episode: the
+  X-Reflrl-Episode of a request that carries one, else the proxy's whole run (a request's own identity
+  changes with its body, so it cannot be the episode of a change).
 
 Limits: a request body over ``max_body_bytes`` is answered 413 (a Content-Length over the limit
 before reading anything; a chunked body as soon as it passes the limit), never buffered without
@@ -47,7 +54,8 @@ import httpx
 
 from reflrl.faults import FaultInjector, FaultPlan, FaultSite, FaultSpecError, Ledger
 from reflrl.faults.coords import CoordError
-from reflrl.faults.inject import Coords, _err, _send_json, header_coords
+from reflrl.faults.evolve import ChangeBook
+from reflrl.faults.inject import Coords, _drain, _err, _send_json, header_coords
 
 from .clock import SystemClock
 from .limits import target_problem
@@ -109,9 +117,11 @@ class FaultProxy:
         self._seen: dict[str, int] = {}             # request identity -> requests seen
         self._keys: set[tuple[str, int, int, int]] = set()  # header coordinates seen
         self._banned: dict[str, set[str]] = {}      # episode -> banned client identities
+        self._header_eps: set[str] = set()          # episodes named by X-Reflrl-Episode
+        self._books: dict[str, ChangeBook] = {}     # API changes per episode ("*": the whole run)
         self.injector = FaultInjector(self._forward, lookup=self._lookup, ledger=self.ledger,
                                       clock=clock or SystemClock(), coords=_scope_coords,
-                                      envelope=None)
+                                      envelope=None, request_envelope=None)
 
     # ---- ASGI entry ---------------------------------------------------------------------------
     async def __call__(self, scope, receive, send) -> None:
@@ -156,6 +166,7 @@ class FaultProxy:
                 if key in self._keys:  # the same episode replayed: it supersedes its records
                     self._forget(c[0])
                 self._keys.add(key)
+                self._header_eps.add(c[0])
                 return (*c, tool)
             raw = scope.get("raw_path") or quote(path).encode()
             ident = request_identity(method, raw, scope.get("query_string", b""), body)
@@ -170,12 +181,19 @@ class FaultProxy:
     def _forget(self, episode: str) -> None:
         self.ledger.forget_injected(episode)
         self._banned.pop(episode, None)
+        self._books.pop(episode, None)
         self._keys = {k for k in self._keys if k[0] != episode}
 
     def _lookup(self, episode: str, tool: str) -> FaultSite:
         with self._lock:
             banned = self._banned.setdefault(episode, set())
-        return FaultSite(self.plan, self.seed, banned, file_tool=False)
+            book = None
+            if self.plan.change_total > 0:
+                where = episode if episode in self._header_eps else "*"
+                book = self._books.get(where)
+                if book is None:
+                    book = self._books[where] = ChangeBook(self.plan, self.seed, where)
+        return FaultSite(self.plan, self.seed, banned, file_tool=False, changes=book)
 
     # ---- forwarding (the app behind the injector) ---------------------------------------------
     async def _client(self) -> httpx.AsyncClient:
@@ -185,7 +203,7 @@ class FaultProxy:
         return self._http
 
     async def _forward(self, scope, receive, send) -> None:
-        body = scope["extensions"][_REQUEST]["body"]
+        body = await _drain(receive)  # the buffered body, as the injector passes it on (API changes)
         raw = scope.get("raw_path") or quote(scope["path"]).encode()
         url = self.upstream + raw.decode("latin-1")
         if scope.get("query_string"):

@@ -71,6 +71,8 @@ import gymnasium as gym
 import numpy as np
 from gymnasium import spaces
 
+from reflrl.faults.kinds import CHANGE_KINDS as _CHANGE_KINDS
+
 from .types import ParseResult, Task, ToolCall
 
 SINGLE_TURN_ID = "reflrl/ToolCall-v0"
@@ -188,6 +190,9 @@ class _Episode:
     turn_rewards: list[float] = dataclasses.field(default_factory=list)
     turn_correct: list[bool] = dataclasses.field(default_factory=list)
     turn_fault_caused: list[bool] = dataclasses.field(default_factory=list)  # per ended turn (policy-visible faults)
+    # API changes met (param_renamed, tool_moved), in order: the server's record of each (one per tool)
+    api_changes: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+    turn_change_caused: list[bool] = dataclasses.field(default_factory=list)  # per ended turn (API changes only)
     done: bool = False
 
 
@@ -519,6 +524,14 @@ class ToolCallEnv(gym.Env[str, str]):
           whose call has not got an answer since); fault_caused (at the end: the answer is wrong
           but would have been right had the open faults' calls been answered, and the episode is
           not masked: the policy could have called again and did not).
+          API changes (param_renamed, tool_moved; fault_exposure="policy"): api_changes (the
+          episode's changes met so far, in order: {kind, tool, param (old name; None for a move), new
+          (the new parameter name or the successor tool), step (where first met), adapted (a later
+          call using the new name got an answer)}); change_caused (at the end: the answer is wrong,
+          not masked, and would have been right had the calls at the change been adapted; then
+          fault_caused is true too); change_recoverable (at the end: the episode met a change, is not
+          masked, and ended right or change_caused). An adapted call counts as the call it stands for
+          (the old name) in scoring. A shown fault of a change also carries param and new.
         """
         ep = self._episode
         if ep is None:
@@ -613,7 +626,9 @@ class ToolCallEnv(gym.Env[str, str]):
                 ep.turn_rewards.append(turn_score)
                 ep.turn_correct.append(turn_correct)
                 if policy:  # wrong, but right had this turn's open faults' calls been answered
-                    ep.turn_fault_caused.append(not turn_correct and self._turn_fault_caused(ep))
+                    by_change = not turn_correct and self._turn_fault_caused(ep, changes_only=True)
+                    ep.turn_change_caused.append(by_change)
+                    ep.turn_fault_caused.append(by_change or (not turn_correct and self._turn_fault_caused(ep)))
                 ep.last_turn_calls, ep.last_turn_format_ok = list(ep.turn_calls), ep.turn_format_ok
                 turn_ended = True
                 ep.turn += 1
@@ -664,6 +679,13 @@ class ToolCallEnv(gym.Env[str, str]):
             info["fault_caused"] = bool(
                 ep.done and not correct and not ep.masked and info["open_faults"]
                 and self._would_be_right(ep, turn_index, info["open_faults"]))
+            info["api_changes"] = copy.deepcopy(ep.api_changes)
+            info["change_caused"] = bool(
+                ep.done and not correct and not ep.masked
+                and any(f["kind"] in _CHANGE_KINDS for f in info["open_faults"])
+                and self._would_be_right(ep, turn_index, info["open_faults"], ep.turn_change_caused))
+            info["change_recoverable"] = bool(
+                ep.done and ep.api_changes and not ep.masked and (bool(correct) or info["change_caused"]))
         if self.render_mode == "human":
             print(self._observation())
         return self._observation(), float(reward), terminated, truncated, info
@@ -689,30 +711,40 @@ class ToolCallEnv(gym.Env[str, str]):
                      "code": getattr(fault, "code", None), "attempts": int(o.attempts),
                      "observation": _fault_text(o), "policy_can_act": bool(kind and kind.policy_can_act),
                      "handled": False}
+                if o.fault_kind in _CHANGE_KINDS:
+                    f.update(_note_change(ep, step_index, c, o))
                 ep.shown_faults.append(f)
                 shown_now.append(f)
                 continue
-            key = _call_key(c)
+            # an adapted call (a renamed parameter's new name, a retired tool's successor) stands for
+            # the call it replaces: scored, and checked against shown faults, in the old form
+            canon = _canonical_call(ep.api_changes, c)
+            if canon is not c:
+                _mark_adapted(ep.api_changes, c)
+            key = _call_key(canon)
             for f in ep.shown_faults:
-                if not f["handled"] and f["step"] < step_index and _call_key(ToolCall(f["name"], f["arguments"])) == key:
+                if (not f["handled"] and f["step"] < step_index
+                        and _call_key(_canonical_call(ep.api_changes, ToolCall(f["name"], f["arguments"]))) == key):
                     f["handled"] = True
             if any(_call_key(b) == key for b in before):
                 continue  # the answer was already there: calling again is not a second call
-            counted.append(c)
-            ep.answered.append(c)
+            counted.append(canon)
+            ep.answered.append(canon)
         return counted
 
-    def _turn_fault_caused(self, ep: _Episode) -> bool:
+    def _turn_fault_caused(self, ep: _Episode, changes_only: bool = False) -> bool:
         """Whether the turn that just ended was failed by its faults: it would have been right had the
         calls of its faults that are still open been answered, either with every call the turn got an
         answer to, or with those answered up to the step of its first open fault (the answer the policy
         had given when it met the fault). Acting on the fault was then the policy's to do, and what it
         wrote instead (stopping, a malformed reply - a small policy often echoes the tool's error inside
-        a call - or other calls) failed to call again. A turn with no open fault stays the policy's."""
-        open_now = [f for f in ep.shown_faults if not f["handled"] and f.get("turn", 0) == ep.turn]
+        a call - or other calls) failed to call again. A turn with no open fault stays the policy's.
+        ``changes_only``: only the open API changes count (had those calls been adapted)."""
+        open_now = [f for f in ep.shown_faults if not f["handled"] and f.get("turn", 0) == ep.turn
+                    and (not changes_only or f["kind"] in _CHANGE_KINDS)]
         if not open_now:
             return False
-        faulted = [ToolCall(f["name"], f["arguments"]) for f in open_now]
+        faulted = [_canonical_call(ep.api_changes, ToolCall(f["name"], f["arguments"])) for f in open_now]
         first = min(int(f["step"]) for f in open_now)
         before = [c for c, st in zip(ep.turn_calls, ep.turn_call_steps) if st <= first]
         for answered in (list(ep.turn_calls), before):
@@ -720,14 +752,16 @@ class ToolCallEnv(gym.Env[str, str]):
                 return True
         return False
 
-    def _would_be_right(self, ep: _Episode, turn: int, open_faults: list[dict[str, Any]]) -> bool:
+    def _would_be_right(self, ep: _Episode, turn: int, open_faults: list[dict[str, Any]],
+                        caused_by: list[bool] | None = None) -> bool:
         """Whether the episode's answer would have been right had the open faults' calls been answered:
         every turn is right or fault-caused (:meth:`_turn_fault_caused`), at least one is fault-caused,
-        and no turn is left unreached (a truncated episode is the policy's)."""
+        and no turn is left unreached (a truncated episode is the policy's). ``caused_by``: the per-turn
+        flags to use (default ``ep.turn_fault_caused``; ``ep.turn_change_caused`` for the API changes)."""
+        caused = ep.turn_fault_caused if caused_by is None else caused_by
         if len(ep.turn_correct) < ep.n_user_turns:
             return False
-        return any(ep.turn_fault_caused) and all(
-            ok or caused for ok, caused in zip(ep.turn_correct, ep.turn_fault_caused))
+        return any(caused) and all(ok or c for ok, c in zip(ep.turn_correct, caused))
 
     def _score(self, format_ok: bool, calls: list[ToolCall], task: Task, turn: int):
         """(reward, parts, correct) of the calls of one turn against the turn's gold calls."""
@@ -959,6 +993,51 @@ def _render_text(messages: list[dict[str, Any]]) -> str:
 
 def _assistant_message(text: str) -> dict[str, Any]:
     return {"role": "assistant", "content": text}
+
+
+def _note_change(ep: _Episode, step_index: int, call: ToolCall, outcome: Any) -> dict[str, Any]:
+    """An API change the call met: the server's record of it (the error body: the old and the new
+    name), kept on the episode (one per tool, the first time it is met) and returned as the fields the
+    shown fault carries: ``param`` (old parameter name, None for a move) and ``new``."""
+    fault = outcome.fault
+    fields = dict(getattr(fault, "error_fields", None) or {})
+    kind = str(outcome.fault_kind)
+    tool = str(fields.get("tool") or call.name)
+    if kind == "param_renamed":
+        param, new = fields.get("param"), fields.get("new_param")
+    else:
+        param, new = None, fields.get("successor")
+    if new and not any(ch["tool"] == tool and ch["kind"] == kind for ch in ep.api_changes):
+        ep.api_changes.append({"kind": kind, "tool": tool, "param": param, "new": new,
+                               "step": step_index, "adapted": False})
+    return {"param": param, "new": new}
+
+
+def _canonical_call(changes: list[dict[str, Any]], c: ToolCall) -> ToolCall:
+    """The call an adapted call stands for (``c`` itself when it is not adapted): a retired tool's
+    successor -> the retired tool; a renamed parameter's new name -> the old name."""
+    name, args = c.name, dict(c.arguments)
+    changed = False
+    for ch in changes:
+        if ch["kind"] == "tool_moved" and name == ch["new"]:
+            name, changed = ch["tool"], True
+    for ch in changes:
+        if (ch["kind"] == "param_renamed" and name == ch["tool"] and ch["new"] in args
+                and ch["param"] not in args):
+            args = {(ch["param"] if k == ch["new"] else k): v for k, v in args.items()}
+            changed = True
+    return ToolCall(name, args) if changed else c
+
+
+def _mark_adapted(changes: list[dict[str, Any]], c: ToolCall) -> None:
+    """Mark the changes an answered call ``c`` used the new name of."""
+    for ch in changes:
+        if ch["kind"] == "tool_moved" and c.name == ch["new"]:
+            ch["adapted"] = True
+    name = _canonical_call([ch for ch in changes if ch["kind"] == "tool_moved"], c).name
+    for ch in changes:
+        if ch["kind"] == "param_renamed" and name == ch["tool"] and ch["new"] in c.arguments:
+            ch["adapted"] = True
 
 
 def _call_key(c: ToolCall) -> tuple[str, Any]:

@@ -21,7 +21,10 @@ or 500 ``tool_bug`` when a tool's handler crashed):
   200 ``{"result": ...}``; 404 ``unknown_tool`` / ``unknown_episode``; 422 ``invalid_arguments``
   (jsonschema, message names the argument) or the ToolError's kind; 500 ``tool_bug`` when the
   handler raised anything else (the client counts it apart from injected faults); 400
-  ``bad_request`` for a body that is not JSON; or an injected fault (reflrl.faults.inject).
+  ``bad_request`` for a body that is not JSON; or an injected fault (reflrl.faults.inject), among them
+  the episode's API changes: 400 ``parameter_renamed`` / 410 ``tool_moved`` (``reflrl.faults.evolve``;
+  the successor of a retired tool is served at ``/v1/call/{successor}``, a name not in the tool list).
+  A parameter the tool's schema does not know is 422 ``invalid_arguments`` ("unexpected argument").
 - ``GET  /v1/health`` -> ``{"ok": true, "episodes": n, "tools": n, "ledger_records": n}``
 
 Limits (request size, slow bodies, JSON depth, message length, open episodes, per-episode disk
@@ -55,6 +58,7 @@ from starlette.routing import Route
 
 from reflrl.faults import FaultInjector, FaultPlan, FaultSite, FaultSpecError, Ledger, is_file_tool
 from reflrl.faults.coords import H_EPISODE, clip_repr, episode_id_problem
+from reflrl.faults.evolve import ChangeBook, schema_params
 
 from .clock import SystemClock
 from .limits import BadJSON, RequestGuard, ServerLimits, clip, json_problem, parse_json_body
@@ -99,6 +103,7 @@ class Episode:
     banned: set[str] = field(default_factory=set)  # client identities banned (ip_ban)
     enforce_retry_after: bool = False               # refuse calls inside a Retry-After window
     windows: dict = field(default_factory=dict)     # (identity, tool) -> end of its Retry-After
+    changes: ChangeBook | None = None               # API changes (param_renamed, tool_moved)
 
 
 class ToolServer:
@@ -189,7 +194,7 @@ class ToolServer:
         if ep is None:
             return None
         return FaultSite(ep.plan, ep.fault_seed, ep.banned, tool in self._file_tools,
-                         ep.windows if ep.enforce_retry_after else None)
+                         ep.windows if ep.enforce_retry_after else None, ep.changes)
 
     # ---- errors -----------------------------------------------------------------------------
     def _error(self, status: int, kind: str, message: str) -> JSONResponse:
@@ -287,8 +292,14 @@ class ToolServer:
                               sandbox_bytes=lim.sandbox_bytes, sandbox_files=lim.sandbox_files)
             if initial_config is not None:
                 ctx.state["initial_config"] = initial_config
-            self.episodes[eid] = Episode(eid, seed, plan, fault_seed, frozenset(names), ctx,
-                                         enforce_retry_after=enforce)
+            tool_set = frozenset(names)
+            changes = None
+            if plan.change_total > 0:  # the episode's API changes, sticky (reflrl.faults.evolve)
+                changes = ChangeBook(plan, fault_seed, eid,
+                                     params=lambda t: schema_params(self.tools[t].parameters),
+                                     known=tool_set.__contains__, taken_tools=tuple(self.tools))
+            self.episodes[eid] = Episode(eid, seed, plan, fault_seed, tool_set, ctx,
+                                         enforce_retry_after=enforce, changes=changes)
         return JSONResponse({"episode_id": eid, "tools": list(names), "faults": str(plan)},
                             status_code=201)
 

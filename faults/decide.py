@@ -51,7 +51,8 @@ def decide(plan: FaultPlan, seed: int, episode: str, step: int, call: int,
            attempt: int) -> FaultDecision | None:
     """The fault for attempt ``attempt`` of call ``call`` at step ``step`` of ``episode``, or None.
 
-    Pure: depends only on its arguments. At most one kind per attempt (exclusive kinds).
+    Pure: depends only on its arguments. At most one kind per attempt (exclusive kinds). The
+    API-change kinds are not drawn here (``reflrl.faults.evolve``: per episode and tool).
     """
     bounds = plan._bounds  # type: ignore[attr-defined]
     if not bounds or bounds[-1] <= 0.0:
@@ -59,7 +60,7 @@ def decide(plan: FaultPlan, seed: int, episode: str, step: int, call: int,
     u, sub = draw(seed, episode, step, call, attempt)
     if u >= bounds[-1]:
         return None
-    for entry, b in zip(plan.entries, bounds):
+    for entry, b in zip(plan._attempt_entries, bounds):  # type: ignore[attr-defined]
         if u < b:
             return FaultDecision(entry.kind, entry.value, u, sub)
     return None  # pragma: no cover  (u < bounds[-1] guarantees a hit)

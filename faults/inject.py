@@ -20,6 +20,14 @@ and makes the client see it exactly as a real HTTP client would:
   cannot apply (error answer, no dict in the result, not a file tool) nothing is injected and
   nothing is recorded, so the ledger stays exact.
 
+API changes (``param_renamed``, ``tool_moved``; ``reflrl.faults.evolve``) come first, before dispatch and
+before the per-attempt draw, from the episode's ``ChangeBook`` (sticky per episode and tool): a call of a
+retired tool gets 410 Gone naming its successor; a call of the successor is served as a call of the
+retired tool (the path is rewritten); a call that uses a renamed parameter's old name gets 400
+``parameter_renamed`` naming both names; one that uses the new name is served as the old call (the JSON
+body's arguments are rewritten back). Each refused attempt is recorded (cause "change"); a served
+adapted call then meets the per-attempt draw like any call.
+
 The same middleware sits in the fault proxy (``reflrl.envs.proxy``) in front of any HTTP API: there
 ``coords`` derives the coordinates from the request itself and ``envelope=None`` makes the whole
 JSON body the result that schema_drift alters.
@@ -40,6 +48,7 @@ from typing import Any, Callable, Protocol
 
 from .coords import H_ATTEMPT, H_CALL, H_EPISODE, H_STEP, CoordError, parse_coords
 from .decide import FaultDecision, decide
+from .evolve import PARAM_RENAMED, TOOL_MOVED, ChangeBook, rewrite_arguments
 from .ledger import FaultEvent, Ledger
 from .spec import FaultPlan
 
@@ -76,6 +85,8 @@ class FaultSite:
     # Retry-After windows: (client identity, tool) -> the time before which calls get 429 again;
     # None = none are kept (every attempt is an independent draw of the plan)
     windows: dict[tuple[str, str], float] | None = None
+    # the episode's API changes (sticky per tool); None = none
+    changes: ChangeBook | None = None
 
 
 Lookup = Callable[[str, str], "FaultSite | None"]
@@ -95,17 +106,21 @@ class FaultInjector:
               None lets the app answer untouched.
     envelope: the key of a 200 JSON answer that holds the result schema_drift and invalid_file
               alter (``{"result": ...}`` of the tool server); None = the whole JSON body (the
-              fault proxy in front of any JSON API)."""
+              fault proxy in front of any JSON API).
+    request_envelope: the key of a request's JSON body that holds the call's arguments, which a
+              ``param_renamed`` change reads and rewrites (``{"arguments": ...}`` of the tool server);
+              None = the whole JSON body (the fault proxy)."""
 
     def __init__(self, app, *, lookup: Lookup, ledger: Ledger, clock,
                  coords: Callable[[dict], Coords | None] | None = None,
-                 envelope: str | None = "result") -> None:
+                 envelope: str | None = "result", request_envelope: str | None = "arguments") -> None:
         self.app = app
         self.lookup = lookup
         self.ledger = ledger
         self.clock = clock
         self.coords = coords or call_coords
         self.envelope = envelope
+        self.request_envelope = request_envelope
 
     async def __call__(self, scope, receive, send) -> None:
         try:
@@ -125,6 +140,13 @@ class FaultInjector:
                 episode, step, call, attempt, "injected", "env_fault", kind, tool, status,
                 detail, cause))
 
+        book = site.changes
+        moved = False
+        if book is not None and book.active:
+            orig = book.moved_from(tool)
+            if orig is not None:  # the successor of a retired tool: served as that tool
+                scope, tool, moved = _with_tool(scope, tool, orig), orig, True
+
         if ident in site.banned:
             record("ip_ban", 403, f"standing ban of client {ident}", cause="ban")
             return await _send_json(send, 403, _err("ip_banned", f"client {ident} is banned"))
@@ -135,6 +157,22 @@ class FaultInjector:
             record("rate_limit", 429, f"retry_after={ra}", cause="window")
             return await _send_json(send, 429, _err("rate_limited", "too many requests"),
                                     extra=[(b"retry-after", str(ra).encode())])
+
+        if book is not None and book.active:
+            body = await _drain(receive)
+            args = _arguments(body, self.request_envelope)
+            ch = book.change(tool, args)
+            if ch is not None and ch.kind == TOOL_MOVED and not moved:
+                record(ch.kind, 410, f"{ch.tool}->{ch.new}", cause="change")
+                return await _send_json(send, 410, ch.error_body())
+            if ch is not None and ch.kind == PARAM_RENAMED and isinstance(args, dict):
+                action, new_args = rewrite_arguments(ch, args)
+                if action == "refuse":
+                    record(ch.kind, 400, f"{ch.param}->{ch.new}", cause="change")
+                    return await _send_json(send, 400, ch.error_body())
+                if action == "rewrite":
+                    body = _with_arguments(body, self.request_envelope, new_args)
+            receive = _replay(body, receive)
 
         d = decide(site.plan, site.fault_seed, episode, step, call, attempt)
         if d is None or (d.kind == "invalid_file" and not site.file_tool):
@@ -288,6 +326,69 @@ def is_corrupt(result: Any) -> bool:
     if isinstance(result, dict):
         return any(is_corrupt(v) for v in result.values())
     return False
+
+
+# ---- API changes: request rewriting ------------------------------------------------------
+def _with_tool(scope, name: str, orig: str) -> dict:
+    """``scope`` with its path's last segment (the successor ``name``'s) turned into ``orig``'s."""
+    seg_new = name[max(name.rfind("/"), name.rfind(" ")) + 1:]
+    seg_old = orig[max(orig.rfind("/"), orig.rfind(" ")) + 1:]
+    scope = dict(scope)
+    path = scope["path"]
+    if path.endswith(seg_new):
+        scope["path"] = path[: len(path) - len(seg_new)] + seg_old
+        raw = scope.get("raw_path")
+        if raw is not None:
+            from urllib.parse import quote
+            scope["raw_path"] = quote(scope["path"]).encode()
+    return scope
+
+
+def _arguments(body: bytes, envelope: str | None) -> Any:
+    """A request's arguments: ``body[envelope]`` (the whole JSON body when None); None when the body
+    is not JSON or has none."""
+    try:
+        payload = json.loads(body)
+    except (ValueError, UnicodeDecodeError):
+        return None
+    if envelope is None:
+        return payload
+    return payload.get(envelope) if isinstance(payload, dict) else None
+
+
+def _with_arguments(body: bytes, envelope: str | None, args: dict) -> bytes:
+    if envelope is None:
+        return json.dumps(args).encode()
+    payload = json.loads(body)
+    payload[envelope] = args
+    return json.dumps(payload).encode()
+
+
+async def _drain(receive) -> bytes:
+    """The whole request body from ``receive`` (what arrived, if the client went away)."""
+    parts = []
+    while True:
+        msg = await receive()
+        if msg["type"] != "http.request":
+            break
+        parts.append(msg.get("body", b""))
+        if not msg.get("more_body", False):
+            break
+    return b"".join(parts)
+
+
+def _replay(body: bytes, receive):
+    """A receive callable that yields ``body`` once, then the client's own events."""
+    sent = False
+
+    async def replay():
+        nonlocal sent
+        if not sent:
+            sent = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        return await receive()
+
+    return replay
 
 
 # ---- ASGI helpers -------------------------------------------------------------------------

@@ -3,7 +3,8 @@
 The catalogue follows the failure modes that waste tool-use RL rollouts in practice (Tool-ReRL,
 Tool-ReRL sec. 1 and 3.2, Fig. 1: rate limits, timeouts, network resets, bad
 files, banned IPs), extended with the other faults a client of a real HTTP API meets (5xx, truncated or
-malformed bodies, slow answers, schema drift).
+malformed bodies, slow answers, schema drift), and the API evolution a client of a long-lived API meets
+after a deploy (a parameter renamed, a tool retired for a successor; ``reflrl.faults.evolve``).
 
 This module is pure data: ``KINDS`` (name -> FaultKind), ``kinds_rows()`` and
 ``format_kinds_table()`` (what ``reflrl faults list`` prints). It imports nothing outside the standard library.
@@ -15,6 +16,10 @@ from dataclasses import dataclass
 # Where in the request a fault acts.
 PRE_DISPATCH = "pre"     # the request never reaches the tool (no side effects)
 POST_DISPATCH = "post"   # the tool ran (side effects happened); the response is altered or delayed
+
+# What one draw decides.
+PER_ATTEMPT = "attempt"          # one exclusive draw per attempt (reflrl.faults.decide)
+PER_EPISODE_TOOL = "episode_tool"  # sticky: one draw per (fault seed, episode, tool) (reflrl.faults.evolve)
 
 
 @dataclass(frozen=True)
@@ -38,6 +43,10 @@ class FaultKind:
                    no action available in the episode can, so the episode is masked (never
                    penalised).
     policy_rule:   that rule in words (``reflrl faults list``, docs/faults.md).
+    scope:         PER_ATTEMPT (an exclusive per-attempt draw: these kinds' probabilities sum to
+                   <= 1) or PER_EPISODE_TOOL (an API change: decided once per (fault seed, episode,
+                   tool), met by every call of that tool in the episode; these kinds' probabilities
+                   sum to <= 1 among themselves, apart from the per-attempt ones).
     """
 
     name: str
@@ -51,10 +60,16 @@ class FaultKind:
     observed_as: tuple[str, ...] = ()
     policy_can_act: bool = True
     policy_rule: str = ""
+    scope: str = PER_ATTEMPT
 
     @property
     def takes_param(self) -> bool:
         return self.param is not None
+
+    @property
+    def sticky(self) -> bool:
+        """An API change (decided per episode and tool), not a per-attempt draw."""
+        return self.scope == PER_EPISODE_TOOL
 
 
 _K = FaultKind
@@ -109,7 +124,24 @@ KINDS: dict[str, FaultKind] = {k.name: k for k in [
        "tool's 'returns' schema, otherwise it looks like valid data",
        True, POST_DISPATCH, observed_as=("schema_drift", "ok"),
        policy_rule="act: call again when the client detects it; undetected, it is data"),
+    _K("param_renamed", None, None, None,
+       "sticky per episode and tool: one parameter of the tool has a new name; a call that uses the "
+       "old name gets HTTP 400 (code parameter_renamed) naming both ('param', 'new_param'); a call "
+       "that uses the new name is served; the tool does not run on the refused call",
+       False, PRE_DISPATCH, observed_as=("param_renamed",), scope=PER_EPISODE_TOOL,
+       policy_rule="act: call again with the parameter's new name that the 400 names"),
+    _K("tool_moved", None, None, None,
+       "sticky per episode and tool: the tool is retired; a call gets HTTP 410 Gone (code "
+       "tool_moved) naming its successor ('successor'), which takes the same parameters and is "
+       "served but is not in the prompt's tool list",
+       False, PRE_DISPATCH, observed_as=("tool_moved",), scope=PER_EPISODE_TOOL,
+       policy_rule="act: call the successor the 410 names, with the same arguments"),
 ]}
+
+#: the kinds of the exclusive per-attempt draw (reflrl.faults.decide), in table order
+ATTEMPT_KINDS: tuple[str, ...] = tuple(k.name for k in KINDS.values() if not k.sticky)
+#: the API-change kinds (sticky per episode and tool, reflrl.faults.evolve), in table order
+CHANGE_KINDS: tuple[str, ...] = tuple(k.name for k in KINDS.values() if k.sticky)
 
 KIND_NAMES: tuple[str, ...] = tuple(KINDS)
 
@@ -175,6 +207,11 @@ def format_kinds_table(width: int = 110) -> str:
                  "rate_limit=0.1,timeout=0.05,latency=0.2:300ms")
     lines.append("Kinds are exclusive per attempt (one uniform draw picks at most one), so the "
                  "probabilities must sum to <= 1.")
+    lines.extend(textwrap.wrap(
+        f"API changes ({', '.join(CHANGE_KINDS)}) are drawn apart: once per (fault seed, episode, tool), "
+        "sticky for the episode (every call of that tool meets the same change; a replay meets it again). "
+        "Their rate is the share of (episode, tool) pairs changed; at most one change per pair, so their "
+        "probabilities must sum to <= 1 among themselves.", width))
     return "\n".join(lines)
 
 

@@ -54,8 +54,9 @@ class FaultEvent:
              than the client's slow threshold, otherwise None.
     tool:    tool name called.  status: HTTP status if any.  detail: human-readable specifics
              (e.g. "503", "retry_after=1", "reset", "renamed temp->temp_v2", "ReadTimeout").
-    cause:   injected only: "draw" (this attempt's decision), "ban" (a standing ip ban) or "window"
-             (a call before an earlier 429's Retry-After had passed).
+    cause:   injected only: "draw" (this attempt's decision), "ban" (a standing ip ban), "window"
+             (a call before an earlier 429's Retry-After had passed) or "change" (the episode's API
+             change of that tool: param_renamed / tool_moved, reflrl.faults.evolve).
     """
 
     episode: str

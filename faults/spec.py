@@ -11,7 +11,10 @@ Grammar (whitespace around tokens is ignored)::
                 with a parameter accept one
 
 Kinds are mutually exclusive per attempt (one uniform draw picks at most one kind, see
-``reflrl.faults.decide``), so the probabilities must sum to at most 1. Every error is a
+``reflrl.faults.decide``), so the probabilities must sum to at most 1. The API-change kinds
+(``param_renamed``, ``tool_moved``: sticky per (fault seed, episode, tool), ``reflrl.faults.evolve``)
+take no part in that draw: they have their own draw per (episode, tool), at most one change per
+pair, so their probabilities sum to at most 1 among themselves. Every error is a
 ``FaultSpecError`` (a ValueError) whose message names the offending entry.
 
 ``str(plan)`` is canonical and round-trips: ``FaultPlan.parse(str(p)) == p``.
@@ -57,17 +60,22 @@ _UNIT = {"ms": 1e-3, "s": 1.0, "m": 60.0}
 
 @dataclass(frozen=True)
 class FaultPlan:
-    """An ordered tuple of FaultEntry with cumulative bounds for the per-attempt draw."""
+    """An ordered tuple of FaultEntry with cumulative bounds for the per-attempt draw (and,
+    apart, for the per-(episode, tool) draw of the API-change kinds)."""
 
     entries: tuple[FaultEntry, ...] = ()
 
     def __post_init__(self) -> None:
-        # cumulative upper bounds, used by decide(): kind i is drawn when u < bounds[i]
-        acc, bounds = 0.0, []
-        for e in self.entries:
-            acc += e.prob
-            bounds.append(acc)
-        object.__setattr__(self, "_bounds", tuple(bounds))
+        # cumulative upper bounds, used by decide(): per-attempt kind i is drawn when u < bounds[i]
+        for group, name in ((False, "attempt"), (True, "change")):
+            acc, bounds, chosen = 0.0, [], []
+            for e in self.entries:
+                if KINDS[e.kind].sticky is group:
+                    acc += e.prob
+                    bounds.append(acc)
+                    chosen.append(e)
+            object.__setattr__(self, f"_{name}_entries", tuple(chosen))
+            object.__setattr__(self, "_bounds" if name == "attempt" else "_change_bounds", tuple(bounds))
 
     # construction -------------------------------------------------------------------------
     @classmethod
@@ -93,11 +101,16 @@ class FaultPlan:
                     f"(first in entry {seen[entry.kind]})")
             seen[entry.kind] = i + 1
             entries.append(entry)
-        total = math.fsum(e.prob for e in entries)
+        total = math.fsum(e.prob for e in entries if not KINDS[e.kind].sticky)
         if total > 1.0 + 1e-9:
             raise FaultSpecError(
                 f"fault spec {text!r}: probabilities sum to {total:g} > 1 (kinds are exclusive per "
                 f"attempt: one draw picks at most one kind)")
+        changes = math.fsum(e.prob for e in entries if KINDS[e.kind].sticky)
+        if changes > 1.0 + 1e-9:
+            raise FaultSpecError(
+                f"fault spec {text!r}: the API-change probabilities sum to {changes:g} > 1 (one draw "
+                f"per episode and tool picks at most one change)")
         return cls(tuple(entries))
 
     @classmethod
@@ -132,22 +145,34 @@ class FaultPlan:
 
     @property
     def total(self) -> float:
+        """The per-attempt kinds' total probability (the API changes are apart: ``change_total``)."""
         return self._bounds[-1] if self._bounds else 0.0  # type: ignore[attr-defined]
+
+    @property
+    def change_total(self) -> float:
+        """The API-change kinds' total probability (the share of (episode, tool) pairs changed)."""
+        b = self._change_bounds  # type: ignore[attr-defined]
+        return b[-1] if b else 0.0
 
     def scaled(self, factor: float, cap: float = 1.0) -> "FaultPlan":
         """The same kinds and parameters with every probability times ``factor``; when that would put
         the total above ``cap``, the probabilities are scaled to total ``cap`` instead (their ratios kept).
         A plan already above ``cap`` is returned unchanged: scaling never lowers a rate below the one
-        given. ``factor`` >= 0 and 0 < ``cap`` <= 1, else FaultSpecError."""
+        given. ``factor`` >= 0 and 0 < ``cap`` <= 1, else FaultSpecError. The per-attempt kinds and
+        the API-change kinds are scaled (and capped) each on their own total."""
         if not (factor >= 0 and math.isfinite(factor)):
             raise FaultSpecError(f"fault rate scale must be a finite number >= 0, got {factor!r}")
         if not 0 < cap <= 1:
             raise FaultSpecError(f"fault rate cap must be in (0, 1], got {cap!r}")
-        total = self.total
-        f = min(factor, max(1.0, cap / total)) if factor > 1 and total > 0 else factor
-        if total <= 0 or f == 1.0:
+        fs = {}
+        for sticky, total in ((False, self.total), (True, self.change_total)):
+            fs[sticky] = min(factor, max(1.0, cap / total)) if factor > 1 and total > 0 else factor
+            if total <= 0:
+                fs[sticky] = 1.0
+        if fs[False] == 1.0 and fs[True] == 1.0:
             return self
-        return FaultPlan(tuple(FaultEntry(e.kind, round(e.prob * f, 12), e.param) for e in self.entries))
+        return FaultPlan(tuple(FaultEntry(e.kind, round(e.prob * fs[KINDS[e.kind].sticky], 12), e.param)
+                               for e in self.entries))
 
 
 def _parse_entry(raw: str, index: int) -> FaultEntry:

@@ -143,7 +143,7 @@ def test_decide_without_faults_and_certain_faults():
 
 # ---- kinds --------------------------------------------------------------------------------
 def test_kinds_table_lists_every_kind():
-    assert len(KINDS) == 10
+    assert len(KINDS) == 12 and sum(k.sticky for k in KINDS.values()) == 2
     rows = kinds_rows()
     assert [r["kind"] for r in rows] == list(KIND_NAMES)
     table = format_kinds_table()

@@ -172,7 +172,8 @@ def _visible(f: dict[str, Any], also: tuple[EnvFault, ...] = ()) -> EnvFault:
                     status=f.get("status") if isinstance(f.get("status"), int) else None,
                     retry_after_s=float(ra) if ra is not None else None, attempts=int(f.get("attempts") or 1),
                     detail=str(f.get("observation") or ""), visible=True,
-                    arguments=dict(f.get("arguments") or {}), also=also)
+                    arguments=dict(f.get("arguments") or {}), also=also,
+                    param=f.get("param"), new=f.get("new"))
 
 
 def env_fault_from_info(info: dict[str, Any]) -> EnvFault | None:

@@ -1,0 +1,296 @@
+"""API evolution as faults (``param_renamed``, ``tool_moved``): sticky per (fault seed, episode, tool),
+400 / 410 naming the new name, the adapted call served and scored as the gold call, the ledger, the
+rule critic, and the fault proxy in front of a real upstream."""
+from __future__ import annotations
+
+import json
+
+import gymnasium
+import httpx
+import pytest
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse
+from starlette.routing import Route
+
+import reflrl.envs
+from reflrl.critic.rule import RuleCritic
+from reflrl.critic.base import CritiqueRequest
+from reflrl.critic.format import fault_critique
+from reflrl.envs.client import RetryPolicy, ToolClient
+from reflrl.envs.clock import VirtualClock
+from reflrl.envs.errors import ParamRenamed, ToolMoved
+from reflrl.envs.loopback import ServerThread
+from reflrl.envs.parsing import format_calls
+from reflrl.envs.proxy import FaultProxy
+from reflrl.envs.tool_server import create_app
+from reflrl.envs.tools.catalog import build_catalog
+from reflrl.envs.types import Task, ToolCall
+from reflrl.faults import FaultPlan, FaultSpecError, KINDS, api_change, format_kinds_table
+from reflrl.faults.evolve import moved_from
+from reflrl.recovery.reflection import env_fault_from_info
+
+CAT = build_catalog()
+TOOLS = {n: CAT[n] for n in ("get_current_weather", "get_air_quality", "get_stock_quote")}
+WEATHER = ToolCall("get_current_weather", {"city": "Paris"})
+
+
+def _find(kind: str, tool: str = "get_current_weather", seed: int = 0, start: int = 0) -> str:
+    """An episode id whose change of ``tool`` under ``kind=0.5`` is of ``kind`` (the draw is seeded)."""
+    plan = FaultPlan.parse(f"{kind}=0.5")
+    params = ["city"] if tool == "get_current_weather" else ["symbol"]
+    for i in range(start, start + 500):
+        ch = api_change(plan, seed, f"ep{i}", tool, params)
+        if ch is not None and ch.kind == kind:
+            return f"ep{i}"
+    raise AssertionError("no episode with that change")
+
+
+async def _client(tmp_path, **kw):
+    app = create_app(dict(TOOLS), sandbox_root=tmp_path / "s")
+    return ToolClient.in_process(app, clock=VirtualClock(), retry=RetryPolicy(max_attempts=3), **kw)
+
+
+# ---- the decision -----------------------------------------------------------------------------
+def test_a_change_is_sticky_per_episode_and_tool_and_replays_the_same():
+    plan = FaultPlan.parse("param_renamed=0.3,tool_moved=0.2")
+    got = [api_change(plan, 7, f"ep{i}", t, ["city", "units"]) for i in range(300) for t in ("a", "b")]
+    again = [api_change(plan, 7, f"ep{i}", t, ["units", "city"]) for i in range(300) for t in ("a", "b")]
+    assert got == again                                      # pure; the order of params does not matter
+    assert got != [api_change(plan, 8, f"ep{i}", t, ["city", "units"]) for i in range(300) for t in ("a", "b")]
+    kinds = [c.kind if c else None for c in got]
+    assert 0.2 < kinds.count("param_renamed") / 600 < 0.4 and 0.12 < kinds.count("tool_moved") / 600 < 0.28
+    renamed = {c.new for c in got if c and c.kind == "param_renamed"}
+    successors = {c.new for c in got if c and c.kind == "tool_moved"}
+    assert len(renamed) >= 5 and len(successors) >= 4      # drawn from pools: no one fixed new name
+    assert all(c.new not in ("city", "units") for c in got if c and c.kind == "param_renamed")
+    for i in range(300):                                     # a successor leads back to its tool
+        c = api_change(plan, 7, f"ep{i}", "a", ["city"])
+        assert moved_from(plan, 7, f"ep{i}", "a_v2") == ("a" if c and c.new == "a_v2" else None)
+        if c and c.kind == "tool_moved":
+            assert moved_from(plan, 7, f"ep{i}", c.new) == "a"
+    # the API changes are apart from the per-attempt draw: their own sum <= 1
+    assert FaultPlan.parse("rate_limit=0.9,param_renamed=0.6,tool_moved=0.4").total == pytest.approx(0.9)
+    scaled = FaultPlan.parse("rate_limit=0.2,param_renamed=0.3").scaled(4, cap=0.5)   # each capped on its own
+    assert scaled.prob("rate_limit") == pytest.approx(0.5) and scaled.prob("param_renamed") == pytest.approx(0.5)
+    with pytest.raises(FaultSpecError, match="API-change"):
+        FaultPlan.parse("param_renamed=0.6,tool_moved=0.5")
+    assert KINDS["param_renamed"].sticky and not KINDS["param_renamed"].retryable
+    assert "sticky" in format_kinds_table() and "tool_moved" in format_kinds_table()
+
+
+# ---- server and client ------------------------------------------------------------------------
+async def test_old_name_gets_400_naming_the_new_one_and_the_new_name_is_served(tmp_path):
+    c = await _client(tmp_path)
+    clean = await _client(tmp_path / "clean")
+    ep = _find("param_renamed")
+    await c.open_episode(ep, seed=1, faults="param_renamed=0.5", fault_seed=0)
+    await clean.open_episode(ep, seed=1)
+    out = await c.call(ep, step=0, call_index=0, name="get_current_weather", arguments={"city": "Paris"})
+    assert out.triage == "env_fault" and out.fault_kind == "param_renamed" and out.attempts == 1  # never retried
+    assert isinstance(out.fault, ParamRenamed) and out.status == 400
+    new = out.fault.new_param
+    assert out.fault.param == "city" and new and new != "city"
+    assert f"'city'" in out.fault.observation() and f"'{new}'" in out.fault.observation()
+    again = await c.call(ep, step=1, call_index=0, name="get_current_weather", arguments={"city": "Paris"})
+    assert again.fault_kind == "param_renamed" and again.fault.new_param == new   # sticky
+    adapted = await c.call(ep, step=2, call_index=0, name="get_current_weather", arguments={new: "Paris"})
+    want = await clean.call(ep, step=0, call_index=0, name="get_current_weather", arguments={"city": "Paris"})
+    assert adapted.ok and adapted.result == want.result                      # served as the old call
+    other = await c.call(ep, step=3, call_index=0, name="get_stock_quote", arguments={"symbol": "AAPL"})
+    assert other.ok or other.fault_kind in (None, "param_renamed", "tool_moved")
+    # the ledger records each refused attempt and reconciles with what the client saw
+    rep = c.ledger.reconcile(ep)
+    assert rep.exact, rep.format()
+    assert rep.per_kind["param_renamed"].matched >= 2
+    # the new name in an episode without the change is an unknown argument (the schema forbids it)
+    plain = await clean.call(ep, step=1, call_index=0, name="get_current_weather",
+                             arguments={"city": "Paris", new: "Paris"})
+    assert plain.triage == "policy_error" and plain.status == 422 and f"'{new}'" in str(plain.fault)
+    for x in (c, clean):
+        await x.aclose()
+
+
+async def test_a_retired_tool_gets_410_naming_its_successor_which_is_served(tmp_path):
+    c = await _client(tmp_path)
+    clean = await _client(tmp_path / "clean")
+    ep = _find("tool_moved")
+    await c.open_episode(ep, seed=1, faults="tool_moved=0.5", fault_seed=0)
+    await clean.open_episode(ep, seed=1)
+    out = await c.call(ep, step=0, call_index=0, name="get_current_weather", arguments={"city": "Paris"})
+    assert isinstance(out.fault, ToolMoved) and out.status == 410 and out.attempts == 1
+    succ = out.fault.successor
+    assert succ and succ != "get_current_weather" and succ not in TOOLS
+    assert succ in out.fault.observation() and "retired" in out.fault.observation()
+    served = await c.call(ep, step=1, call_index=0, name=succ, arguments={"city": "Paris"})
+    want = await clean.call(ep, step=0, call_index=0, name="get_current_weather", arguments={"city": "Paris"})
+    assert served.ok and served.result == want.result
+    # the successor name in an episode without the move is an unknown tool (404)
+    unknown = await clean.call(ep, step=1, call_index=0, name=succ, arguments={"city": "Paris"})
+    assert unknown.triage == "policy_error" and unknown.status == 404
+    rep = c.ledger.reconcile(ep)
+    assert rep.exact and rep.per_kind["tool_moved"].matched == 1, rep.format()
+    (inj,) = c.ledger.injected(ep)
+    assert (inj.kind, inj.status, inj.cause) == ("tool_moved", 410, "change")
+    for x in (c, clean):
+        await x.aclose()
+
+
+# ---- the env: scoring and attribution ---------------------------------------------------------
+def _task():
+    return Task("w1", "What's the weather in Paris?", [CAT["get_current_weather"].schema()], [[WEATHER]])
+
+
+def _env_seed(kind: str, **kw) -> int:
+    """An env seed whose first episode meets ``kind`` on get_current_weather."""
+    for seed in range(300):
+        env = _env(kind, **kw)
+        try:
+            env.reset(seed=seed)
+            _o, _r, _t, _tr, info = env.step(format_calls([WEATHER], "hermes"))
+            if info["api_changes"] and info["api_changes"][0]["kind"] == kind:
+                return seed
+        finally:
+            env.close()
+    raise AssertionError("no seed")
+
+
+def _env(kind: str, **kw):
+    kw.setdefault("fault_exposure", "policy")
+    return gymnasium.make(reflrl.envs.SINGLE_TURN_ID, dataset=[_task()], faults=f"{kind}=0.5", **kw).unwrapped
+
+
+@pytest.mark.parametrize("kind", ["param_renamed", "tool_moved"])
+def test_an_adapted_call_scores_as_gold_and_an_unadapted_one_is_change_caused(kind):
+    seed = _env_seed(kind)
+    env = _env(kind)
+    try:
+        env.reset(seed=seed)
+        _o, r0, term, _tr, info = env.step(format_calls([WEATHER], "hermes"))
+        assert not term and r0 == 0.0 and info["env_fault_treatment"] == "to-policy"
+        [ch] = info["api_changes"]
+        assert set(ch) == {"kind", "tool", "param", "new", "step", "adapted"}
+        assert ch["kind"] == kind and ch["tool"] == "get_current_weather" and ch["step"] == 0
+        assert not ch["adapted"] and ch["param"] == ("city" if kind == "param_renamed" else None)
+        [f] = info["shown_faults"]
+        assert f["new"] == ch["new"] and ch["new"] in f["observation"]
+        tool_msg = json.loads(info["messages"][-1]["content"])
+        assert ch["new"] in tool_msg["error"]                        # the policy can read the new name
+        assert info["change_caused"] is False and info["change_recoverable"] is False
+        adapted = (ToolCall("get_current_weather", {ch["new"]: "Paris"}) if kind == "param_renamed"
+                   else ToolCall(ch["new"], {"city": "Paris"}))
+        _o, r1, term, _tr, info = env.step(format_calls([adapted], "hermes"))
+        assert term and r1 == 1.0 and info["correct"] and not info["masked"]
+        assert info["api_changes"][0]["adapted"] is True and not info["open_faults"]
+        assert info["change_recoverable"] is True and info["change_caused"] is False
+        # the same episode, unadapted: the policy stops; the answer at the change, adapted, was right
+        env.reset(seed=seed)
+        env.step(format_calls([WEATHER], "hermes"))
+        _o, r2, term, _tr, info = env.step("The weather service is unavailable.")
+        assert term and r2 == 0.0 and not info["correct"] and not info["masked"]
+        assert info["change_caused"] and info["fault_caused"] and info["change_recoverable"]
+        assert info["api_changes"][0]["adapted"] is False
+        # the rule critic names the fix from the server's record
+        ef = env_fault_from_info(info)
+        assert ef is not None and ef.kind == kind and ef.new == ch["new"]
+        text = RuleCritic().judge(CritiqueRequest(query="What's the weather in Paris?", tools=_task().tools,
+                                                  response="...", gold=[WEATHER], env_fault=ef))[1]
+        if kind == "param_renamed":
+            assert f"'{ch['new']}' in place of 'city'" in text
+            assert f'get_current_weather({ch["new"]}="Paris")' in text
+        else:
+            assert "get_current_weather was retired" in text and f'{ch["new"]}(city="Paris")' in text
+        # a model critic is not asked about an env fault: its analysis is the same description
+        assert fault_critique(ef, 0.0).analysis == text
+        # a replay meets the same change
+        env.reset(seed=seed)
+        _o, _r, _t, _tr, info = env.step(format_calls([WEATHER], "hermes"))
+        assert info["api_changes"][0]["new"] == ch["new"]
+        assert env.ledger.reconcile(env.episode_id).exact
+    finally:
+        env.close()
+
+
+def test_an_episode_without_a_change_reports_none():
+    env = _env("param_renamed")
+    try:
+        for seed in range(40):
+            env.reset(seed=seed)
+            _o, _r, term, _tr, info = env.step(format_calls([WEATHER], "hermes"))
+            if term:
+                assert info["api_changes"] == [] and info["correct"]
+                assert info["change_caused"] is False and info["change_recoverable"] is False
+                return
+        raise AssertionError("every episode was changed")
+    finally:
+        env.close()
+
+
+# ---- the fault proxy --------------------------------------------------------------------------
+def _upstream():
+    seen = []
+
+    async def echo(request: Request):
+        body = await request.json()
+        seen.append((request.url.path, body))
+        return JSONResponse({"path": request.url.path, "got": body})
+
+    return Starlette(routes=[Route("/v1/weather", echo, methods=["POST"])]), seen
+
+
+@pytest.mark.parametrize("kind", ["param_renamed", "tool_moved"])
+def test_the_proxy_rewrites_a_json_request(kind):
+    app, seen = _upstream()
+    with ServerThread(app) as up:
+        for seed in range(200):   # a proxy seed whose run changes POST /v1/weather by ``kind``
+            ch = FaultProxy(up.url, f"{kind}=0.5", seed=seed)._lookup("x", "t").changes.change(
+                "POST /v1/weather", {"city": "Paris", "units": "c"})
+            if ch is not None and ch.kind == kind:
+                break
+        proxy = FaultProxy(up.url, f"{kind}=0.5", seed=seed)
+        with ServerThread(proxy) as px, httpx.Client(base_url=px.url, timeout=5) as http:
+            r = http.post("/v1/weather", json={"city": "Paris", "units": "c"})
+            err = r.json()["error"]
+            if kind == "param_renamed":
+                assert r.status_code == 400 and err["code"] == "parameter_renamed"
+                old, new = err["param"], err["new_param"]
+                assert old in ("city", "units") and new not in ("city", "units")
+                body = {"city": "Paris", "units": "c"}
+                body[new] = body.pop(old)
+                ok = http.post("/v1/weather", json=body)
+                assert ok.status_code == 200 and ok.json()["got"] == {"city": "Paris", "units": "c"}
+                again = http.post("/v1/weather", json={"city": "Rome", "units": "f"})
+                assert again.status_code == 400 and again.json()["error"]["new_param"] == new  # sticky
+            else:
+                assert r.status_code == 410 and err["code"] == "tool_moved"
+                succ = err["successor"]
+                assert succ.startswith("POST /v1/") and succ != "POST /v1/weather"
+                ok = http.post(succ.split(" ", 1)[1], json={"city": "Paris"})
+                assert ok.status_code == 200 and ok.json() == {"path": "/v1/weather", "got": {"city": "Paris"}}
+            assert [p for p, _ in seen] == ["/v1/weather"]           # the refused request never ran
+        kinds = [e.kind for e in proxy.ledger.injected()]
+        assert kinds == [kind] * (2 if kind == "param_renamed" else 1)
+
+
+async def test_the_http_server_on_loopback_applies_both_changes(tmp_path):
+    ep_r = _find("param_renamed")
+    ep_m = _find("tool_moved", start=int(ep_r[2:]) + 1)
+    with ServerThread(create_app(dict(TOOLS), sandbox_root=tmp_path / "s")) as srv:
+        c = ToolClient.connect(srv.url, retry=RetryPolicy(max_attempts=3))
+        try:
+            await c.open_episode(ep_r, seed=1, faults="param_renamed=0.5", fault_seed=0)
+            await c.open_episode(ep_m, seed=1, faults="tool_moved=0.5", fault_seed=0)
+            r = await c.call(ep_r, step=0, call_index=0, name="get_current_weather", arguments={"city": "Oslo"})
+            m = await c.call(ep_m, step=0, call_index=0, name="get_current_weather", arguments={"city": "Oslo"})
+            assert (r.status, r.fault_kind, r.attempts) == (400, "param_renamed", 1)
+            assert (m.status, m.fault_kind, m.attempts) == (410, "tool_moved", 1)
+            r2 = await c.call(ep_r, step=1, call_index=0, name="get_current_weather",
+                              arguments={r.fault.new_param: "Oslo"})
+            m2 = await c.call(ep_m, step=1, call_index=0, name=m.fault.successor, arguments={"city": "Oslo"})
+            assert r2.ok and m2.ok and r2.result == m2.result
+            for ep in (ep_r, ep_m):
+                await c.close_episode(ep)   # fetches the server's injected records first
+                assert c.ledger.reconcile(ep).exact
+            assert [e.cause for e in c.ledger.injected()] == ["change", "change"]
+        finally:
+            await c.aclose()
