@@ -215,3 +215,51 @@ def test_paper_table_and_bench_recipe_report_adaptation_when_changes_were_met():
     assert not any(x.startswith("adaptation_param_renamed") for x in lines)
     assert {"adaptation", "n_changed", "n_change_recoverable"} <= set(br.heldout_row(
         {"heldout": {"after": {"adaptation": 0.5, "n_changed": 3, "n_change_recoverable": 2}}})["after"])
+
+
+@pytest.mark.skipif(not _change_kinds_exist(), reason="the API-change fault kinds are not in reflrl.faults.kinds")
+def test_a_policy_that_adapts_to_the_changes_it_is_shown_has_full_adaptation_in_the_heldout_evaluation():
+    """End to end: the held-out evaluation under param_renamed / tool_moved, the changes coming back to
+    the policy as the tool's answer. A scripted policy that answers gold and, shown a change, calls again
+    with the new parameter name or the successor tool ends right on every change it met."""
+    import asyncio
+    import re
+
+    import gymnasium
+
+    import reflrl.envs
+    from reflrl.envs.datasets import synthetic_splits
+    from reflrl.envs.parsing import format_calls
+    from reflrl.heldout import aevaluate_episodes
+    from reflrl.models import load_tokenizer
+
+    from doubles import ScriptedEngine
+
+    tok = load_tokenizer("tiny-random")
+    tasks = synthetic_splits(n_train=0, n_val=0, n_test=8, seed=4, kinds=("single",))["test"]
+
+    def answer(text: str, j: int) -> str:
+        task = next(t for t in tasks if t.query in text)
+        gold = task.gold[0][0]
+        name, args = gold.name, dict(gold.arguments)
+        last = text.split("<|im_start|>")[-2]  # the tool's answer to the previous call, if any
+        moved = re.search(r"call (\S+) with the same arguments", last)
+        renamed = re.search(r"unknown parameter '([^']+)': \S+ now takes '([^']+)'", last)
+        if moved:
+            name = moved.group(1)
+        if renamed and renamed.group(1) in args:
+            args[renamed.group(2)] = args.pop(renamed.group(1))
+        return format_calls([ToolCall(name, args)], "hermes")
+
+    envs = [gymnasium.make(reflrl.envs.SINGLE_TURN_ID, dataset=tasks, faults="param_renamed=0.3,tool_moved=0.3",
+                           fault_exposure="policy", timeout=2.0).unwrapped for _ in tasks]
+    try:
+        out = asyncio.run(aevaluate_episodes(ScriptedEngine(tok, answer), tok, envs, tasks,
+                                             R.RolloutSpec(max_new_tokens=200, temperature=0.0), seed=9))
+    finally:
+        for e in envs:
+            e.close()
+    assert out["n_changed"] > 0 and out["n_change_recoverable"] == out["n_changed"]
+    assert out["adaptation"] == 1.0 and out["accuracy"] == 1.0
+    for kind in R.API_CHANGE_KINDS:  # the evaluation's fixed fault seed gives both kinds here
+        assert out[f"n_change_recoverable_{kind}"] > 0 and out[f"adaptation_{kind}"] == 1.0
