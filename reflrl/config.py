@@ -94,7 +94,7 @@ class EnvConfig:
     """The tool environment the policy acts in (see reflrl.envs.tool_env)."""
 
     id: str = _f("reflrl/ToolCall-v0", "gymnasium id: 'reflrl/ToolCall-v0' (single-turn) | 'reflrl/ToolCallMultiTurn-v0'")
-    faults: str = _f("", "fault spec, e.g. 'rate_limit=0.1,timeout=0.05' ('' = no faults; --faults sets it)")
+    faults: str = _f("", "fault spec, e.g. 'rate_limit=0.1,timeout=0.05' ('' = no faults; --faults sets it); the API changes 'param_renamed=0.2,tool_moved=0.2' are the share of (episode, tool) pairs changed, sticky for the episode (`reflrl faults list`)")
     fault_seed: int | None = _f(None, "seed of the fault stream; null = derived from the env seed")
     reward: str = _f("binary", "reward name in reflrl.envs.rewards: 'binary' (exact match, efficiency paper (arXiv:2606.00135) eq. 8) | 'fine' (DSCL) | ...")
     parser: str = _f("hermes", "tool-call parser: 'hermes' | 'pythonic' | 'react' | 'auto'")
@@ -104,7 +104,7 @@ class EnvConfig:
     turn_seconds: float = _f(2.0, "fault_exposure='policy': virtual seconds on the env's clock that each assistant message after the first costs (no wall time); a call made before a 429's Retry-After has passed is refused with 429 again")
     triage: bool = _f(True, "mask a rollout that met a fault it could not act on (the client gave up; with fault_exposure='policy', a fault no action can handle), so it is never penalised; false = no triage, every such fault leaves the answer wrong (what a plain RL trainer does with tool errors: the 'naive' baseline)")
     train_fault_scale: float = _f(3.0, "the RL rollouts and reflection retries meet every fault kind of env.faults at this multiple of its rate (their total at most env.train_fault_cap); the held-out evaluations meet env.faults as given. Faults are rare, so at the rate a user runs with few rollouts of a step meet one: a scale above 1 drills the policy on them")
-    train_fault_cap: float = _f(0.5, "the highest total fault rate per call attempt that env.train_fault_scale raises the RL rollouts' faults to")
+    train_fault_cap: float = _f(0.5, "the highest total fault rate per call attempt that env.train_fault_scale raises the RL rollouts' faults to (and, apart, the highest share of (episode, tool) pairs with an API change)")
     eval_fault_seed: int = _f(1234, "seed of the faults the held-out evaluations meet (env.faults): fixed, so every checkpoint of a run meets the same faults")
     concurrency: int = _f(16, "episodes stepped concurrently (1 = one at a time)")
 
