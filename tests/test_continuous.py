@@ -164,3 +164,24 @@ def test_rollout_continuous_runs_a_training_step_through_the_pool(tmp_path):
         assert res["n"] == len(tr.splits["test"]) == tr.eval_engine.last_stats.samples
     finally:
         tr.close()
+
+
+def test_a_generation_during_the_shared_loop_waits_for_its_step(tiny, prompts):
+    """A plain generate (e.g. a critic sampling from the policy) called on the event loop while the shared
+    loop decodes in its worker thread takes the model's generation lock between steps: both get what they
+    get alone."""
+    model, tok = tiny
+    eng, other = pooled(tiny, max_batch_size=4), TransformersEngine(model, tok)
+    kw = dict(max_new_tokens=10, temperature=0.0)
+    alone_pool = eng.generate(prompts, **kw)
+    alone_other = other.generate(prompts[:2], **kw)
+
+    async def main():
+        task = asyncio.ensure_future(eng.agenerate(prompts, **kw))
+        await asyncio.sleep(0.01)
+        mid = other.generate(prompts[:2], **kw)  # blocks the loop, as a synchronous critic call does
+        return await task, mid
+
+    got, mid = asyncio.run(main())
+    assert [s.token_ids for s in got] == [s.token_ids for s in alone_pool]
+    assert [s.token_ids for s in mid] == [s.token_ids for s in alone_other]

@@ -9,6 +9,8 @@ temperature computes, so the rollout/train importance ratio is 1 up to numerics.
 """
 from __future__ import annotations
 
+import threading
+import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable, Literal, Protocol, Sequence, runtime_checkable
 
@@ -125,3 +127,17 @@ class GenerateStats:
     decode_s: float = 0.0
     decode_rows: list[int] = field(default_factory=list)
     extra: dict[str, Any] = field(default_factory=dict)
+
+
+_LOCKS: "weakref.WeakKeyDictionary[nn.Module, threading.RLock]" = weakref.WeakKeyDictionary()
+
+
+def generation_lock(model: nn.Module) -> threading.RLock:
+    """The lock an engine holds while it runs ``model`` (a prefill swaps layers in and out, a decode step reads
+    the KV buffers): one per model, shared by every engine sampling from it, so a generation called while a
+    continuous-batching loop of another engine runs in a worker thread waits for its step instead of
+    interleaving with it. Re-entrant."""
+    lock = _LOCKS.get(model)
+    if lock is None:
+        lock = _LOCKS.setdefault(model, threading.RLock())
+    return lock

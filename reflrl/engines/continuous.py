@@ -44,7 +44,7 @@ import torch.nn.functional as F
 from reflrl.envs.seeding import derive_seed
 from reflrl.logprobs import head_of
 
-from .base import FinishReason, GenerateStats, PieceDecoder, Sample
+from .base import FinishReason, GenerateStats, PieceDecoder, Sample, generation_lock
 
 __all__ = ["DecodePool", "Request", "kv_bytes_per_token"]
 
@@ -347,7 +347,7 @@ class DecodePool:
             raise RuntimeError("DecodePool.run: the pool is already serving requests")
         self.pending.extend(requests)
         try:
-            with self._context():
+            with generation_lock(self.engine.model), self._context():
                 self._setup()
                 while self.pending or any(s is not None for s in self.slots):
                     self.iterate()
@@ -374,7 +374,7 @@ class DecodePool:
         was_training = model.training
         model.eval()  # for the whole burst: a nested generate restores eval mode, not a mode read mid-burst
         try:
-            await loop.run_in_executor(None, self._setup)
+            await loop.run_in_executor(None, self._locked_setup)
             while True:
                 if self._inbox:
                     self.pending.extend(self._inbox)
@@ -399,6 +399,11 @@ class DecodePool:
         if failed is not None and not isinstance(failed, Exception):
             raise failed
 
+    def _locked_setup(self) -> None:
+        with generation_lock(self.engine.model):
+            self._setup()
+
     def _step_in_context(self) -> list[Request]:
-        with torch.inference_mode():  # thread-local: entered in the worker thread that runs the step
+        # inference mode is thread-local: entered in the worker thread that runs the step
+        with generation_lock(self.engine.model), torch.inference_mode():
             return self.iterate()

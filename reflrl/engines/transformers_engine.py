@@ -21,7 +21,8 @@ from torch import nn
 
 from reflrl.logprobs import head_of
 
-from .base import FinishReason, GenerateStats, PieceDecoder, RolloutEngine, Sample, cut_at, per_prompt_caps
+from .base import (FinishReason, GenerateStats, PieceDecoder, RolloutEngine, Sample, cut_at, generation_lock,
+                   per_prompt_caps)
 from .fast_decode import fast_decoding, growable, growing_cache, length_chunks, merge_left_padded, reserve
 from .lean_decode import LeanDecoder, supports as lean_supports
 
@@ -247,34 +248,35 @@ class TransformersEngine:
         text satisfies ``stop_when``, so short answers cost no more than their tokens. With continuous
         batching (``continuous``), the call's prompts are served by one :class:`DecodePool` of
         ``max_batch_size`` rows whose finished rows are refilled from the prompts still waiting."""
-        caps = self._check(prompts, n, max_new_tokens, top_p)
-        if self._pooled():
-            return self._generate_pooled(prompts, n, caps, temperature, top_p, stop_ids, seed, stop_when)
-        if stop_ids is None:
-            stop_ids = [] if self.eos_id is None else [self.eos_id]
-        t0 = time.perf_counter()
-        self.last_stats = GenerateStats(prompts=len(prompts), samples=len(prompts) * n)
-        gen = torch.Generator().manual_seed(int(seed))
-        was_training = self.model.training
-        self.model.eval()
-        try:
-            with torch.inference_mode(), fast_decoding(self.model):
-                _, weight, bias = head_of(self.model)
-                w32 = weight.float()
-                b32 = None if bias is None else bias.float()
-                per_group = max(1, self.max_batch_size // n)
-                out: list[Sample] = []
-                for s in range(0, len(prompts), per_group):
-                    out.extend(
-                        self._generate_group(
-                            prompts[s : s + per_group], s, n, caps[s : s + per_group], temperature,
-                            top_p, stop_ids, gen, w32, b32, stop_when,
+        with generation_lock(self.model):  # one generation at a time on a model (base.generation_lock)
+            caps = self._check(prompts, n, max_new_tokens, top_p)
+            if self._pooled():
+                return self._generate_pooled(prompts, n, caps, temperature, top_p, stop_ids, seed, stop_when)
+            if stop_ids is None:
+                stop_ids = [] if self.eos_id is None else [self.eos_id]
+            t0 = time.perf_counter()
+            self.last_stats = GenerateStats(prompts=len(prompts), samples=len(prompts) * n)
+            gen = torch.Generator().manual_seed(int(seed))
+            was_training = self.model.training
+            self.model.eval()
+            try:
+                with torch.inference_mode(), fast_decoding(self.model):
+                    _, weight, bias = head_of(self.model)
+                    w32 = weight.float()
+                    b32 = None if bias is None else bias.float()
+                    per_group = max(1, self.max_batch_size // n)
+                    out: list[Sample] = []
+                    for s in range(0, len(prompts), per_group):
+                        out.extend(
+                            self._generate_group(
+                                prompts[s : s + per_group], s, n, caps[s : s + per_group], temperature,
+                                top_p, stop_ids, gen, w32, b32, stop_when,
+                            )
                         )
-                    )
-        finally:
-            self.model.train(was_training)
-        self.last_stats.seconds = time.perf_counter() - t0
-        return out
+            finally:
+                self.model.train(was_training)
+            self.last_stats.seconds = time.perf_counter() - t0
+            return out
 
     def _generate_pooled(self, prompts: list[list[int]], n: int, caps: list[int], temperature: float, top_p: float,
                          stop_ids: list[int] | None, seed: int, stop_when: Callable[[str], bool] | None) -> list[Sample]:
