@@ -194,6 +194,8 @@ class _Episode:
     api_changes: list[dict[str, Any]] = dataclasses.field(default_factory=list)
     turn_change_caused: list[bool] = dataclasses.field(default_factory=list)  # per ended turn (API changes only)
     done: bool = False
+    end_turn_index: int | None = None  # aend_episode: the turn in progress when the caller ended it
+    end_treatment: str = "none"        # aend_episode: "masked" when ending it masked the episode
 
 
 REDRAW_STRIDE = 1_000_000  # step coordinate of fault draw d at step s: s + d x REDRAW_STRIDE (reset option fault_draw)
@@ -581,7 +583,9 @@ class ToolCallEnv(gym.Env[str, str]):
         if policy:
             answered = self._note_shown(ep, step_index, run, outcomes, shown_now)
             # a fault no action can handle, or one met with no message left to act on: masked
-            unhandleable = [f for f in shown_now if not f["policy_can_act"] or ep.step >= limit]
+            # (an API change met at an earlier message is not: the policy had a message to adapt in)
+            unhandleable = [f for f in shown_now if not f["policy_can_act"]
+                            or (ep.step >= limit and not _change_met_before(ep, f))]
             gave_up = "tool_bug" in triage or bool(unhandleable)
         else:
             answered = (calls if self.triage
@@ -673,22 +677,73 @@ class ToolCallEnv(gym.Env[str, str]):
             "turn_rewards": list(ep.turn_rewards),
         }
         if policy:
-            info["fault_exposure"] = "policy"
             info["shown_faults"] = copy.deepcopy(shown_now)
-            info["open_faults"] = [copy.deepcopy(f) for f in ep.shown_faults if not f["handled"]]
-            info["fault_caused"] = bool(
-                ep.done and not correct and not ep.masked and info["open_faults"]
-                and self._would_be_right(ep, turn_index, info["open_faults"]))
-            info["api_changes"] = copy.deepcopy(ep.api_changes)
-            info["change_caused"] = bool(
-                ep.done and not correct and not ep.masked
-                and any(f["kind"] in _CHANGE_KINDS for f in info["open_faults"])
-                and self._would_be_right(ep, turn_index, info["open_faults"], ep.turn_change_caused))
-            info["change_recoverable"] = bool(
-                ep.done and ep.api_changes and not ep.masked and (bool(correct) or info["change_caused"]))
+            info.update(self._attribution(ep, correct, turn_index))
         if self.render_mode == "human":
             print(self._observation())
         return self._observation(), float(reward), terminated, truncated, info
+
+    def _attribution(self, ep: _Episode, correct: Any, turn_index: int) -> dict[str, Any]:
+        """The policy-visible faults' part of a step's info: fault_exposure, open_faults, fault_caused,
+        api_changes, change_caused, change_recoverable (see :meth:`astep`)."""
+        out: dict[str, Any] = {"fault_exposure": "policy"}
+        out["open_faults"] = [copy.deepcopy(f) for f in ep.shown_faults if not f["handled"]]
+        out["fault_caused"] = bool(
+            ep.done and not correct and not ep.masked and out["open_faults"]
+            and self._would_be_right(ep, turn_index, out["open_faults"]))
+        out["api_changes"] = copy.deepcopy(ep.api_changes)
+        out["change_caused"] = bool(
+            ep.done and not correct and not ep.masked
+            and any(f["kind"] in _CHANGE_KINDS for f in out["open_faults"])
+            and self._would_be_right(ep, turn_index, out["open_faults"], ep.turn_change_caused))
+        out["change_recoverable"] = bool(
+            ep.done and ep.api_changes and not ep.masked and (bool(correct) or out["change_caused"]))
+        return out
+
+    async def aend_episode(self) -> tuple[float, dict[str, Any]]:
+        """End the episode from outside, without a message: the caller stopped it before the env did (a
+        rollout's token budget ran out while a fault was still open). The turn in progress is scored as
+        when the step budget runs out, and the episode ends truncated. Returns (reward, info) with the final
+        attribution: a fault shown at the last message, which the policy had no message left to act on,
+        masks the episode (never penalised), except an API change the policy had already met at an earlier
+        message and did not adapt to: that failure is the policy's (``change_caused``, the reward of a wrong
+        answer). info: masked, correct (False), turn_rewards, env_fault_treatment ("masked" when this masked
+        it, else "none"), ended_by ("caller"), and under fault_exposure="policy" the fields of :meth:`astep`'s
+        attribution (open_faults, fault_caused, api_changes, change_caused, change_recoverable). No tool is
+        called. Idempotent on an ended episode: it answers its last verdict again."""
+        ep = self._episode
+        if ep is None:
+            raise RuntimeError("call reset() before aend_episode()")
+        policy = self.policy_sees_faults
+        if not ep.done:
+            last = ep.step - 1
+            no_room = [f for f in ep.shown_faults if not f["handled"] and int(f["step"]) == last
+                       and not _change_met_before(ep, f)]
+            if self.triage and no_room and not ep.masked:
+                ep.masked, ep.end_treatment = True, "masked"
+            turn_index = ep.turn
+            if ep.turn < ep.n_user_turns and (ep.turn_calls or ep.step > 0):
+                turn_score, _parts, turn_correct = self._score(ep.turn_format_ok, ep.turn_calls, ep.task, ep.turn)
+                ep.turn_rewards.append(turn_score)
+                ep.turn_correct.append(turn_correct)
+                if policy:
+                    by_change = not turn_correct and self._turn_fault_caused(ep, changes_only=True)
+                    ep.turn_change_caused.append(by_change)
+                    ep.turn_fault_caused.append(by_change or (not turn_correct and self._turn_fault_caused(ep)))
+                ep.last_turn_calls, ep.last_turn_format_ok = list(ep.turn_calls), ep.turn_format_ok
+                ep.turn += 1
+                ep.turn_calls, ep.turn_call_steps, ep.turn_format_ok, ep.answered = [], [], True, []
+            ep.done = True
+            ep.end_turn_index = turn_index
+        lo = _reward_min(self.reward_name)
+        scores = ep.turn_rewards + [lo] * (ep.n_user_turns - len(ep.turn_rewards))
+        reward = sum(scores) / ep.n_user_turns
+        info: dict[str, Any] = {"task_id": ep.task.id, "masked": ep.masked, "correct": False,
+                                "turn_rewards": list(ep.turn_rewards), "ended_by": "caller",
+                                "env_fault_treatment": ep.end_treatment}
+        if policy:
+            info.update(self._attribution(ep, False, ep.turn if ep.end_turn_index is None else ep.end_turn_index))
+        return float(reward), info
 
     def _note_shown(self, ep: _Episode, step_index: int, run: list[ToolCall], outcomes: list[Any],
                     shown_now: list[dict[str, Any]]) -> list[ToolCall]:
@@ -744,7 +799,11 @@ class ToolCallEnv(gym.Env[str, str]):
                     and (not changes_only or f["kind"] in _CHANGE_KINDS)]
         if not open_now:
             return False
-        faulted = [_canonical_call(ep.api_changes, ToolCall(f["name"], f["arguments"])) for f in open_now]
+        faulted: list[ToolCall] = []  # a call that met its fault again when sent again counts once
+        for f in open_now:
+            c = _canonical_call(ep.api_changes, ToolCall(f["name"], f["arguments"]))
+            if all(_call_key(c) != _call_key(x) for x in faulted):
+                faulted.append(c)
         first = min(int(f["step"]) for f in open_now)
         before = [c for c, st in zip(ep.turn_calls, ep.turn_call_steps) if st <= first]
         for answered in (list(ep.turn_calls), before):
@@ -1011,6 +1070,14 @@ def _note_change(ep: _Episode, step_index: int, call: ToolCall, outcome: Any) ->
         ep.api_changes.append({"kind": kind, "tool": tool, "param": param, "new": new,
                                "step": step_index, "adapted": False})
     return {"param": param, "new": new}
+
+
+def _change_met_before(ep: _Episode, f: dict[str, Any]) -> bool:
+    """Whether shown fault ``f`` is an API change the episode had already met at an earlier message (the
+    policy then had a message in which to adapt)."""
+    return f["kind"] in _CHANGE_KINDS and any(
+        ch["kind"] == f["kind"] and ch["tool"] == f["name"] and int(ch["step"]) < int(f["step"])
+        for ch in ep.api_changes)
 
 
 def _canonical_call(changes: list[dict[str, Any]], c: ToolCall) -> ToolCall:

@@ -294,3 +294,54 @@ async def test_the_http_server_on_loopback_applies_both_changes(tmp_path):
             assert [e.cause for e in c.ledger.injected()] == ["change", "change"]
         finally:
             await c.aclose()
+
+
+@pytest.mark.parametrize("kind", ["param_renamed", "tool_moved"])
+def test_repeating_the_old_call_to_the_step_limit_is_change_caused_not_masked(kind):
+    # the policy met the change, had messages left to adapt in, and sent the old call until the step budget
+    # ran out: its failure (a wrong answer, change_caused), not a fault it had no message left to act on
+    seed = _env_seed(kind, max_steps=3)
+    env = _env(kind, max_steps=3)
+    try:
+        env.reset(seed=seed)
+        for _ in range(3):
+            _o, r, term, trunc, info = env.step(format_calls([WEATHER], "hermes"))
+        assert trunc and not term and r == 0.0
+        assert not info["masked"] and info["env_fault_treatment"] == "to-policy"
+        assert info["change_caused"] and info["fault_caused"] and info["change_recoverable"]
+    finally:
+        env.close()
+    # met for the first time on the last message: no message was left to act on, so it is masked
+    env = _env(kind, max_steps=1)
+    try:
+        env.reset(seed=seed)
+        _o, r, term, trunc, info = env.step(format_calls([WEATHER], "hermes"))
+        assert info["masked"] and not info["change_caused"] and not info["change_recoverable"]
+    finally:
+        env.close()
+
+
+@pytest.mark.parametrize("kind", ["param_renamed", "tool_moved"])
+def test_an_episode_ended_by_the_caller_gets_its_final_attribution(kind):
+    import asyncio
+    seed = _env_seed(kind)
+    env = _env(kind)
+    try:
+        # the old call twice, then the rollout's token budget ends it: the change was met at an earlier message
+        env.reset(seed=seed)
+        env.step(format_calls([WEATHER], "hermes"))
+        env.step(format_calls([WEATHER], "hermes"))
+        reward, info = asyncio.run(env.aend_episode())
+        assert reward == 0.0 and info["ended_by"] == "caller" and not info["correct"]
+        assert not info["masked"] and info["change_caused"] and info["change_recoverable"]
+        assert (reward, info) == asyncio.run(env.aend_episode())                       # idempotent
+        with pytest.raises(RuntimeError):
+            env.step(format_calls([WEATHER], "hermes"))                      # the episode is over
+        # ended right after the change was first met: no message was left to act on, masked
+        env.reset(seed=seed)
+        env.step(format_calls([WEATHER], "hermes"))
+        reward, info = asyncio.run(env.aend_episode())
+        assert info["masked"] and info["env_fault_treatment"] == "masked"
+        assert not info["change_caused"] and not info["change_recoverable"]
+    finally:
+        env.close()
