@@ -281,12 +281,40 @@ def generate_batch(engine: Any, prompts: list[list[int]], cfg: RolloutSpec, *, n
 
 
 async def agenerate_batch(engine: Any, prompts: list[list[int]], cfg: RolloutSpec, *, n: int = 1,
-                          max_new_tokens: int | Sequence[int] | None = None, seed: int = 0
+                          max_new_tokens: int | Sequence[int] | None = None, seed: int = 0, held: bool = False
                           ) -> list[tuple[list[int], list[float], bool]]:
     """:func:`generate_batch` through the engine's awaitable ``agenerate`` (a continuous-batching engine:
-    the prompts join the decode loop that serves every waiting request, :func:`pooled`)."""
-    out = await engine.agenerate(prompts, **_engine_args(cfg, n, max_new_tokens, seed))
+    the prompts join the decode loop that serves every waiting request, :func:`pooled`). ``held``: the
+    caller takes part in the engine's lockstep (it holds one of the engine's holds, see :func:`holding`)."""
+    extra = {"held": True} if held else {}
+    out = await engine.agenerate(prompts, **_engine_args(cfg, n, max_new_tokens, seed), **extra)
     return _checked(out, len(prompts), n)
+
+
+class holding:
+    """``async with holding(engine, k):`` ``k`` coroutines take part in the engine's lockstep: the engine's
+    decode loop runs no step while one of them is between two requests (a tool step, a critique), so
+    which requests share a decode step -- and with it each row's float rounding -- follows from the seed,
+    not from when a tool answered. Each coroutine submits with ``held=True`` and calls
+    :meth:`release` when it will submit nothing more (``engine.hold`` / ``engine.release``; engines
+    without them need nothing)."""
+
+    def __init__(self, engine: Any, k: int):
+        self.engine, self.k = engine, int(k)
+
+    def __enter__(self) -> "holding":
+        hold = getattr(self.engine, "hold", None)
+        if hold is not None:
+            hold(self.k)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        pass
+
+    def release(self) -> None:
+        rel = getattr(self.engine, "release", None)
+        if rel is not None:
+            rel(1)
 
 
 def pooled(engine: Any, cfg: RolloutSpec) -> bool:
@@ -595,41 +623,58 @@ async def _pooled_episodes(engine, tokenizer, envs, trajs: list[Trajectory], mes
             return 0
         return 2 if _observe(tokenizer, tr, messages, k, info, text, ids) else 1
 
-    async def later_turns(k: int) -> None:
+    async def later_turns(k: int, hold: holding) -> None:
+        """Episode k's next answers until it ends; then its hold goes back (lockstep, :class:`holding`)."""
         tr = trajs[k]
-        while True:
-            if not _fits(tr, cfg):
-                tr.truncated = True
-                return
-            prompt = tr.prompt_ids + tr.response_ids
-            room = min(caps[k], max(1, cfg.max_total_tokens - len(prompt)))
-            with gen_busy:
-                (ids, lps, fin), = await agenerate_batch(engine, [prompt], cfg, max_new_tokens=room,
-                                                         seed=derive_seed(seed, 1, k, tr.turns))
-            if await act(k, ids, lps, fin) < 2:
-                return
+        try:
+            while True:
+                if not _fits(tr, cfg):
+                    tr.truncated = True
+                    return
+                prompt = tr.prompt_ids + tr.response_ids
+                room = min(caps[k], max(1, cfg.max_total_tokens - len(prompt)))
+                with gen_busy:
+                    (ids, lps, fin), = await agenerate_batch(engine, [prompt], cfg, max_new_tokens=room,
+                                                             seed=derive_seed(seed, 1, k, tr.turns), held=True)
+                if await act(k, ids, lps, fin) < 2:
+                    return
+        finally:
+            hold.release()
 
-    async def episode(k: int, ids: list[int], lps: list[float], fin: bool) -> None:
-        going = await act(k, ids, lps, fin)
+    async def episode(k: int, ids: list[int], lps: list[float], fin: bool, hold: holding) -> None:
+        try:
+            going = await act(k, ids, lps, fin)
+        except BaseException:
+            hold.release()
+            raise
         if going == 2:
-            await later_turns(k)
+            await later_turns(k, hold)
+        else:
+            hold.release()
         if single and going and trajs[k].last.env_fault_treatment == "to-policy":
             trajs[k].masked = True  # the token budget ended it while a fault was still open
 
-    async def group(members: list[int]) -> None:
+    async def group(members: list[int], hold: holding) -> None:
         first = trajs[members[0]]
-        with gen_busy:
-            samples = await agenerate_batch(engine, [first.prompt_ids], cfg, n=len(members),
-                                            max_new_tokens=caps[members[0]], seed=derive_seed(seed, 0, first.group))
-        await asyncio.gather(*(episode(k, *smp) for k, smp in zip(members, samples)))
+        try:
+            with gen_busy:
+                samples = await agenerate_batch(engine, [first.prompt_ids], cfg, n=len(members), held=True,
+                                                max_new_tokens=caps[members[0]], seed=derive_seed(seed, 0, first.group))
+        except BaseException:
+            hold.release()
+            raise
+        # the answer handed one hold per sample back: each episode gives its own back when it ends
+        await asyncio.gather(*(episode(k, *smp, hold) for k, smp in zip(members, samples)))
 
     if single:
         by_group: dict[tuple[int, tuple[int, ...]], list[int]] = {}
         for k, tr in enumerate(trajs):  # the rollouts of a task that share its prompt: one request
             by_group.setdefault((tr.group, tuple(tr.prompt_ids)), []).append(k)
-        await asyncio.gather(*(group(members) for members in by_group.values()))
+        with holding(engine, len(by_group)) as hold:
+            await asyncio.gather(*(group(members, hold) for members in by_group.values()))
     else:
-        await asyncio.gather(*(later_turns(k) for k in range(len(trajs))))
+        with holding(engine, len(trajs)) as hold:
+            await asyncio.gather(*(later_turns(k, hold) for k in range(len(trajs))))
 
 
 def _observe(tokenizer, tr: Trajectory, messages: list[list[dict]], k: int, info: dict[str, Any], text: str,

@@ -57,7 +57,7 @@ class PooledScriptedEngine(ScriptedEngine):
         super().__init__(tokenizer, answer, row_as_sample)
         self.requests: list[int] = []
 
-    async def agenerate(self, prompts, n=1, **kw):
+    async def agenerate(self, prompts, n=1, held=False, **kw):
         import asyncio
 
         self.requests.append(len(prompts) * n)

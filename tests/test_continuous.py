@@ -146,20 +146,23 @@ def test_pool_restores_train_mode_and_falls_back_without_the_lean_step(tiny, pro
 
 def test_rollout_continuous_runs_a_training_step_through_the_pool(tmp_path):
     """rollout.continuous=true: the run's engines decode through the pool (within rollout.kv_budget_mb),
-    a step's rollouts are served by the shared loop, and the held-out evaluation by a pool."""
+    a step's rollouts and reflection retries are served by the shared loop (every hold given back), and
+    the held-out evaluation by a pool."""
     from reflrl import train as T
 
     from doubles import tiny_cfg
 
     cfg = tiny_cfg(tmp_path, **{"rollout.continuous": "true", "rollout.kv_budget_mb": 8,
-                                "reflection.variant": "grpo", "train.save_every": 0})
+                                "reflection.variant": "tool_rerl", "train.save_every": 0})
     tr = T.Trainer(cfg, tmp_path / "run", progress=False, quiet=True)
     try:
         assert tr.engine.continuous and tr.eval_engine.continuous
         assert tr.engine.kv_budget_bytes == 8 * 2**20
         m = tr.train_step()
         stats = tr.engine.pool().stats
-        assert stats.samples == 8 and stats.prompts == 2 and m["rollout_accuracy"] >= 0
+        retries = int(m["reflect/generate_calls"])
+        assert retries > 0 and stats.samples == 8 + retries and stats.prompts == 2 + retries
+        assert tr.engine.pool().held == 0 and not tr.engine.pool().busy
         res = tr.evaluate("test")
         assert res["n"] == len(tr.splits["test"]) == tr.eval_engine.last_stats.samples
     finally:
@@ -185,3 +188,42 @@ def test_a_generation_during_the_shared_loop_waits_for_its_step(tiny, prompts):
     got, mid = asyncio.run(main())
     assert [s.token_ids for s in got] == [s.token_ids for s in alone_pool]
     assert [s.token_ids for s in mid] == [s.token_ids for s in alone_other]
+
+
+def test_lockstep_makes_the_schedule_a_function_of_the_seed(tiny, prompts):
+    """Four coroutines each make three requests with a pause of random length between them (a tool step).
+    Holding the pool (engine.hold / held=True / engine.release), every run decodes the same rows in the same
+    steps, so the samples are the same to the bit whatever the pauses."""
+    import random
+
+    def once(pause_seed, lockstep):
+        eng = pooled(tiny, max_batch_size=8)
+        rng = random.Random(pause_seed)
+        pauses = {(c, t): rng.random() * 0.03 for c in range(4) for t in range(3)}
+
+        async def client(c):
+            out = []
+            try:
+                for t in range(3):
+                    s = await eng.agenerate([prompts[c]], max_new_tokens=3 + 2 * c + t, temperature=1.0,
+                                            seed=100 * c + t, held=lockstep)
+                    out.append(s[0])
+                    await asyncio.sleep(pauses[c, t])
+            finally:
+                if lockstep:
+                    eng.release()
+            return out
+
+        async def main():
+            if lockstep:
+                eng.hold(4)
+            return await asyncio.gather(*(client(c) for c in range(4)))
+
+        got = asyncio.run(main())
+        return eng.pool().stats.decode_rows, [(s.token_ids, s.logprobs) for c in got for s in c]
+
+    a_rows, a = once(1, True)
+    b_rows, b = once(2, True)
+    assert a_rows == b_rows and a == b
+    free_rows = {tuple(once(s, False)[0]) for s in (1, 2, 3)}
+    assert len(free_rows) > 1  # without the holds the steps' rows follow the pauses

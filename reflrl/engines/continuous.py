@@ -24,6 +24,11 @@ stepping for its longest one. The pool keeps one set of rows busy instead:
 * **Seeds**: each row draws its sampling numbers from its own generator, seeded with
   ``derive_seed(request seed, sample index)``, so its tokens depend on its seed and logits, not on which
   other rows share the step or when it arrived (batch composition changes only float rounding).
+* **Lockstep** (:meth:`DecodePool.hold`, ``serve(held=True)``, :meth:`DecodePool.release`): callers that take
+  part (rollout episodes, reflection repairs) keep the loop from stepping while one of them is between two
+  requests (a tool step, a critique). Which rows share each decode step then follows from the seed and the
+  callers' logic, not from when a tool answered, so float rounding -- and with it every sample -- is the
+  same on every run (without it, a tool that answers a little later can move a request to a later step).
 
 Callers use it through the engine: :meth:`TransformersEngine.generate` (one call's prompts in one pool,
 refilled as rows finish) and :meth:`TransformersEngine.agenerate` (awaitable, from asyncio code: every
@@ -77,6 +82,7 @@ class Request:
     samples: list[Sample | None] = field(default_factory=list)
     left: int = 0                                   # rows not finished yet
     future: Any = None                              # asyncio future (agenerate)
+    grant: bool = False                             # answered: one hold per sample to the caller (serve)
     # prefilled state while rows of the request still wait for a slot: (keys, values per layer, hidden)
     state: Any = None
     placed: int = 0                                 # rows already in a slot
@@ -129,6 +135,8 @@ class DecodePool:
         self.pending: deque[Request] = deque()
         self._inbox: list[Request] = []
         self._driver: asyncio.Task | None = None
+        self._event: asyncio.Event | None = None
+        self.held = 0  # holds out (lockstep: the loop waits while any is)
         self._reset()
 
     # ----------------------------------------------------------------------------------- state
@@ -355,14 +363,40 @@ class DecodePool:
             self.pending.clear()
             self._reset()
 
-    async def serve(self, requests: list[Request]) -> None:
+    # ----------------------------------------------------------------------------------- lockstep
+    def hold(self, k: int = 1) -> None:
+        """``k`` callers are about to submit: the shared loop runs no decode step until each has submitted a
+        request made with ``held=True`` or called :meth:`release` (see :meth:`serve`)."""
+        self.held += int(k)
+
+    def release(self, k: int = 1) -> None:
+        """``k`` holders are done (will submit nothing more)."""
+        self.held = max(0, self.held - int(k))
+        self._wake()
+
+    def _wake(self) -> None:
+        if self._event is not None:
+            self._event.set()
+
+    async def serve(self, requests: list[Request], held: bool = False) -> None:
         """Serve ``requests`` in the shared loop of this pool (started if idle); returns when all are answered.
-        Decode steps run in a worker thread, one at a time; requests submitted by other coroutines while
-        it runs join at the next step."""
+        Decode steps run in a worker thread, one at a time; requests submitted by other coroutines join at
+        the next step, in the order of their seeds.
+
+        ``held``: the caller holds one of the pool's holds (:meth:`hold`) and gives it back by submitting; each
+        answered request hands one hold per sample back to the caller, who submits its next request with
+        ``held=True`` or :meth:`release`-s it. While any hold is out the loop waits, so which requests share
+        a decode step follows from the callers' logic (an episode's tool step finishes before the next
+        decode step), not from when a tool happened to answer: the same seed gives the same steps, rows and
+        float rounding on every run."""
         loop = asyncio.get_running_loop()
         for r in requests:
             r.future = loop.create_future()
+            r.grant = held
+        if held:
+            self.held = max(0, self.held - 1)
         self._inbox.extend(requests)
+        self._wake()
         if self._driver is None or self._driver.done():
             self._driver = loop.create_task(self._drive())
         await asyncio.gather(*(r.future for r in requests))
@@ -373,22 +407,29 @@ class DecodePool:
         model = self.engine.model
         was_training = model.training
         model.eval()  # for the whole burst: a nested generate restores eval mode, not a mode read mid-burst
+        self._event = asyncio.Event()
         try:
             await loop.run_in_executor(None, self._locked_setup)
             while True:
+                while self.held > 0:  # callers holding a hold are still to submit (lockstep, serve's doc)
+                    self._event.clear()
+                    await self._event.wait()
                 if self._inbox:
-                    self.pending.extend(self._inbox)
+                    self.pending.extend(sorted(self._inbox, key=lambda r: (r.seed, r.index)))
                     self._inbox.clear()
                 if not self.pending and not any(s is not None for s in self.slots):
                     break
                 done = await loop.run_in_executor(None, self._step_in_context)
                 for req in done:
+                    if req.grant:
+                        self.held += req.n
                     if not req.future.done():
                         req.future.set_result(None)
         except BaseException as e:  # noqa: BLE001 - delivered to every waiting request
             failed = e
         finally:
             model.train(was_training)
+            self.held, self._event = 0, None
             waiting = list(self.pending) + list(self._inbox) + [s.req for s in self.slots if s is not None]
             self.pending.clear()
             self._inbox.clear()

@@ -191,11 +191,13 @@ class TransformersEngine:
         stop_ids: list[int] | None = None,
         seed: int = 0,
         stop_when: Callable[[str], bool] | None = None,
+        held: bool = False,
     ) -> list[Sample]:
         """:meth:`generate` as an awaitable. With continuous batching the prompts join the engine's shared
         decode loop (other coroutines' requests decode in the same steps, rows refill as they finish);
         otherwise ``generate`` runs in a worker thread. Same samples as ``generate`` with the same arguments
-        (up to float rounding from the rows that share a step)."""
+        (up to float rounding from the rows that share a step). ``held``: the caller takes part in the
+        pool's lockstep (:meth:`hold`, :meth:`release`; :meth:`reflrl.engines.continuous.DecodePool.serve`)."""
         if not self._pooled():
             import asyncio
             import functools
@@ -204,8 +206,19 @@ class TransformersEngine:
                                      stop_when)
             return await asyncio.get_running_loop().run_in_executor(None, call)
         reqs = self._requests(prompts, n, max_new_tokens, temperature, top_p, stop_ids, seed, stop_when)
-        await self.pool().serve(reqs)
+        await self.pool().serve(reqs, held=held)
         return [s for r in reqs for s in r.samples]
+
+    def hold(self, k: int = 1) -> None:
+        """``k`` coroutines are about to submit through :meth:`agenerate` with ``held=True``: the shared loop
+        waits for them before its next decode step (a no-op without continuous batching)."""
+        if self._pooled():
+            self.pool().hold(k)
+
+    def release(self, k: int = 1) -> None:
+        """``k`` holders will submit nothing more (see :meth:`hold`)."""
+        if self._pool is not None:
+            self._pool.release(k)
 
     def _lean_decoder(self) -> LeanDecoder | None:
         """The lean decode step for the model as it is now, or None (transformers forward)."""

@@ -181,7 +181,7 @@ async def arecover(trajs: list[R.Trajectory], *, cfg: C.Config, engine: Any, tok
                 with gen_timer:
                     (ids, lps, _fin), = await R.agenerate_batch(
                         engine, [R.render_prompt(tokenizer, messages)], rollout_cfg, max_new_tokens=cap,
-                        seed=derive_seed(seed, 3, k, asked[0]))
+                        seed=derive_seed(seed, 3, k, asked[0]), held=True)
                 return Generation(tokenizer.decode(ids, skip_special_tokens=True), ids, lps)
 
             asked = [0]
@@ -194,8 +194,11 @@ async def arecover(trajs: list[R.Trajectory], *, cfg: C.Config, engine: Any, tok
             return None
         finally:
             batcher.done()
+            if pooled:
+                hold.release()  # the lockstep hold it had between its requests (reflrl.rollout.holding)
 
-    recs = await asyncio.gather(*(repair(k) for k, _ in chosen)) if chosen else []
+    with R.holding(engine, len(chosen) if pooled else 0) as hold:
+        recs = await asyncio.gather(*(repair(k) for k, _ in chosen)) if chosen else []
     records: list[RepairRecord] = []
     added: list[R.Trajectory] = []
     for (k, cause), rec in zip(chosen, recs):
