@@ -398,6 +398,25 @@ async def step_episode(env: Any, action: str) -> tuple[Any, float, bool, bool, d
     return env.step(action)
 
 
+async def end_by_budget(env: Any, tr: Trajectory) -> None:
+    """The rollout's token budget ended episode ``tr`` while a fault shown to the policy was still open (its
+    env would have gone on). The env's final attribution (``aend_episode``) decides how it ended: masked when
+    the policy had no message left to act on the fault, the policy's failure (a wrong answer, ``change_caused``)
+    when it had met that API change at an earlier message and still sent the old call. Its fields are merged
+    into the last step's record. An env without ``aend_episode``: masked."""
+    fn = getattr(env.unwrapped, "aend_episode", None)
+    if fn is None:
+        tr.masked = True
+        return
+    reward, info = await fn()
+    last = tr.last
+    last.info = {**last.info, **{k: v for k, v in info.items() if k != "env_fault_treatment"}}
+    last.masked = last.masked or bool(info.get("masked"))
+    last.correct = False
+    tr.reward, tr.correct = float(reward), False
+    tr.masked = tr.masked or bool(info.get("masked"))
+
+
 async def _run_all(coros: list, concurrent: bool, limit: int = 0) -> list:
     """Await ``coros``: all at once (at most ``limit`` in flight when > 0), or one after another."""
     if concurrent:
@@ -494,9 +513,9 @@ async def _single_turn(engine, tokenizer, envs, trajs: list[Trajectory], cfg: Ro
                                                [i for i, m in zip(trajs[k].response_ids, trajs[k].loss_mask) if m])]
         await _multi_turn(engine, tokenizer, envs, trajs, messages, dataclasses.replace(cfg, max_turns=1 << 30),
                           t, seed + 1, ready=ready, caps=caps)
-        for k in going:  # the token budget ended it while a fault was still open: no action was left
+        for k in going:  # the token budget ended it while a fault was still open
             if trajs[k].last.env_fault_treatment == "to-policy":
-                trajs[k].masked = True
+                await end_by_budget(envs[k], trajs[k])
 
 
 async def _multi_turn(engine, tokenizer, envs, trajs: list[Trajectory], messages: list[list[dict]],
@@ -652,7 +671,7 @@ async def _pooled_episodes(engine, tokenizer, envs, trajs: list[Trajectory], mes
         else:
             hold.release()
         if single and going and trajs[k].last.env_fault_treatment == "to-policy":
-            trajs[k].masked = True  # the token budget ended it while a fault was still open
+            await end_by_budget(envs[k], trajs[k])  # the token budget ended it while a fault was still open
 
     async def group(members: list[int], hold: holding) -> None:
         first = trajs[members[0]]

@@ -263,3 +263,40 @@ def test_a_policy_that_adapts_to_the_changes_it_is_shown_has_full_adaptation_in_
     assert out["adaptation"] == 1.0 and out["accuracy"] == 1.0
     for kind in R.API_CHANGE_KINDS:  # the evaluation's fixed fault seed gives both kinds here
         assert out[f"n_change_recoverable_{kind}"] > 0 and out[f"adaptation_{kind}"] == 1.0
+
+
+@pytest.mark.parametrize("max_total_tokens", [4096, 1000])
+def test_a_policy_that_repeats_the_old_call_has_zero_adaptation_not_none(max_total_tokens):
+    """End to end: a policy that answers gold and, shown a change, sends the same old call again until the
+    episode ends (by the env's step budget, or by the rollout's token budget: ``max_total_tokens``) counts every
+    change it met as change-recoverable and none as adapted: its episodes are its failures, not masked."""
+    import asyncio
+
+    import gymnasium
+
+    import reflrl.envs
+    from reflrl.envs.datasets import synthetic_splits
+    from reflrl.envs.parsing import format_calls
+    from reflrl.heldout import aevaluate_episodes
+    from reflrl.models import load_tokenizer
+
+    from doubles import ScriptedEngine
+
+    tok = load_tokenizer("tiny-random")
+    tasks = synthetic_splits(n_train=0, n_val=0, n_test=8, seed=4, kinds=("single",))["test"]
+
+    def answer(text: str, j: int) -> str:
+        task = next(t for t in tasks if t.query in text)
+        return format_calls(list(task.gold[0]), "hermes")
+
+    envs = [gymnasium.make(reflrl.envs.SINGLE_TURN_ID, dataset=tasks, faults="param_renamed=0.3,tool_moved=0.3",
+                           fault_exposure="policy", timeout=2.0).unwrapped for _ in tasks]
+    try:
+        out = asyncio.run(aevaluate_episodes(
+            ScriptedEngine(tok, answer), tok, envs, tasks,
+            R.RolloutSpec(max_new_tokens=200, temperature=0.0, max_total_tokens=max_total_tokens), seed=9))
+    finally:
+        for e in envs:
+            e.close()
+    assert out["n_changed"] > 0 and out["n_change_recoverable"] == out["n_changed"]
+    assert out["adaptation"] == 0.0
