@@ -155,6 +155,7 @@ class AlgoConfig:
     grad_clip: float = _f(1.0, "max global grad norm (0 = no clipping)")
     epochs_per_batch: int = _f(1, "optimisation passes over each rollout batch (1 = on-policy)")
     micro_batch_size: int = _f(8, "sequences per forward/backward (gradient accumulation over the batch)")
+    activation_budget_mb: float | None = _f(1024.0, "memory (MB) that one training forward/backward may hold in activations and log-prob logits, estimated from the model's shape (reflrl.memory): an RL micro-batch or a warm-up batch over it is split into smaller ones with gradient accumulation (the same update up to float rounding); a single sequence over it runs alone; null = no limit (only micro_batch_size)")
     downsample_m: int = _f(0, "max-variance down-sampling (efficiency paper, arXiv:2606.00135, sec. 4.2): train on m of n rollouts; 0 = off")
     prefilter_k: int = _f(1, "online pre-rollout filter (efficiency paper, arXiv:2606.00135, sec. 4.1): skip prompts all-correct for k epochs; 0 = off")
 
@@ -510,6 +511,8 @@ def _algo_ranges(cfg: "Config") -> Problems:
     yield from _at_least(a, "algo", 1, "sft_batch")
     yield from _at_least(a, "algo", 0, "lr", strict=True)
     yield from _at_least(a, "algo", 1, "epochs_per_batch", "micro_batch_size")
+    if a.activation_budget_mb is not None:
+        yield from _at_least(a, "algo", 0, "activation_budget_mb", strict=True)
     if a.dual_clip_c is not None and a.dual_clip_c <= 1:
         yield f"algo.dual_clip_c: must be > 1 or null, got {a.dual_clip_c}"
     yield from _in_unit(a, "algo", "gamma", "lam")

@@ -289,3 +289,47 @@ def shared_prefix_logprobs(
     )
     out = torch.zeros(r, s, dtype=torch.float32, device=suffix_ids.device)
     return out.index_put((rows, cols), lp)
+
+
+def nll_backward(
+    model: nn.Module,
+    batch: dict[str, torch.Tensor],
+    budget: int | None = None,
+    scale: float = 1.0,
+    temperature: float = 1.0,
+) -> tuple[torch.Tensor, int]:
+    """Token-mean negative log-likelihood of a batch's response tokens, and its gradient (times
+    ``scale``) accumulated into the parameters' ``.grad``, within a memory budget.
+
+    ``batch``: ``input_ids``, ``attention_mask``, ``response_mask``, each [B, L], right-padded (the
+    layout of :func:`reflrl.sft.collate`). The loss is ``-sum(log p of response tokens) / (response
+    tokens of the whole batch)``, the value of ``reflrl.sft.sft_loss``. Rows run in micro-batches
+    (sorted by length, each trimmed to its longest row) whose activations fit ``budget`` bytes by
+    :class:`reflrl.memory.ActivationCost`; each micro-batch's backward runs before the next forward,
+    so only one micro-batch's activations are alive, and the summed gradient is the unsplit one up
+    to float rounding. ``budget`` None runs the whole batch at once.
+
+    Returns (the loss, detached, float32 scalar; the number of micro-batches).
+    """
+    from reflrl.memory import ActivationCost, split_to_budget
+
+    ids, attn, resp = batch["input_ids"], batch["attention_mask"], batch["response_mask"]
+    denom = resp.bool().sum().clamp(min=1)
+    lens = attn.sum(-1).tolist()
+    order = sorted(range(ids.shape[0]), key=lambda i: lens[i])
+    if budget is None:
+        groups = [order]
+    else:
+        cost = ActivationCost.of(model)
+        groups = split_to_budget(order, lambda g: cost.forward_bytes(len(g), max(lens[i] for i in g)) + cost.logits,
+                                 budget)
+    total = torch.zeros((), dtype=torch.float32)
+    for g in groups:
+        ix = torch.as_tensor(g, dtype=torch.long, device=ids.device)
+        width = max(1, max(lens[i] for i in g))
+        m = resp[ix, :width]
+        lp = sequence_logprobs(model, ids[ix, :width], attn[ix, :width], m, temperature)
+        part = -(torch.where(m.bool(), lp, torch.zeros_like(lp)).sum() / denom)
+        (part * scale).backward()
+        total = total + part.detach().float().cpu()
+    return total, len(groups)

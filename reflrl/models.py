@@ -62,6 +62,7 @@ from torch import nn
 
 from .diskspace import check_disk_space
 from .errors import ConfigError
+from .memory import release_heap
 from .paths import cache_root
 from .trainable import (LORA_TARGETS, apply_lora, apply_trainable, count_parameters,  # noqa: F401  (re-exported)
                         parse_trainable, trainable_parameters)
@@ -442,6 +443,7 @@ def load_model(
     else:
         apply_trainable(model, trainable, dtype=torch_dtype, trainable_dtype=t_dtype)
     model.train()
+    release_heap()  # the float32 copy a bfloat16 model was cast from, the conversion's buffers
     return model, tokenizer
 
 

@@ -32,6 +32,8 @@ import torch
 from reflrl.envs.parsing import format_calls
 from reflrl.envs.types import Task
 
+from .logprobs import nll_backward
+from .memory import budget_bytes, release_heap
 from .rollout import render_prompt
 
 
@@ -154,13 +156,16 @@ def train_sft(model: torch.nn.Module, tokenizer: Any, examples: Sequence[SFTExam
               batch_size: int, lr: float, seed: int = 0, grad_clip: float = 1.0, weight_decay: float = 0.0,
               warmup_steps: int = 0, should_stop: Callable[[int, float | None], bool] | None = None,
               log: Callable[[int, dict[str, float]], None] | None = None,
-              on_step: Callable[[int, float], None] | None = None) -> dict[str, Any]:
+              on_step: Callable[[int, float], None] | None = None,
+              activation_budget_mb: float | None = None) -> dict[str, Any]:
     """Fine-tune the trainable parameters on ``examples`` for ``steps`` optimizer steps.
 
     Batches are drawn from a seeded shuffle, epoch after epoch. A fresh AdamW is used (its state is
     not carried into RL); the learning rate follows :func:`lr_schedule`. ``should_stop(done,
     seconds_per_step)`` is a guard asked before each step (the run's time budget): when it says stop,
     training ends early and the result says ``cut``. ``on_step(done, loss)`` reports progress.
+    ``activation_budget_mb`` (``algo.activation_budget_mb``) bounds a step's activations: a batch over it
+    runs in micro-batches with gradient accumulation (:func:`reflrl.logprobs.nll_backward`); None = no bound.
     Returns {"steps", "planned", "cut", "loss_first", "loss_last", "seconds", "trained_by_kind"} (the
     examples trained on per :attr:`SFTExample.kind`, repeats counted).
     """
@@ -192,13 +197,13 @@ def train_sft(model: torch.nn.Module, tokenizer: Any, examples: Sequence[SFTExam
         cur_lr = lr_schedule(s, steps=steps, lr=lr, warmup_steps=warmup_steps)
         for g in opt.param_groups:
             g["lr"] = cur_lr
-        loss = sft_loss(model, batch)
+        opt.zero_grad(set_to_none=True)
+        loss, _ = nll_backward(model, batch, budget_bytes(activation_budget_mb))  # sft_loss, in micro-batches
         if not torch.isfinite(loss):
             raise FloatingPointError(f"SFT loss is {float(loss.detach())} at step {s}")
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
         gn = torch.nn.utils.clip_grad_norm_(params, grad_clip)
         opt.step()
+        release_heap()
         losses.append(float(loss.detach()))
         done += 1
         if log is not None:

@@ -7,6 +7,7 @@ from typing import Sequence
 
 import torch
 
+from reflrl.memory import ActivationCost, split_to_budget
 from reflrl.rollout import Trajectory
 
 
@@ -129,13 +130,42 @@ def make_batch(trajs: Sequence[Trajectory], advantages: Sequence[float], pad_id:
                        repaired=torch.tensor([bool(getattr(t, "repaired", False)) for t in trajs], dtype=torch.bool))
 
 
-def micro_batches(batch: UpdateBatch, size: int) -> list[UpdateBatch]:
+def micro_batches(batch: UpdateBatch, size: int, budget: int | None = None, cost: ActivationCost | None = None,
+                  share_prompt: bool = True) -> list[UpdateBatch]:
     """Split into micro-batches of at most ``size`` rollouts, keeping a prompt's rollouts together
-    (its prompt is then computed once) and grouping similar lengths."""
+    (its prompt is then computed once) and grouping similar lengths.
+
+    With a ``budget`` in bytes and the model's ``cost`` (:class:`reflrl.memory.ActivationCost`), a
+    micro-batch is also cut where its activations (:func:`update_bytes`) would exceed the budget, so
+    the update's memory is bounded whatever the rollouts' lengths; the loss is accumulated over
+    micro-batches, so the update is the same."""
     owners = batch.owner.tolist()
     plen = [len(batch.prompts[o]) for o in owners]
-    order = sorted(range(len(batch)), key=lambda i: (plen[i], owners[i], int(batch.resp_attn[i].sum())))
-    return [batch.select(order[s: s + size]) for s in range(0, len(order), size)]
+    rlen = batch.resp_attn.sum(-1).tolist()
+    order = sorted(range(len(batch)), key=lambda i: (plen[i], owners[i], rlen[i]))
+    if budget is None or cost is None:
+        return [batch.select(order[s: s + size]) for s in range(0, len(order), size)]
+
+    def fits(rows: Sequence[int]) -> int:
+        return update_bytes(cost, [plen[i] for i in rows], [owners[i] for i in rows], [rlen[i] for i in rows],
+                            share_prompt)
+
+    return [batch.select(g) for g in split_to_budget(order, fits, budget, max_items=size)]
+
+
+def update_bytes(cost: ActivationCost, prompt_lens: Sequence[int], owners: Sequence[int], resp_lens: Sequence[int],
+                 share_prompt: bool = True) -> int:
+    """Activation bytes of the forward :func:`batch_logprobs` runs for rows with these prompt lengths, prompt
+    owners and response lengths: with ``share_prompt`` the distinct prompts (left-padded) then the responses
+    (right-padded) attending to prompt + response; else the full right-padded sequences. Plus one logits chunk."""
+    if not resp_lens:
+        return 0
+    rows, p_max, r_max = len(resp_lens), max(prompt_lens), max(resp_lens)
+    if share_prompt:
+        act = cost.forward_bytes(len(set(owners)), p_max) + cost.forward_bytes(rows, r_max, p_max + r_max)
+    else:
+        act = cost.forward_bytes(rows, max(p + r for p, r in zip(prompt_lens, resp_lens)))
+    return act + cost.logits
 
 
 def batch_logprobs(model: torch.nn.Module, mb: UpdateBatch, temperature: float = 1.0,

@@ -9,7 +9,10 @@ two small registries, asked once per update, so an option that is off costs the 
   reference log-probs); ``fn(j, mb, lp) -> (loss, metrics)`` is added to the policy loss of micro-batch ``j``
   in every epoch, with ``lp`` the policy's log-probs [B, R] of that micro-batch. Metrics are summed over
   micro-batches (so give each loss's part of the batch total, e.g. with ``ctx.denom``) and averaged over
-  epochs. Built in: ``kl`` (``algo.kl_coef`` x KL to the reference policy), ``value`` (``algo.value_coef``
+  epochs. A loss on other data than the micro-batch sets ``fn.own_backward = True``: it is called after
+  micro-batch ``j``'s backward pass with ``lp=None``, runs its own backward (so its activations are never
+  alive beside the micro-batch's: the update stays within ``algo.activation_budget_mb``) and returns its
+  value detached. Built in: ``kl`` (``algo.kl_coef`` x KL to the reference policy), ``value`` (``algo.value_coef``
   x PPO's clipped value loss), ``sft`` (``algo.sft_coef`` x the supervised loss on a batch of clean
   demonstrations, PPO-ptx).
 
@@ -164,12 +167,17 @@ def sft_anchor(ctx: UpdateContext) -> Callable | None:
     InstructGPT's PPO-ptx mixes its pretraining loss in (arXiv:2203.02155 sec. 3.5). None without demos."""
     if ctx.demos is None:
         return None
-    from reflrl.sft import sft_loss
+    from reflrl.logprobs import nll_backward
+    from reflrl.memory import budget_bytes
 
-    def loss(j: int, mb: UpdateBatch, lp: torch.Tensor) -> tuple[torch.Tensor, dict[str, float]]:
+    def loss(j: int, mb: UpdateBatch, lp: torch.Tensor | None) -> tuple[torch.Tensor, dict[str, float]]:
         if j != 0:
-            return lp.new_zeros(()), {}
-        nll = sft_loss(ctx.model, ctx.demos)
-        return ctx.algo.sft_coef * nll, {"sft_loss": float(nll.detach())}
+            return torch.zeros(()), {}
+        nll, _ = nll_backward(ctx.model, ctx.demos, budget_bytes(ctx.algo.activation_budget_mb),
+                              scale=ctx.algo.sft_coef)  # its own backward, in micro-batches within the budget
+        if not torch.isfinite(nll):
+            raise FloatingPointError(f"supervised anchor loss is {float(nll)}; check the learning rate")
+        return ctx.algo.sft_coef * nll, {"sft_loss": float(nll)}
 
+    loss.own_backward = True  # type: ignore[attr-defined]
     return loss

@@ -33,6 +33,7 @@ from reflrl import config as C
 from reflrl.algos import (PreRolloutFilter, advantage_needs_critic, get_policy_loss_fn, groups_to_request,
                           live_group_advantages, max_variance_subset, zero_variance)
 from reflrl.algos.dscl import SamplingController, scored_turn_parts
+from reflrl.memory import ActivationCost, budget_bytes, release_heap
 from reflrl.recovery import own_rollouts
 from reflrl.rollout import Trajectory
 
@@ -240,7 +241,8 @@ def policy_update(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batc
     ``ref_model``, the value loss of ``value_head`` or the supervised loss on ``demos``) and cost nothing
     when off."""
     dev = next(model.parameters()).device  # train.device: micro-batches go where the model is
-    mbs = [mb.to(dev) for mb in micro_batches(batch, a.micro_batch_size)]
+    budget = budget_bytes(a.activation_budget_mb)  # micro-batches also cut to fit the activation budget
+    mbs = [mb.to(dev) for mb in micro_batches(batch, a.micro_batch_size, budget, ActivationCost.of(model), share_prompt)]
     mask = batch.response_mask
     denom = float(mask.sum()) if a.loss_agg == "token-mean" else float((mask.sum(-1) > 0).sum())
     if demos is not None:
@@ -269,17 +271,25 @@ def policy_update(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batc
                                clip_high=a.clip_high, dual_clip_c=a.dual_clip_c, loss_agg_mode=a.loss_agg,
                                global_denominator=denom, **kw)
             for fn in aux:  # e.g. kl_coef x KL to the reference, value_coef x the clipped value loss
-                extra, am = fn(j, mb, lp)
-                loss = loss + extra
-                meter.add_aux(am)
+                if not getattr(fn, "own_backward", False):
+                    extra, am = fn(j, mb, lp)
+                    loss = loss + extra
+                    meter.add_aux(am)
             if not torch.isfinite(loss):
                 raise FloatingPointError(f"policy loss is {float(loss)}; check the learning rate")
             loss.backward()
+            loss = loss.detach()
+            for fn in aux:  # losses on other data (the supervised anchor): their own backward, after this one
+                if getattr(fn, "own_backward", False):
+                    extra, am = fn(j, mb, None)
+                    loss = loss + extra.to(loss.device)
+                    meter.add_aux(am)
             meter.add(epoch, loss, lm, lp, mb)
         gn = torch.nn.utils.clip_grad_norm_(params, a.grad_clip if a.grad_clip > 0 else float("inf"))
         optimizer.step()
         meter.end_epoch(gn)
     optimizer.zero_grad(set_to_none=True)
+    release_heap()  # the activations' freed memory back to the system (reflrl.memory)
     return {**shaped, **meter.metrics(a.epochs_per_batch, batch, pooled=importance is not None)}
 
 

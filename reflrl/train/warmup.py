@@ -53,7 +53,8 @@ def run_warmup(cfg: C.Config, *, model: Any, tokenizer: Any, train_tasks: list, 
     res = train_sft(model, tokenizer, examples, steps=w.steps, batch_size=w.batch_size, lr=w.lr,
                     seed=derive_seed(cfg.train.seed, 11, bits=31), grad_clip=cfg.algo.grad_clip or 1.0,
                     warmup_steps=min(5, w.steps // 10), should_stop=should_stop,
-                    log=lambda s, m: log(s, m), on_step=lambda done, loss: phase.update(1, loss=loss))
+                    log=lambda s, m: log(s, m), on_step=lambda done, loss: phase.update(1, loss=loss),
+                    activation_budget_mb=cfg.algo.activation_budget_mb)
     phase.close("cut by the time budget" if res["cut"] else "")
     out.update(ran=True, seconds=time.perf_counter() - t0, **{f"sft_{k}": v for k, v in res.items()})
     if probe is not None:
@@ -62,6 +63,7 @@ def run_warmup(cfg: C.Config, *, model: Any, tokenizer: Any, train_tasks: list, 
             else f"{res['loss_first']:.2f} -> {res['loss_last']:.2f}")
     say(f"warm-up: {res['steps']} SFT steps in {res['seconds']:.0f}s, loss {loss}")
     return out
+
 
 def critique_following(cfg: C.Config, train_tasks: list, tokenizer: Any, messages: Callable[[Any], list], fmt: str,
                        demonstrations: int) -> list[SFTExample]:

@@ -1,0 +1,154 @@
+"""The training memory budget (reflrl.memory): the activation estimate bounds what autograd keeps, a batch
+over the budget is split into micro-batches (warm-up NLL, RL update, the update's supervised anchor) and the
+split gives the unsplit result. Chunked log-probs against full logits, values and gradients:
+tests/test_logprobs.py (test_equals_naive_full_logits, test_gradients_match_naive_and_recompute)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from reflrl import config as C
+from reflrl import rollout as R
+from reflrl.envs.types import Task, ToolCall
+from reflrl.logprobs import nll_backward, sequence_logprobs
+from reflrl.memory import ActivationCost, budget_bytes, split_to_budget
+from reflrl.models import load_model
+from reflrl.sft import SFTExample, collate, sft_loss
+from reflrl.train.batch import make_batch, micro_batches, update_bytes
+from reflrl.train.step import policy_update
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return load_model("tiny-random", dtype="float32", trainable="all", seed=0)
+
+
+def _grads(model):
+    return {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def test_activation_estimate_bounds_what_autograd_keeps(tiny):
+    """The estimate is an upper bound of the saved activations (else a 'fitting' batch could exceed the
+    budget) and not a gross overestimate (else batches are cut for nothing), at two lengths."""
+    model, _ = tiny
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    cost = ActivationCost.of(model)
+    for rows, width in [(2, 40), (3, 120)]:
+        ids = torch.randint(3, 49152, (rows, width), generator=torch.Generator().manual_seed(width))
+        am = torch.ones_like(ids)
+        rm = torch.zeros_like(ids)
+        rm[:, -4:] = 1  # few trained rows: the logits chunk is small, the decoder's activations dominate
+        seen: dict[int, int] = {}
+
+        def pack(t):
+            if t.untyped_storage().data_ptr() not in params:
+                seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            sequence_logprobs(model, ids, am, rm)
+        saved = sum(seen.values())
+        est = cost.forward_bytes(rows, width) + cost.logits
+        assert saved <= est, (rows, width, saved, est)
+        assert cost.forward_bytes(rows, width) <= 4 * saved, (rows, width, saved, est)
+
+
+def test_frozen_layers_cost_nothing():
+    model, _ = load_model("tiny-random", dtype="float32", trainable="top_layers:1", seed=0)
+    full, _ = load_model("tiny-random", dtype="float32", trainable="all", seed=0)
+    assert ActivationCost.of(model).per_token * 2 == ActivationCost.of(full).per_token
+
+
+def test_split_to_budget_is_greedy_in_order_and_never_drops():
+    sizes = [5, 3, 4, 9, 1, 1]
+    groups = split_to_budget(list(range(6)), lambda g: sum(sizes[i] for i in g), budget=8)
+    assert groups == [[0, 1], [2], [3], [4, 5]]  # item 3 (9 > 8) runs alone: a sequence cannot be split
+    assert split_to_budget(list(range(6)), lambda g: 0, budget=None, max_items=4) == [[0, 1, 2, 3], [4, 5]]
+    assert [i for g in groups for i in g] == list(range(6))
+    assert budget_bytes(None) is None and budget_bytes(1.5) == 3 << 19
+
+
+def _examples(n=5):
+    g = torch.Generator().manual_seed(1)
+    out = []
+    for k in range(n):
+        p = torch.randint(3, 49152, (20 + 9 * k,), generator=g).tolist()
+        a = torch.randint(3, 49152, (3 + k,), generator=g).tolist()
+        out.append(SFTExample(p, a + [2]))
+    return out
+
+
+def test_nll_backward_splits_over_budget_and_equals_the_unsplit_loss(tiny):
+    model, _ = tiny
+    batch = collate(_examples(), pad_id=0)
+    model.zero_grad(set_to_none=True)
+    ref = sft_loss(model, batch)
+    ref.backward()
+    want = _grads(model)
+    cost = ActivationCost.of(model)
+    widest = int(batch["attention_mask"].sum(-1).max())
+    budget = cost.forward_bytes(2, widest) + cost.logits  # two rows fit, not five
+    for b, parts in [(None, 1), (budget, 3)]:
+        model.zero_grad(set_to_none=True)
+        loss, n = nll_backward(model, batch, b, scale=2.0)
+        assert n == parts
+        assert float(loss) == pytest.approx(float(ref.detach()), rel=1e-5)
+        got = _grads(model)
+        for k in want:
+            assert torch.allclose(got[k], 2.0 * want[k], atol=1e-6), k
+
+
+def _update_batch(tok, n_prompts=2, n=4):
+    trajs = []
+    for gi in range(n_prompts):
+        task = Task(id=f"t{gi}", query="q", tools=[], gold=[[ToolCall("f", {})]])
+        prompt = tok(f"call f please, prompt {gi} " * (3 + 2 * gi), add_special_tokens=False)["input_ids"]
+        for k in range(n):
+            t = R.Trajectory(task=task, group=gi, prompt_ids=prompt, reward=float(k % 2))
+            ids = tok(f"answer {k} " * (k + 2), add_special_tokens=False)["input_ids"]
+            t.append_action(ids, [-1.0] * len(ids))
+            trajs.append(t)
+    adv = [1.0 if t.reward else -1.0 for t in trajs]
+    return make_batch(trajs, adv, tok.pad_token_id or 0)
+
+
+def test_update_micro_batches_fit_the_budget(tiny):
+    model, tok = tiny
+    batch = _update_batch(tok)
+    cost = ActivationCost.of(model)
+    plain = micro_batches(batch, 8)
+    assert len(plain) == 1
+    one = max(update_bytes(cost, [len(mb.prompts[0])], [0], [int(mb.resp_attn.sum(-1).max())]) for mb in plain)
+    budget = cost.logits + 3 * (one - cost.logits) // 2  # room for about one row and a half of activations
+    split = micro_batches(batch, 8, budget, cost)
+    assert len(split) > 2
+    assert sum(len(mb) for mb in split) == len(batch)
+    for mb in split:
+        owners = mb.owner.tolist()
+        need = update_bytes(cost, [len(mb.prompts[o]) for o in owners], owners, mb.resp_attn.sum(-1).tolist())
+        assert need <= budget or len(mb) == 1
+
+
+@pytest.mark.parametrize("with_demos", [False, True])
+def test_policy_update_split_by_the_budget_equals_the_unsplit_update(with_demos):
+    """The same batch, once unbounded (one micro-batch) and once under a budget that forces micro-batches:
+    the same loss and the same parameter change (SGD with lr 1: the change is the gradient), also with the
+    supervised anchor on demonstrations (its own backward, split by the same budget)."""
+    results = []
+    for mb_budget in (None, 0.0005):  # 0.5 KB: every row alone
+        model, tok = load_model("tiny-random", dtype="float32", trainable="all", seed=0)
+        before = {n: p.detach().clone() for n, p in model.named_parameters()}
+        opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=1.0)
+        a = C.AlgoConfig(micro_batch_size=8, grad_clip=0.0, activation_budget_mb=mb_budget,
+                         sft_coef=0.5 if with_demos else 0.0)
+        demos = collate(_examples(3), pad_id=0) if with_demos else None
+        m = policy_update(model, opt, _update_batch(tok), a, demos=demos)
+        delta = {n: p.detach() - before[n] for n, p in model.named_parameters()}
+        results.append((m, delta))
+    (m0, d0), (m1, d1) = results
+    assert m0["loss"] == pytest.approx(m1["loss"], rel=1e-5, abs=1e-7)
+    if with_demos:
+        assert m0["sft_loss"] == pytest.approx(m1["sft_loss"], rel=1e-5)
+    for k in d0:
+        assert torch.allclose(d0[k], d1[k], atol=1e-6), k
+    assert any(float(d.abs().max()) > 0 for d in d0.values())
