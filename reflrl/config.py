@@ -473,12 +473,12 @@ def _rollout(cfg: "Config") -> Problems:
         yield f"rollout.answer_cap: must be >= 1 (a multiple of the gold answer's length) or null, got {r.answer_cap}"
     if r.max_total_tokens < r.max_new_tokens:
         yield f"rollout.max_total_tokens: must be >= rollout.max_new_tokens ({r.max_new_tokens}), got {r.max_total_tokens}"
+    if r.kv_budget_mb is not None and r.kv_budget_mb <= 0:
+        yield f"rollout.kv_budget_mb: must be > 0 (MiB) or null, got {r.kv_budget_mb}"
 
 
 @_check("rollout")
 def _rollout_engine(cfg: "Config") -> Problems:
-    if r.kv_budget_mb is not None and r.kv_budget_mb <= 0:
-        yield f"rollout.kv_budget_mb: must be > 0 (MiB) or null, got {r.kv_budget_mb}"
     r = cfg.rollout
     yield from _one_of("rollout.engine", r.engine, "engine")
     if r.engine == "openai":
