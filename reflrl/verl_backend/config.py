@@ -318,6 +318,10 @@ KEYS: dict[str, Decision] = {
     "rollout.engine_base_url": _not_needed("only read with rollout.engine='openai', which the verl backend refuses"),
     "rollout.engine_model": _not_needed("only read with rollout.engine='openai', which the verl backend refuses"),
     "rollout.engine_off_policy": _not_needed("only read with rollout.engine='openai', which the verl backend refuses"),
+    "rollout.continuous": _not_needed("verl's rollout engine (vLLM, SGLang) batches continuously itself; this is "
+                                      "the CPU engine's decode loop"),
+    "rollout.kv_budget_mb": _not_needed("verl sizes its rollout engine's KV cache (actor_rollout_ref.rollout."
+                                        "gpu_memory_utilization); this is the CPU engine's budget"),
     # algo
     "algo.advantage": _mapped("algorithm.adv_estimator", "algorithm.adv_estimator", "rloo"),
     "algo.adv_eps": _refused(f"the verl estimators reflrl_grpo / reflrl_dr_grpo divide by std + {DEFAULT_EPS:g} "
@@ -342,6 +346,8 @@ KEYS: dict[str, Decision] = {
     "algo.weight_decay": _mapped("actor.optim.weight_decay", _ACT + "optim.weight_decay", 0.1),
     "algo.grad_clip": _mapped("actor.grad_clip (0 = 1e9: no clipping)", _ACT + "grad_clip", 0.5),
     "algo.epochs_per_batch": _mapped("actor.ppo_epochs", _ACT + "ppo_epochs", 2),
+    "algo.activation_budget_mb": _not_needed("verl sizes its micro-batches by actor.ppo_micro_batch_size_per_gpu "
+                                             "(or its dynamic batch size); this is the CPU trainer's budget"),
     "algo.micro_batch_size": _mapped("actor.ppo_micro_batch_size_per_gpu when verl.micro_batch_size_per_gpu "
                                      "is null (sequences per forward/backward, per GPU)",
                                      _ACT + "ppo_micro_batch_size_per_gpu", 2),
