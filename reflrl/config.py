@@ -201,7 +201,7 @@ class WarmupConfig:
     batch_size: int = _f(4, "SFT examples per step")
     time_budget_min: float | None = _f(None, "guard: cut the warm-up after this many minutes (reported as a cut: the result is then not the recipe's); null = no limit")
     eval_after: bool = _f(True, "evaluate the held-out split right after the warm-up, so the summary tells the warm-up's gain from RL's (one more evaluation)")
-    critique_share: float = _f(0.5, "share of the warm-up's examples that teach following a critique (the rest are the gold demonstrations): each is the retry prompt q* of a policy error, as the RL phase's reflection retries build it (a gold call made wrong: the wrong tool, a wrong value or a dropped argument; seeded), with the rule critic's analysis naming the fix, and the gold call as the target; none shows a tool error or a fault (reflrl.recovery.critique_examples); 0 = gold demonstrations only")
+    critique_share: float = _f(0.0, "share of the warm-up's examples that teach following a critique (the rest are the gold demonstrations): each is the retry prompt q* of a policy error, as the RL phase's reflection retries build it (a gold call made wrong: the wrong tool, a wrong value or a dropped argument; seeded), with the rule critic's analysis naming the fix, and the gold call as the target; none shows a tool error or a fault (reflrl.recovery.critique_examples); 0 = gold demonstrations only")
     critique_reveal: str = _f("call", "the rule critic's level in the critique examples' feedback, one that names the fix: 'value' (the expected values) | 'call' (+ the whole expected call) | 'answer' (the same, in the policy's answer format); see reflection.reveal")
 
 

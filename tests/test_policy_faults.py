@@ -555,6 +555,9 @@ def _check_fault_metrics_report_and_printout(run_dir, s):
     text = format_summary(s)
     assert re.search(r"recovery under faults: base \S+ \(of \d+\) -> after warm-up \S+ \(of \d+\) -> after RL", text)
     assert "no fault met: base 100.0%" in text and "time split: load" in text and "% of the run" in text
+    zero = sum(v >= 1.0 for v in s["zero_var_ratio_per_step"])
+    assert (f"steps without signal (every group's rewards equal): {zero} of {len(s['zero_var_ratio_per_step'])}"
+            in text)
 
 
 # ------------------------------------------------- fresh fault draws per attempt, counting, multi-turn

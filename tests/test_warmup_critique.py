@@ -148,7 +148,8 @@ def test_only_the_gold_target_carries_loss_under_the_retry_prompt(tmp_path):
 
 def test_config_default_and_checks():
     cfg = C.load_config(ROOT / "configs" / "default.yaml")
-    assert cfg.warmup.critique_share == 0.5 and cfg.warmup.critique_reveal == "call"
+    assert cfg.warmup.critique_share == 0.0 and cfg.warmup.critique_reveal == "call"  # the main job: gold only
+    assert C.load_config(ROOT / "configs" / "api_changes.yaml").warmup.critique_share == 0.5
     for bad in ({"warmup.critique_share": 1.0}, {"warmup.critique_share": -0.1}, {"warmup.critique_reveal": "query"}):
         with pytest.raises(C.ConfigError, match="warmup.critique_"):
             C.load_config(ROOT / "configs" / "default.yaml", [f"{k}={v}" for k, v in bad.items()])

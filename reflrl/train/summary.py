@@ -247,9 +247,12 @@ def format_summary(s: dict[str, Any]) -> str:
     if s.get("format_rate_before") is not None:
         lines.append(f"format rate (sampled): {pct(s['format_rate_before'])} -> {pct(s.get('format_rate_after'))}"
                      f"  (warm-up {'ran' if s['warmup'].get('ran') else 'skipped'})")
+    zv = [float(v) for v in (s.get("zero_var_ratio_per_step") or [])]
     lines += [
         f"RL steps: {s['steps']} ({s['stop_reason']}); last rewards: "
-        + ", ".join(f"{r:.2f}" for r in s["reward_per_step"][-5:]),
+        + ", ".join(f"{r:.2f}" for r in s["reward_per_step"][-5:])
+        + (f"; steps without signal (every group's rewards equal): {sum(v >= 1.0 for v in zv)} of {len(zv)}"
+           if zv else ""),
         f"tool calls: {f['calls']} ({f['attempts']} billed attempts, {f['retries']} retries); env faults seen: {fk}; "
         f"recovered {f['recovered']}, given up {f['given_up']} -> {s['masked_trajectories']} of "
         f"{s['trajectories']} rollouts masked (not penalised)",
