@@ -53,6 +53,7 @@ from urllib.parse import parse_qs, quote, urlsplit
 import httpx
 
 from reflrl.faults import FaultInjector, FaultPlan, FaultSite, FaultSpecError, Ledger
+from reflrl.faults.inject import replay_body
 from reflrl.faults.coords import CoordError
 from reflrl.faults.evolve import ChangeBook
 from reflrl.faults.inject import Coords, _drain, _err, _send_json, header_coords
@@ -154,7 +155,7 @@ class FaultProxy:
         ext = dict(scope.get("extensions") or {})
         ext[_REQUEST] = {"body": body, "coords": coords}
         scope["extensions"] = ext
-        return await self.injector(scope, _replay(body, receive), send)
+        return await self.injector(scope, replay_body(body, receive), send)
 
     def _coords(self, scope, body: bytes) -> Coords:
         method, path = scope["method"], scope["path"]
@@ -310,21 +311,6 @@ async def _read_body(scope, receive, limit: int) -> bytes | None:
         parts.append(chunk)
         if not msg.get("more_body", False):
             return b"".join(parts)
-
-
-def _replay(body: bytes, receive):
-    """A receive callable that yields the buffered body once, then the client's own events
-    (so a stalled answer still learns that the client hung up)."""
-    sent = False
-
-    async def replay():
-        nonlocal sent
-        if not sent:
-            sent = True
-            return {"type": "http.request", "body": body, "more_body": False}
-        return await receive()
-
-    return replay
 
 
 def serve_proxy(upstream: str, faults: Any = None, *, seed: int = 0, host: str = "127.0.0.1",

@@ -172,7 +172,7 @@ class FaultInjector:
                     return await _send_json(send, 400, ch.error_body())
                 if action == "rewrite":
                     body = _with_arguments(body, self.request_envelope, new_args)
-            receive = _replay(body, receive)
+            receive = replay_body(body, receive)
 
         d = decide(site.plan, site.fault_seed, episode, step, call, attempt)
         if d is None or (d.kind == "invalid_file" and not site.file_tool):
@@ -377,8 +377,9 @@ async def _drain(receive) -> bytes:
     return b"".join(parts)
 
 
-def _replay(body: bytes, receive):
-    """A receive callable that yields ``body`` once, then the client's own events."""
+def replay_body(body: bytes, receive):
+    """A receive callable that yields the buffered ``body`` once, then the client's own events (so a stalled
+    answer still learns that the client hung up); for a middleware that read the body before passing it on."""
     sent = False
 
     async def replay():

@@ -553,12 +553,7 @@ async def _multi_turn(engine, tokenizer, envs, trajs: list[Trajectory], messages
                 t["generate_s"] += time.perf_counter() - t0
                 for k, (ids, lps, fin) in zip(batch, samples):
                     tr = trajs[k]
-                    tr.append_action(ids, lps)
-                    tr.turns += 1
-                    text = tokenizer.decode(ids, skip_special_tokens=True)
-                    tr.texts.append(text)
-                    if not fin:
-                        tr.truncated = True
+                    text = _take_answer(tokenizer, tr, ids, lps, fin)
                     if cfg.concurrent:
                         fut = asyncio.ensure_future(_timed_step(envs[k], text))
                     else:  # one tool step at a time (the baseline): finish it before the next starts
@@ -629,12 +624,7 @@ async def _pooled_episodes(engine, tokenizer, envs, trajs: list[Trajectory], mes
         """Record answer ``ids`` of episode k, step its env: 0 when the episode ended, 1 when the env went on
         but added nothing to answer, 2 when the env's answer was appended (the next turn is due)."""
         tr = trajs[k]
-        tr.append_action(ids, lps)
-        tr.turns += 1
-        text = tokenizer.decode(ids, skip_special_tokens=True)
-        tr.texts.append(text)
-        if not fin:
-            tr.truncated = True
+        text = _take_answer(tokenizer, tr, ids, lps, fin)
         _obs, reward, term, trunc, info = await env_step(k, text)
         record_step(tr, reward, info)
         if term or trunc or tr.masked or tr.truncated or (not single and tr.turns >= cfg.max_turns):
@@ -712,6 +702,17 @@ def _observe(tokenizer, tr: Trajectory, messages: list[list[dict]], k: int, info
     tr.append_observation(tokenizer(obs, add_special_tokens=False)["input_ids"])
     messages[k] = new_msgs
     return True
+
+
+def _take_answer(tokenizer, tr: Trajectory, ids: list[int], lps: list[float], fin: bool) -> str:
+    """Append a sampled answer to ``tr`` as its next turn (cut at its cap when not ``fin``); its text."""
+    tr.append_action(ids, lps)
+    tr.turns += 1
+    text = tokenizer.decode(ids, skip_special_tokens=True)
+    tr.texts.append(text)
+    if not fin:
+        tr.truncated = True
+    return text
 
 
 def _fits(tr: Trajectory, cfg: RolloutSpec) -> bool:
