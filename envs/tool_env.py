@@ -773,13 +773,13 @@ class ToolCallEnv(gym.Env[str, str]):
                 continue
             # an adapted call (a renamed parameter's new name, a retired tool's successor) stands for
             # the call it replaces: scored, and checked against shown faults, in the old form
-            canon = _canonical_call(ep.api_changes, c)
+            canon = canonical_call(ep.api_changes, c)
             if canon is not c:
                 _mark_adapted(ep.api_changes, c)
             key = _call_key(canon)
             for f in ep.shown_faults:
                 if (not f["handled"] and f["step"] < step_index
-                        and _call_key(_canonical_call(ep.api_changes, ToolCall(f["name"], f["arguments"]))) == key):
+                        and _call_key(canonical_call(ep.api_changes, ToolCall(f["name"], f["arguments"]))) == key):
                     f["handled"] = True
             if any(_call_key(b) == key for b in before):
                 continue  # the answer was already there: calling again is not a second call
@@ -801,7 +801,7 @@ class ToolCallEnv(gym.Env[str, str]):
             return False
         faulted: list[ToolCall] = []  # a call that met its fault again when sent again counts once
         for f in open_now:
-            c = _canonical_call(ep.api_changes, ToolCall(f["name"], f["arguments"]))
+            c = canonical_call(ep.api_changes, ToolCall(f["name"], f["arguments"]))
             if all(_call_key(c) != _call_key(x) for x in faulted):
                 faulted.append(c)
         first = min(int(f["step"]) for f in open_now)
@@ -1080,7 +1080,7 @@ def _change_met_before(ep: _Episode, f: dict[str, Any]) -> bool:
         for ch in ep.api_changes)
 
 
-def _canonical_call(changes: list[dict[str, Any]], c: ToolCall) -> ToolCall:
+def canonical_call(changes: list[dict[str, Any]], c: ToolCall) -> ToolCall:
     """The call an adapted call stands for (``c`` itself when it is not adapted): a retired tool's
     successor -> the retired tool; a renamed parameter's new name -> the old name."""
     name, args = c.name, dict(c.arguments)
@@ -1101,7 +1101,7 @@ def _mark_adapted(changes: list[dict[str, Any]], c: ToolCall) -> None:
     for ch in changes:
         if ch["kind"] == "tool_moved" and c.name == ch["new"]:
             ch["adapted"] = True
-    name = _canonical_call([ch for ch in changes if ch["kind"] == "tool_moved"], c).name
+    name = canonical_call([ch for ch in changes if ch["kind"] == "tool_moved"], c).name
     for ch in changes:
         if ch["kind"] == "param_renamed" and name == ch["tool"] and ch["new"] in c.arguments:
             ch["adapted"] = True

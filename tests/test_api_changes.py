@@ -345,3 +345,69 @@ def test_an_episode_ended_by_the_caller_gets_its_final_attribution(kind):
         assert not info["change_caused"] and not info["change_recoverable"]
     finally:
         env.close()
+
+
+# ---- reflection on a change the policy did not adapt to ---------------------------------------------
+def test_reflection_repairs_a_change_right_after_the_call_that_met_it(tmp_path):
+    """A policy that repeats the old call after the 400/410 fails by the change; reflection is asked
+    where the change was first met (q* holds the call at the change and the critique naming the new
+    call, not the policy's repetitions), and the repair keeps that call and the tool's error, then the
+    adapted call: what the policy learns on the original prompt is to read the error."""
+    import asyncio
+    import dataclasses
+    import re
+
+    from doubles import ScriptedEngine, tiny_cfg
+    from reflrl import rollout as R
+    from reflrl.models import load_tokenizer
+    from reflrl.envs.prompts import build_messages
+    from reflrl.recovery.recover import arecover, change_point
+
+    tok = load_tokenizer("tiny-random")
+    env = _env("param_renamed")
+    old = format_calls([WEATHER], "hermes")
+
+    def answer(prompt: str, _j: int) -> str:
+        if "Your previous attempt had issues" in prompt:   # under q*: follow the critique's call
+            m = re.search(r"call get_current_weather\((\w+)=", prompt)
+            return format_calls([ToolCall("get_current_weather", {m.group(1): "Paris"})], "hermes") if m else old
+        return old                                           # the policy does not read the tool's error
+
+    cfg = tiny_cfg(tmp_path, **{"env.fault_exposure": "policy", "reflection.variant": "tool_rerl",
+                                "reflection.critic": "rule", "reflection.group": "add"})
+    spec = dataclasses.replace(R.RolloutSpec.from_config(cfg, fmt="hermes", think=False), temperature=0.0)
+    engine = ScriptedEngine(tok, answer)
+
+    async def main():
+        for s in range(300):   # a rollout seed whose episode meets the change
+            trajs = await R.arollout(engine, tok, [env], [_task()], 1, spec, seed=s)
+            if trajs[0].last.info.get("change_caused"):
+                break
+        else:
+            raise AssertionError("no rollout seed meets the change")
+        t = trajs[0]
+        assert len(t.steps) > 2 and change_point(t) == 0      # the old call, again and again
+        res = await arecover(trajs, cfg=cfg, engine=engine, tokenizer=tok, envs=[env],
+                             critic=RuleCritic(reveal="call"), messages_of=build_messages, rollout_cfg=spec, seed=0)
+        return t, trajs, res
+
+    try:
+        t, trajs, res = asyncio.run(main())
+        assert res.counts["reflected_env_fault"] == 1 and res.counts["recovered_env_fault"] == 1
+        [rec] = res.records
+        new = rec.final_feedback.info["api_changes"][0]["new"]
+        # q* is the request's retry prompt: the call at the change and the critique naming the new call
+        assert [m["role"] for m in rec.augmented_messages] == ["system", "user"]
+        assert rec.attempts[0].action.strip() == old.strip()
+        assert f"'{new}' in place of 'city'" in rec.attempts[0].feedback
+        # tau*: the call that met the change, the tool's error, the adapted call
+        repaired = trajs[-1]
+        assert repaired.added and repaired.correct and repaired.repair is rec
+        assert repaired.texts == [t.texts[0], rec.response_text] and new in rec.response_text
+        assert repaired.steps[0] is t.steps[0] and len(repaired.steps) == 2
+        start = [i for i in range(1, len(t.loss_mask)) if t.loss_mask[i] and not t.loss_mask[i - 1]][0]
+        assert repaired.response_ids[:start] == t.response_ids[:start]      # call, error: as in the rollout
+        assert repaired.response_ids[start:] == rec.response_ids and sum(repaired.loss_mask[:start]) > 0
+        assert new in tok.decode(t.response_ids[:start])                     # the error names the new name
+    finally:
+        env.close()

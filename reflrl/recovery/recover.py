@@ -12,7 +12,16 @@ draws for that step derived from (episode seed, attempt): replays stay determini
 meets a fault does not meet the same one at every attempt. The repair keeps
 the earlier steps and replaces the last answer, so it trains on the original prompt with the retry's
 behaviour log-probs under q* (eq. 2). Under that exposure a masked rollout (a fault no action could
-handle) is not reflected on: a replay meets the same fault."""
+handle) is not reflected on: a replay meets the same fault.
+
+A failure caused by an API change (``change_caused``: a renamed parameter or a moved tool that the
+policy was shown and did not adapt to) is repaired where the change was first met instead
+(:func:`change_point`): q is the conversation before that answer, the failed action is the call that met
+the change, and the critique names the change and the call to make. The retry is stepped right after
+that call's error (the replay keeps the call and the tool's error), so tau* is the request, the call
+that met the change, the tool's error naming the new name, then the adapted call: trained on the
+original prompt, it teaches reading the error. Without this the retry would follow the policy's own
+repetitions of the old call, which a small policy copies."""
 from __future__ import annotations
 
 import asyncio
@@ -39,16 +48,60 @@ def _last_action_start(t: R.Trajectory) -> int:
     return i
 
 
-def _first_generation(t: R.Trajectory) -> Generation:
-    """The failed answer reflection repairs: the rollout's last answer (its only one, single-turn)."""
-    cut = _last_action_start(t)
-    return Generation(t.texts[-1] if t.texts else "", list(t.response_ids[cut:]), list(t.old_logprobs[cut:]))
+def _action_spans(t: R.Trajectory) -> list[tuple[int, int]]:
+    """[start, end) in ``t.response_ids`` of each sampled answer (the runs of action tokens), in order."""
+    spans: list[tuple[int, int]] = []
+    i, n = 0, len(t.loss_mask)
+    while i < n:
+        if t.loss_mask[i]:
+            j = i
+            while j < n and t.loss_mask[j]:
+                j += 1
+            spans.append((i, j))
+            i = j
+        else:
+            i += 1
+    return spans
 
 
-def _answered_before_last(t: R.Trajectory) -> list[ToolCall]:
-    """The calls that got an answer in the steps before the last one (they are already in the answer)."""
+def change_point(t: R.Trajectory) -> int | None:
+    """The step whose answer first met the API change behind ``t``'s failure, when the policy answered
+    again after it (a later step exists): the repair point of a change-caused failure (module doc).
+    None for any other rollout, or where its answers cannot be told apart in its tokens."""
+    last = t.last
+    if last is None or not last.info.get("change_caused") or len(t.steps) < 2:
+        return None
+    met = [int(ch["step"]) for ch in last.info.get("api_changes") or []
+           if not ch.get("adapted") and isinstance(ch.get("step"), int)]
+    if not met or min(met) >= len(t.steps) - 1 or len(_action_spans(t)) != len(t.steps):
+        return None
+    return min(met)
+
+
+def _change_feedback(t: R.Trajectory, j: int) -> dict[str, Any]:
+    """The env's verdict on step ``j``'s answer as the critic is to judge it: step j's info with the final
+    attribution (the episode failed by the change) and the open faults of step j only."""
+    info = dict(t.steps[j].info)
+    opened = [f for f in t.last.info.get("open_faults") or [] if int(f.get("step", -1)) == j]
+    info.update(fault_caused=bool(opened), change_caused=True, open_faults=opened, correct=False)
+    return info
+
+
+def _first_generation(t: R.Trajectory, j: int | None = None) -> Generation:
+    """The failed answer reflection repairs: the rollout's last answer (its only one, single-turn), or
+    the answer after step ``j`` (a change-caused failure: what the policy wrote after the change)."""
+    if j is None:
+        cut = _last_action_start(t)
+        return Generation(t.texts[-1] if t.texts else "", list(t.response_ids[cut:]), list(t.old_logprobs[cut:]))
+    a, b = _action_spans(t)[j + 1]
+    return Generation(t.texts[j + 1], list(t.response_ids[a:b]), list(t.old_logprobs[a:b]))
+
+
+def _answered_before_last(t: R.Trajectory, upto: int | None = None) -> list[ToolCall]:
+    """The calls that got an answer in the steps before the last one (they are already in the answer);
+    ``upto``: before that step instead."""
     out = []
-    for st in t.steps[:-1]:
+    for st in t.steps[:-1] if upto is None else t.steps[:upto]:
         for res in st.info.get("tool_results") or []:
             if res.get("triage") != "env_fault":
                 calls = st.info.get("calls") or []
@@ -58,12 +111,13 @@ def _answered_before_last(t: R.Trajectory) -> list[ToolCall]:
     return out
 
 
-def _remaining_gold(t: R.Trajectory) -> list[ToolCall] | None:
-    """The gold calls the last answer still had to make (all of them for a single-step rollout)."""
+def _remaining_gold(t: R.Trajectory, upto: int | None = None) -> list[ToolCall] | None:
+    """The gold calls the last answer (the answer at step ``upto``) still had to make (all of them for a
+    single-step rollout)."""
     if not t.task.gold:
         return None
     gold = list(t.task.gold[0])
-    for c in _answered_before_last(t):
+    for c in _answered_before_last(t, upto):
         key = (c.name, normalize_value(dict(c.arguments)))
         j = next((j for j, g in enumerate(gold) if (g.name, normalize_value(dict(g.arguments))) == key), None)
         if j is not None:
@@ -71,17 +125,20 @@ def _remaining_gold(t: R.Trajectory) -> list[ToolCall] | None:
     return gold
 
 
-def repaired_trajectory(t: R.Trajectory, rec: RepairRecord) -> R.Trajectory:
+def repaired_trajectory(t: R.Trajectory, rec: RepairRecord, keep: int | None = None) -> R.Trajectory:
     """tau* as a rollout of t's group: q's prompt tokens, tau*'s ids with their behaviour log-probs
-    under q* (``old_logprobs``), tau*'s env verdict; ``repair`` = the record, ``original`` = t."""
+    under q* (``old_logprobs``), tau*'s env verdict; ``repair`` = the record, ``original`` = t.
+    ``keep``: the steps of t kept before the retry (default all but the last)."""
     new = R.Trajectory(task=t.task, group=t.group, prompt_ids=list(t.prompt_ids), seed=t.seed)
-    cut = _last_action_start(t)  # a rollout of several steps keeps its earlier ones (module doc)
+    keep = len(t.steps) - 1 if keep is None else keep
+    # a rollout of several steps keeps its earlier ones (module doc)
+    cut = _last_action_start(t) if keep == len(t.steps) - 1 else _action_spans(t)[keep][0]
     new.response_ids, new.loss_mask = list(t.response_ids[:cut]), list(t.loss_mask[:cut])
     new.old_logprobs = list(t.old_logprobs[:cut])
     new.append_action(rec.response_ids, rec.behaviour_logprobs)
     new.turns = max(1, t.turns)
-    new.texts = list(t.texts[:-1]) + [rec.response_text]
-    new.steps = list(t.steps[:-1])
+    new.texts = list(t.texts[:keep]) + [rec.response_text]
+    new.steps = list(t.steps[:keep])
     fb = rec.final_feedback
     R.record_step(new, fb.reward, dict(fb.info) if fb.info else {"correct": fb.correct})
     new.repair = rec
@@ -147,19 +204,26 @@ async def arecover(trajs: list[R.Trajectory], *, cfg: C.Config, engine: Any, tok
     requests = [0]
     errors: list[str] = []
 
+    # a change-caused failure is repaired right after the call that met the change (module doc)
+    points = {k: change_point(trajs[k]) for k, _c in chosen if trajs[k].seed is not None}
+    keeps = {k: j + 1 for k, j in points.items() if j is not None}
+
     async def repair(k: int) -> RepairRecord | None:
         t = trajs[k]
         env = envs[k]
         attempt = [0]
 
+        j = points.get(k)
+        keep = len(t.steps) - 1 if j is None else j + 1  # the steps replayed before the retry
+
         async def step_env(text: str) -> EnvFeedback:
             attempt[0] += 1
             # each attempt meets its own fault draws, derived from (episode seed, attempt): deterministic,
             # and a retry that meets a fault does not meet the same one at every attempt
-            if len(t.steps) > 1 and t.seed is not None:
-                # replay the earlier steps (the same faults), then the retry in the last one's place
-                await R.reset_episode(env, t.task, t.seed, fault_draw=(len(t.steps) - 1, attempt[0]))
-                for earlier in t.texts[:-1]:
+            if keep > 0 and t.seed is not None:
+                # replay the earlier steps (the same faults), then the retry in the next one's place
+                await R.reset_episode(env, t.task, t.seed, fault_draw=(keep, attempt[0]))
+                for earlier in t.texts[:keep]:
                     await R.step_episode(env, earlier)
             else:  # a fresh episode of the same task
                 base = t.seed if t.seed is not None else seed + k
@@ -168,9 +232,14 @@ async def arecover(trajs: list[R.Trajectory], *, cfg: C.Config, engine: Any, tok
             return feedback_from_step(info, reward)
 
         try:
-            fb0 = feedback_from_step(t.last.info if t.last else {}, t.reward)
-            gold = _remaining_gold(t)
-            q = messages_of(t.task) if len(t.steps) < 2 else list(t.steps[-2].info.get("messages") or [])
+            if j is None:
+                fb0 = feedback_from_step(t.last.info if t.last else {}, t.reward)
+                gold = _remaining_gold(t)
+                q = messages_of(t.task) if len(t.steps) < 2 else list(t.steps[-2].info.get("messages") or [])
+            else:  # judged, and retried, as the answer that met the change
+                fb0 = feedback_from_step(_change_feedback(t, j), t.reward)
+                gold = _remaining_gold(t, j)
+                q = messages_of(t.task) if j == 0 else list(t.steps[j - 1].info.get("messages") or [])
             cap = R.answer_token_cap(t.task, tokenizer, rollout_cfg)  # the rollouts' cap for this task
 
             async def generate(messages: list[dict]) -> Generation:
@@ -186,7 +255,7 @@ async def arecover(trajs: list[R.Trajectory], *, cfg: C.Config, engine: Any, tok
 
             asked = [0]
 
-            return await reflect_and_retry(generate, critic, step_env, t.task, _first_generation(t),
+            return await reflect_and_retry(generate, critic, step_env, t.task, _first_generation(t, j),
                                            f.max_attempts, first_feedback=fb0, messages=q or messages_of(t.task),
                                            gold=gold, mode=f.mode, stats=stats, fmt=rollout_cfg.fmt)
         except Exception as e:  # noqa: BLE001 - a broken critic/repair must not stop training
@@ -211,7 +280,7 @@ async def arecover(trajs: list[R.Trajectory], *, cfg: C.Config, engine: Any, tok
         counts["retries"] += rec.retries
         counts["reflection_tool_calls"] += rec.tool_calls
         if rec.repaired and not (rec.final_feedback.info or {}).get("masked"):
-            new = repaired_trajectory(trajs[k], rec)
+            new = repaired_trajectory(trajs[k], rec, keep=keeps.get(k))
             if f.group == "add" and not trajs[k].masked:
                 new.added = True  # beside the failure, which keeps its (negative) advantage
                 added.append(new)

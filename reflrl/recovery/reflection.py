@@ -207,8 +207,12 @@ def env_fault_from_info(info: dict[str, Any]) -> EnvFault | None:
 
 def feedback_from_step(info: dict[str, Any], reward: float) -> EnvFeedback:
     """:class:`EnvFeedback` from one ``ToolCallEnv`` step (its info dict and reward): the parse
-    (``calls``, ``parse_ok``, ``parse_error``), correctness, billed calls and the env fault."""
+    (``calls``, ``parse_ok``, ``parse_error``; a call adapted to an API change of the episode, in the
+    form of the call it stands for), correctness, billed calls and the env fault."""
     calls = [ToolCall.from_dict(c) for c in info.get("calls") or []]
+    if info.get("api_changes"):  # an adapted call is judged as the call it stands for, as the env scores it
+        from reflrl.envs.tool_env import canonical_call
+        calls = [canonical_call(info["api_changes"], c) for c in calls]
     pr = ParseResult(ok=bool(info.get("parse_ok", True)), calls=calls, error=info.get("parse_error"))
     return EnvFeedback(parse=pr, reward=float(reward), correct=bool(info.get("correct")),
                        env_fault=env_fault_from_info(info), tool_calls=int(info.get("billed_calls") or 0),
