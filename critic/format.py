@@ -217,6 +217,25 @@ def describe_visible_fault(fault: EnvFault) -> str:
             "arguments.")
 
 
+def fault_fix_calls(fault: EnvFault) -> list[ToolCall]:
+    """The calls that would have worked in place of a shown fault's calls (``fault`` and ``fault.also``;
+    one per distinct call): the same call again, or for an API change the adapted call (the new
+    parameter name, the successor tool). [] when a fault does not carry its call's arguments."""
+    out: list[ToolCall] = []
+    for f in (fault, *fault.also):
+        if f.arguments is None or not f.tool:
+            continue
+        args, name = dict(f.arguments), f.tool
+        if f.kind == "param_renamed" and f.param and f.new:
+            args = {(f.new if k == f.param else k): v for k, v in args.items()}
+        elif f.kind == "tool_moved" and f.new:
+            name = f.new
+        c = ToolCall(name, args)
+        if all((c.name, c.arguments) != (o.name, o.arguments) for o in out):
+            out.append(c)
+    return out
+
+
 def describe_api_change(fault: EnvFault) -> str:
     """The fix an API change asks for, from the server's record of it (``fault.param`` / ``fault.new``;
     else its message in ``fault.detail``), with the call to make: ``"Your call was right but the API

@@ -27,7 +27,8 @@ an LLM critic that sees the ground truth may; ``reveal="call"`` adds the whole e
 ("The expected call is get_air_quality(city=\"Chicago\")."); ``reveal="answer"`` states the same whole
 expected answer in the policy's own answer format (the ``parser``'s, e.g. hermes ``<tool_call>`` blocks),
 so acting on the critique is a copy -- the most a ground-truth critic can say, in the form a small
-policy can use.
+policy can use. At that level a fault the policy was shown also gets the call that would have worked in
+the answer format (the same call again; for an API change, the adapted call).
 Which level a run uses is measured, not assumed: see the recipe's ``reflection.reveal`` comment.
 Tool names are always named (the paper's critic names endpoints and parameters).
 """
@@ -43,7 +44,7 @@ from reflrl.envs.rewards import calls_match, normalize_value
 from reflrl.envs.types import ParseResult, ToolCall
 
 from .base import Critique, CritiqueRequest, SyncCritic
-from .format import describe_env_fault, format_critique
+from .format import describe_env_fault, fault_fix_calls, format_critique
 
 REVEAL_MODES = ("none", "query", "value", "call", "answer")
 VALUE_LEVELS = ("value", "call", "answer")  # the levels whose analysis states expected values
@@ -159,7 +160,14 @@ class RuleCritic(SyncCritic):
     def judge(self, request: CritiqueRequest) -> tuple[str, str]:
         """(score, analysis) for ``request``; see :meth:`critique`."""
         if request.env_fault is not None:
-            return "negative", describe_env_fault(request.env_fault)
+            text = describe_env_fault(request.env_fault)
+            fix = fault_fix_calls(request.env_fault) if request.env_fault.visible else []
+            if self.reveal == "answer" and fix:  # the call to make, in the answer format
+                try:
+                    text += " The expected answer is: " + " ".join(format_calls(fix, self.parser).split())
+                except ValueError:  # a call this format cannot write: the description alone
+                    pass
+            return "negative", text
         if request.gold is None:
             raise ValueError("the rule critic needs the gold calls (CritiqueRequest.gold); "
                              "use an LLM or policy critic for tasks without ground truth")

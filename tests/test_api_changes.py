@@ -200,6 +200,10 @@ def test_an_adapted_call_scores_as_gold_and_an_unadapted_one_is_change_caused(ki
             assert f'get_current_weather({ch["new"]}="Paris")' in text
         else:
             assert "get_current_weather was retired" in text and f'{ch["new"]}(city="Paris")' in text
+        # at reveal="answer" the critique also gives the adapted call in the answer format
+        told = RuleCritic(reveal="answer", parser="hermes").judge(CritiqueRequest(
+            query="What's the weather in Paris?", tools=_task().tools, response="...", gold=[WEATHER], env_fault=ef))[1]
+        assert told.startswith(text) and " ".join(format_calls([adapted], "hermes").split()) in told
         # a model critic is not asked about an env fault: its analysis is the same description
         assert fault_critique(ef, 0.0).analysis == text
         # a replay meets the same change
