@@ -202,6 +202,7 @@ class WarmupConfig:
     time_budget_min: float | None = _f(None, "guard: cut the warm-up after this many minutes (reported as a cut: the result is then not the recipe's); null = no limit")
     eval_after: bool = _f(True, "evaluate the held-out split right after the warm-up, so the summary tells the warm-up's gain from RL's (one more evaluation)")
     critique_share: float = _f(0.0, "share of the warm-up's examples that teach following a critique (the rest are the gold demonstrations): each is the retry prompt q* of a policy error, as the RL phase's reflection retries build it (a gold call made wrong: the wrong tool, a wrong value or a dropped argument; seeded), with the rule critic's analysis naming the fix, and the gold call as the target; none shows a tool error or a fault (reflrl.recovery.critique_examples); 0 = gold demonstrations only")
+    rename_share: float = _f(0.0, "share of the warm-up's examples (gold demonstrations and critique examples alike) made on a task whose catalogue has one name renamed (a parameter of the gold call or the gold tool, from seeded pools of plausible names), in the prompt's tool list and in the target: the policy learns to take names from its context, not from memory. A renamed task's critique example shows the call with the name as it was and the critique naming the call to make (reflrl.recovery.critique_examples.renamed_task); none shows a tool error or an API change; 0 = off")
     critique_reveal: str = _f("call", "the rule critic's level in the critique examples' feedback, one that names the fix: 'value' (the expected values) | 'call' (+ the whole expected call) | 'answer' (the same, in the policy's answer format); see reflection.reveal")
 
 
@@ -548,6 +549,8 @@ def _warmup(cfg: "Config") -> Problems:
     if not 0 <= w.critique_share < 1:
         yield f"warmup.critique_share: must be in [0, 1) (the rest of the examples are gold demonstrations), got {w.critique_share}"
     yield from _one_of("warmup.critique_reveal", w.critique_reveal, ("value", "call", "answer"))
+    if not 0 <= w.rename_share <= 1:
+        yield f"warmup.rename_share: must be in [0, 1], got {w.rename_share}"
     yield from _at_least(w, "warmup", 0, "steps", "probe_n")
     yield from _at_least(w, "warmup", 1, "batch_size")
     yield from _at_least(w, "warmup", 0, "lr", strict=True)

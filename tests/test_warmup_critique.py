@@ -157,3 +157,80 @@ def test_config_default_and_checks():
         C.load_config(ROOT / "configs" / "default.yaml", [f"warmup.critique_reveal={level}"])
     with pytest.raises(ValueError):
         critique_count(1.0, 10)
+
+
+def test_a_renamed_task_renames_one_name_in_its_tool_list_and_its_gold_alike():
+    import random
+
+    from reflrl.envs.prompts import tool_schema
+    from reflrl.recovery.critique_examples import renamed_task
+    from reflrl.train.data import splits_from_config
+    from reflrl import config as C
+
+    cfg = C.load_config(None, ["data.kinds=[single]", "data.n_train=64"])
+    tasks = splits_from_config(cfg.data)["train"]
+    rng = random.Random(0)
+    kinds = set()
+    for t in tasks:
+        r = renamed_task(t, rng)
+        assert r is not None and r.query == t.query
+        old, new = r.meta["renamed"]["from"], r.meta["renamed"]["to"]
+        assert old != new
+        [g0], [g1] = t.gold[0], r.gold[0]
+        names0 = {tool_schema(s)["name"]: tool_schema(s) for s in t.tools}
+        names1 = {tool_schema(s)["name"]: tool_schema(s) for s in r.tools}
+        if g0.name == old:                        # the tool was renamed: in the list and the gold call
+            kinds.add("tool")
+            assert g1.name == new and new in names1 and old not in names1 and new not in names0
+            assert g1.arguments == g0.arguments
+        else:                                     # a parameter of the gold call was renamed
+            kinds.add("param")
+            props = names1[g1.name]["parameters"]["properties"]
+            assert new in props and old not in props and old in names0[g0.name]["parameters"]["properties"]
+            assert g1.arguments == {(new if k == old else k): v for k, v in g0.arguments.items()}
+        assert tool_schema(t.tools[0]) == names0[tool_schema(t.tools[0])["name"]]   # the task itself is unchanged
+    assert kinds == {"tool", "param"}
+
+
+def test_critique_examples_on_renamed_tasks_show_the_stale_call_and_target_the_renamed_one():
+    from reflrl.critic.rule import RuleCritic
+    from reflrl.envs.parsing import format_calls
+    from reflrl.envs.prompts import build_messages
+    from reflrl.recovery.critique_examples import STALE, critique_examples
+    from reflrl.train.data import splits_from_config
+    from reflrl import config as C
+
+    cfg = C.load_config(None, ["data.kinds=[single]", "data.n_train=32"])
+    tasks = splits_from_config(cfg.data)["train"]
+    made = critique_examples(tasks, messages_fn=build_messages, critic=RuleCritic(reveal="answer"), fmt="hermes",
+                             count=32, seed=3, rename_share=1.0)
+    stale = [c for c in made if c.corruption == STALE]
+    assert len(stale) >= 24
+    for c in stale:
+        new = c.task.meta["renamed"]["to"]
+        assert new in json_of(c.gold) and new not in json_of(c.attempt)       # the attempt is the memorised call
+        assert " ".join(format_calls(c.gold, "hermes").split()) in c.feedback  # the critique gives the call to make
+        system = c.messages[0]["content"]
+        assert new in system                                                   # the tool list has the new name
+        assert "error" not in c.messages[-1]["content"].lower()                # no tool error shown
+
+
+def json_of(calls):
+    import json
+    return json.dumps([[c.name, c.arguments] for c in calls])
+
+
+def test_the_warmups_renamed_share_renames_that_share_of_its_tasks_seeded():
+    from reflrl.train.data import splits_from_config
+    from reflrl.train.warmup import RENAMED_SUFFIX, renamed_share
+    from reflrl import config as C
+
+    tasks = splits_from_config(C.load_config(None, ["data.kinds=[single]", "data.n_train=200"]).data)["train"]
+    got = renamed_share(tasks, 0.5, seed=5)
+    ids = [t.id for t in got]
+    assert ids == [t.id for t in renamed_share(tasks, 0.5, seed=5)]
+    n = sum(i.endswith(RENAMED_SUFFIX) for i in ids)
+    assert 70 <= n <= 130 and len(got) == len(tasks)
+    assert renamed_share(tasks, 0.0, seed=5) == list(tasks)
+    with __import__("pytest").raises(Exception, match="rename_share"):
+        C.load_config(None, ["warmup.rename_share=1.5"])

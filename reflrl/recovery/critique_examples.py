@@ -14,13 +14,20 @@ Policy errors only: no example shows a tool failing, a fault's critique or a cha
 (the critic is asked without an env fault), so acting on a misbehaving tool is still left to RL. The
 task's own prompt q never holds the answer; only the critique does, as at RL time.
 
+Names from the context (``warmup.rename_share``): a policy that learnt one catalogue writes its names
+from memory, so an example may first rename one name of its task's catalogue (a parameter of the gold
+call, or the gold tool; :func:`renamed_task`), in the tool list of the prompt and in the target alike.
+A gold demonstration of a renamed task teaches taking names from the tool list; a critique example of one
+shows the attempt with the name as it was (``stale_name``: the memorised call, a policy error against
+this catalogue) and its critique naming the call to make. Neither shows a tool error or an API change.
+
 Pure: no torch; the critic and the task's messages are passed in.
 """
 from __future__ import annotations
 
 import copy
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Callable, Sequence
 
 from reflrl.critic.base import CritiqueRequest
@@ -32,6 +39,7 @@ from reflrl.envs.types import Task, ToolCall
 from .reflection import Attempt, Messages, _last_user, augmented_messages
 
 CORRUPTIONS = ("wrong_tool", "wrong_value", "dropped_argument")
+STALE = "stale_name"  # the corruption of a renamed task's example: the call with the name as it was
 
 
 @dataclass
@@ -114,15 +122,63 @@ def corrupt(gold: Sequence[ToolCall], tool_names: Sequence[str], rng: random.Ran
     return None
 
 
+def renamed_task(task: Task, rng: random.Random) -> Task | None:
+    """``task`` with one name of its catalogue renamed, in its tool list and its gold calls alike: a
+    parameter of a gold call (a synonym, the camelCase form or a prefixed or suffixed variant) or a gold
+    call's tool (``<tool>_v2``-style), picked by ``rng``; the request is the same. None for a task with no
+    gold call. The new name is not one of the tool's parameters (tools) already."""
+    from reflrl.faults.evolve import param_pool, successor_pool
+
+    if not task.gold or not task.gold[0]:
+        return None
+    schemas = [copy.deepcopy(tool_schema(t)) for t in task.tools]
+    by_name = {sc["name"]: sc for sc in schemas}
+    target = rng.choice(list(task.gold[0]))
+    sc = by_name.get(target.name)
+    if sc is None:
+        return None
+    props = (sc.get("parameters") or {}).get("properties") or {}
+    keys = sorted(k for k in target.arguments if k in props)
+    rename = lambda c, f: ToolCall(*f(c.name, dict(c.arguments)))  # noqa: E731
+    if keys and rng.random() < 0.5:
+        old = rng.choice(keys)
+        free = [n for n in param_pool(old) if n not in props]
+        if not free:
+            return None
+        new = rng.choice(free)
+        params = sc["parameters"]
+        params["properties"] = {(new if k == old else k): v for k, v in props.items()}
+        if isinstance(params.get("required"), list):
+            params["required"] = [new if k == old else k for k in params["required"]]
+
+        def fix(name: str, args: dict) -> tuple[str, dict]:
+            if name != target.name:
+                return name, args
+            return name, {(new if k == old else k): v for k, v in args.items()}
+    else:
+        old = target.name
+        free = [n for n in successor_pool(old) if n not in by_name]
+        if not free:
+            return None
+        new = rng.choice(free)
+        sc["name"] = new
+
+        def fix(name: str, args: dict) -> tuple[str, dict]:
+            return (new if name == old else name), args
+    gold = [[rename(c, fix) for c in turn] for turn in task.gold]
+    return replace(task, tools=schemas, gold=gold, meta={**task.meta, "renamed": {"from": old, "to": new}})
+
+
 def critique_examples(tasks: Sequence[Task], *, messages_fn: Callable[[Task], Messages], critic: Any, fmt: str,
-                      count: int, seed: int, mode: str = "replace") -> list[CritiqueExample]:
+                      count: int, seed: int, mode: str = "replace", rename_share: float = 0.0) -> list[CritiqueExample]:
     """Up to ``count`` critique-following examples (module doc) from ``tasks`` with gold calls, taken in a
     seeded order (each task once before any twice): a corrupted gold call (:func:`corrupt`), ``critic``'s
     negative analysis of it, and q* built from ``messages_fn(task)`` as a reflection retry builds it
     (the request the critic sees is the last user message of q, the attempt is the corrupted call
     written in ``fmt``). A task where no mistake applies, whose mistake ``fmt`` cannot write, or whose
     critique is positive or gives no reflection, is skipped; fewer than ``count`` come back only when no task gives one any more.
-    The same arguments give the same examples."""
+    ``rename_share``: the share of examples made on a renamed task (:func:`renamed_task`) whose attempt is
+    the gold call with the name as it was (:data:`STALE`). The same arguments give the same examples."""
     rng = random.Random(seed)
     usable = [t for t in tasks if t.gold and t.gold[0]]
     pool: dict[str, list[Any]] = {}
@@ -138,8 +194,14 @@ def critique_examples(tasks: Sequence[Task], *, messages_fn: Callable[[Task], Me
         if not order:
             order = rng.sample(usable, len(usable))
         t = order.pop()
+        made = None
+        if rename_share > 0 and rng.random() < rename_share:
+            renamed = renamed_task(t, rng)
+            if renamed is not None:  # the memorised call, against the renamed catalogue
+                made, t = (STALE, list(t.gold[0])), renamed
         gold = list(t.gold[0])
-        made = corrupt(gold, [tool_schema(s)["name"] for s in t.tools], rng, pool)
+        if made is None:
+            made = corrupt(gold, [tool_schema(s)["name"] for s in t.tools], rng, pool)
         if made is None:
             misses += 1
             continue

@@ -199,6 +199,8 @@ def format_warmup_examples(wu: dict[str, Any]) -> str:
                  f"naming the fix -> the gold call)")
         if trained:
             line += f"; trained on {trained.get('demonstration', 0)} and {trained.get('critique', 0)}"
+    if wu.get("renamed_examples"):
+        line += f"; {wu['renamed_examples']} gold answers on a catalogue with one name renamed"
     return line + f"; {wu.get('demonstrations_with_fault', 0)} showed a fault or a recovery from one"
 
 

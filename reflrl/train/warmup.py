@@ -1,7 +1,9 @@
 """The supervised warm-up phase of a run: when the base model cannot yet write tool calls, SFT on the
 training split's gold calls for ``warmup.steps`` steps (:mod:`reflrl.sft`) before RL. A share of the
 examples (``warmup.critique_share``) follow a critique: the retry prompt q* of a policy error whose
-critique names the fix -> the gold call (:mod:`reflrl.recovery.critique_examples`)."""
+critique names the fix -> the gold call (:mod:`reflrl.recovery.critique_examples`). A share of both
+(``warmup.rename_share``) is made on tasks whose catalogue has one name renamed, so that names are
+taken from the context."""
 from __future__ import annotations
 
 import time
@@ -34,7 +36,9 @@ def run_warmup(cfg: C.Config, *, model: Any, tokenizer: Any, train_tasks: list, 
     if w.enabled == "auto" and rate is not None and rate >= w.format_rate_threshold:
         return out
     t0 = time.perf_counter()
-    examples = build_examples(train_tasks, tokenizer, messages, fmt=fmt)
+    examples = build_examples(renamed_share(train_tasks, w.rename_share, derive_seed(cfg.train.seed, 17, bits=31)),
+                              tokenizer, messages, fmt=fmt)
+    out["renamed_examples"] = sum(1 for e in examples if e.task_id.endswith(RENAMED_SUFFIX))
 
     # demonstrations are gold answers of fault-free episodes: none shows a fault or a recovery (counted)
     out["demonstrations"] = len(examples)
@@ -80,5 +84,27 @@ def critique_following(cfg: C.Config, train_tasks: list, tokenizer: Any, message
     made = critique_examples(train_tasks, messages_fn=messages,
                              critic=get_critic("rule", reveal=w.critique_reveal, parser=cfg.env.parser), fmt=fmt,
                              count=critique_count(w.critique_share, demonstrations),
-                             seed=derive_seed(cfg.train.seed, 13, bits=31), mode=cfg.reflection.mode)
+                             seed=derive_seed(cfg.train.seed, 13, bits=31), mode=cfg.reflection.mode,
+                             rename_share=w.rename_share)
     return [example_from_messages(c.messages, c.gold, tokenizer, fmt, c.task.id, kind="critique") for c in made]
+
+
+RENAMED_SUFFIX = "~renamed"
+
+
+def renamed_share(tasks: list, share: float, seed: int) -> list:
+    """``tasks`` with a seeded ``share`` of them renamed (one name of the catalogue:
+    :func:`reflrl.recovery.critique_examples.renamed_task`; their ids end in ``~renamed``)."""
+    if share <= 0:
+        return list(tasks)
+    import dataclasses
+    import random
+
+    from reflrl.recovery.critique_examples import renamed_task
+
+    rng = random.Random(seed)
+    out = []
+    for t in tasks:
+        r = renamed_task(t, rng) if rng.random() < share else None
+        out.append(t if r is None else dataclasses.replace(r, id=f"{t.id}{RENAMED_SUFFIX}"))
+    return out
