@@ -127,7 +127,7 @@ class RolloutConfig:
     engine_model: str | None = _f(None, "engine='openai': the served model name; null = model.name")
     engine_off_policy: bool = _f(False, "engine='openai': accept that rollouts come from the server's frozen weights while the local model trains (off-policy after the first update, no importance correction)")
     continuous: bool = _f(False, "engine='transformers': continuous batching (reflrl.engines.continuous): the rollouts' answers, the turns after a fault, the reflection retries and the held-out evaluations decode in one loop whose finished rows are refilled at once from the waiting requests, each answer submitted as soon as its episode is ready; each row samples from its own stream seeded by (request seed, sample index). false = one engine call per batch of ready episodes (fixed batches; other seeds, so other samples)")
-    kv_budget_mb: float | None = _f(1024.0, "continuous=true: the decode loop's KV cache holds at most this many MiB (rows x the longest prompt + cap x bytes per token); requests that do not fit wait for rows to finish; null = no limit beyond the engine's rows")
+    kv_budget_mb: float | None = _f(1024.0, "the KV cache of generation (rollouts, retries, evaluations) holds at most this many MiB (rows x the longest prompt + cap x bytes per token): with continuous=true requests that do not fit wait for rows to finish; otherwise each fixed batch takes as many prompts as fit; null = no limit beyond the engine's rows")
 
 
 @dataclass

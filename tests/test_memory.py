@@ -152,3 +152,24 @@ def test_policy_update_split_by_the_budget_equals_the_unsplit_update(with_demos)
     for k in d0:
         assert torch.allclose(d0[k], d1[k], atol=1e-6), k
     assert any(float(d.abs().max()) > 0 for d in d0.values())
+
+
+def test_fixed_batches_take_as_many_prompts_as_the_kv_budget_holds(tiny):
+    """The fixed-batch path sizes its batches to ``kv_budget_bytes`` (rows x (longest prompt + cap) x bytes
+    per token), at least one prompt, and greedy answers are the same whatever the batch size."""
+    from reflrl.engines.continuous import kv_bytes_per_token
+    from reflrl.engines.transformers_engine import TransformersEngine
+
+    model, tok = tiny
+    prompts = [tok(f"question number {i} " * (1 + i % 3), add_special_tokens=False)["input_ids"] for i in range(6)]
+    caps = [8] * len(prompts)
+    per_row = kv_bytes_per_token(model) * (max(len(p) for p in prompts) + 8)
+    free = TransformersEngine(model, tok, max_batch_size=64)
+    tight = TransformersEngine(model, tok, max_batch_size=64, kv_budget_bytes=2 * per_row + 1)
+    assert free.prompts_per_batch(prompts, caps, 1) == 64
+    assert tight.prompts_per_batch(prompts, caps, 1) == 2
+    assert tight.prompts_per_batch(prompts, caps, 2) == 1
+    assert TransformersEngine(model, tok, kv_budget_bytes=1).prompts_per_batch(prompts, caps, 1) == 1
+    a = free.generate(prompts, n=1, max_new_tokens=8, temperature=0.0)
+    b = tight.generate(prompts, n=1, max_new_tokens=8, temperature=0.0)
+    assert [s.token_ids for s in a] == [s.token_ids for s in b]

@@ -123,8 +123,9 @@ class TransformersEngine:
             (:class:`reflrl.engines.continuous.DecodePool`: a finished row is refilled at once, each row
             samples from its own seeded stream) where the lean step runs; otherwise (and for other
             models) ``generate`` decodes each call in fixed batches and ``agenerate`` runs it in a thread.
-        kv_budget_bytes: with ``continuous``, the pool's KV buffers hold at most this many bytes (requests
-            that do not fit wait for rows to finish); None = no limit beyond ``max_batch_size`` rows.
+        kv_budget_bytes: the KV cache holds at most this many bytes: with ``continuous`` the pool's buffers
+            (requests that do not fit wait for rows to finish), otherwise each fixed batch takes as many
+            prompts as fit (:meth:`prompts_per_batch`); None = no limit beyond ``max_batch_size`` rows.
     """
 
     sample = staticmethod(sample_next)  # the draw of one token per row (the continuous pool calls it too)
@@ -143,6 +144,22 @@ class TransformersEngine:
         self.continuous = bool(continuous)
         self.kv_budget_bytes = kv_budget_bytes
         self._pool: Any = None  # the shared DecodePool of agenerate (continuous), made on first use
+
+    def prompts_per_batch(self, prompts: Sequence[Sequence[int]], caps: Sequence[int], n: int) -> int:
+        """Prompts decoded together on the fixed-batch path: ``max_batch_size // n``, and within
+        ``kv_budget_bytes`` for rows as long as the longest prompt plus the largest cap (at least one)."""
+        per_group = max(1, self.max_batch_size // n)
+        if self.kv_budget_bytes is None or not prompts:
+            return per_group
+        from .continuous import kv_bytes_per_token
+
+        try:
+            per_token = kv_bytes_per_token(self.model)
+        except AttributeError:  # a model without the Llama-style layers: rows only
+            return per_group
+        longest = max(len(p) for p in prompts) + max(caps)
+        rows = int(self.kv_budget_bytes // max(1, per_token * longest))
+        return max(1, min(per_group, rows // n))
 
     def _pooled(self) -> bool:
         """Whether continuous batching serves this engine's calls now (on, and the lean step runs)."""
@@ -277,7 +294,7 @@ class TransformersEngine:
                     _, weight, bias = head_of(self.model)
                     w32 = weight.float()
                     b32 = None if bias is None else bias.float()
-                    per_group = max(1, self.max_batch_size // n)
+                    per_group = self.prompts_per_batch(prompts, caps, n)
                     out: list[Sample] = []
                     for s in range(0, len(prompts), per_group):
                         out.extend(
