@@ -164,11 +164,13 @@ def test_the_api_changes_recipe_loads_and_changes_only_its_keys():
     assert cfg.env.fault_exposure == "policy" and cfg.env.train_fault_scale == 1.0
     assert cfg.reflection.variant == "tool_rerl" and cfg.reflection.critic == "rule"
     assert C.train_faults(cfg.env) == cfg.env.faults  # the RL rollouts meet the evaluation's rates
-    assert set(C.config_diff(cfg)) == {"data.kinds", "env.faults", "env.train_fault_scale", "warmup.critique_share"}
+    pieces = ["env.faults=param_renamed=0.2,tool_moved=0.2", "data.kinds=[single]", "env.train_fault_scale=1.0",
+              "env.max_steps=3", "warmup.critique_share=0.5", "warmup.critique_reveal=answer",
+              "warmup.rename_share=0.5", "reflection.reveal=answer", "reflection.level=sequence_mean",
+              "reflection.max_per_step=8"]
+    assert set(C.config_diff(cfg)) == {p.split("=")[0] for p in pieces}
     # the same run from the command line's pieces
-    assert cfg == C.load_config(ROOT / "configs" / "tool_rerl.yaml",
-                                ["env.faults=param_renamed=0.2,tool_moved=0.2", "data.kinds=[single]",
-                                 "env.train_fault_scale=1.0", "warmup.critique_share=0.5"])
+    assert cfg == C.load_config(ROOT / "configs" / "tool_rerl.yaml", pieces)
 
 
 def _change_kinds_exist() -> bool:

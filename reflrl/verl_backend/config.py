@@ -368,7 +368,7 @@ KEYS: dict[str, Decision] = {
                                "model.name at the result", _is(False), "auto"),
     **{f"warmup.{k}": _not_needed(_ONLY_WARMUP) for k in (
         "format_rate_threshold", "probe_n", "steps", "lr", "batch_size", "time_budget_min", "eval_after",
-        "critique_share", "critique_reveal")},
+        "critique_share", "critique_reveal", "rename_share")},
     # train
     "train.steps": _mapped("trainer.total_training_steps", "trainer.total_training_steps", 5),
     "train.time_budget_min": _refused("verl has no time budget; stop it with train.steps", _is(None), 30.0),
