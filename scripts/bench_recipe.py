@@ -3,11 +3,16 @@ RL, the paired RL gain (after RL - after warm-up, same run) and wall time, mean 
 accuracy on the episodes that met no fault, recovery under faults, adaptation to API changes (runs with
 param_renamed / tool_moved faults) and reflection's repair rates, with the paired RL gains, and an
 equal-time control: the RL phase's minutes spent on more supervised steps on the clean demonstrations
-instead, from the same warm-up checkpoint.
+instead, from the same warm-up checkpoint; with --arms, other RL variants (such as `grpo`, RL without
+reflection, and `cot_is`) from that same checkpoint, each compared with the recipe's own RL.
 
     .venv/bin/python scripts/bench_recipe.py --seeds 0,1,2 [--faults rate_limit=0.1] [--test-size 240]
-                                             [--no-control] [--config FILE] [--set key=value ...]
-                                             [--out runs/bench_recipe] [--name NAME]
+                                             [--no-control] [--arms grpo,cot_is] [--config FILE]
+                                             [--set key=value ...] [--out runs/bench_recipe] [--name NAME]
+
+For the API-change recipe, every arm on 3 seeds:
+
+    .venv/bin/python scripts/bench_recipe.py --config configs/api_changes.yaml --faults "" --arms grpo,cot_is
 
 The base model's evaluation is the same for every seed (greedy, the same held-out tasks, the same fixed
 evaluation faults), so only the first seed runs it; the later seeds skip it (`train.eval_before=false`,
@@ -17,7 +22,9 @@ Each seed runs `reflrl train` in its own process (exactly what a user runs, mode
 evaluations included) one after the other; wall time is measured around the whole process. The control
 is a second `reflrl train` from the seed's warm-up checkpoint (`model.init_from`), its warm-up as many
 supervised steps as the RL phase's seconds buy at the warm-up's measured rate, no RL step; it is scored
-by the same evaluation (same tasks, same fixed fault seed).
+by the same evaluation (same tasks, same fixed fault seed). An arm is a `reflrl train` from the seed's
+warm-up checkpoint with `reflrl.variant` set to the arm, every other key as the recipe's, scored by the
+same evaluation.
 """
 from __future__ import annotations
 
@@ -74,6 +81,23 @@ def fault_lines(rows: list[dict]) -> list[str]:
     return out
 
 
+def arm_lines(rows: list[dict]) -> list[str]:
+    """Per arm and metric: its value after RL and the recipe's RL minus the arm's (paired per seed)."""
+    out = []
+    arms = sorted({a for r in rows for a in (r.get("arms") or {})})
+    for arm in arms:
+        for k in ("accuracy", *FAULT_KEYS[1:]):
+            pairs = [((r["heldout"]["after"] or {}).get(k), r["arms"][arm].get(k))
+                     for r in rows if arm in (r.get("arms") or {})]
+            vals = [v for _, v in pairs]
+            if not any(v is not None for v in vals):
+                continue
+            diffs = [x - v for x, v in pairs if x is not None and v is not None]
+            out.append(f"{arm} {k}: {mean_std(vals)}; the recipe's RL - {arm} {mean_std(diffs)} (per seed "
+                       f"{', '.join(f'{100 * d:+.1f}' for d in diffs)}; above in {sum(d > 0 for d in diffs)} of {len(diffs)})")
+    return out
+
+
 def aggregate_lines(rows: list[dict]) -> list[str]:
     """The seeds' aggregate: accuracy at the three points and the paired RL gain (mean ± std over
     seeds; the RL gain is after RL minus after warm-up of the SAME run), reflection's recovery, wall time."""
@@ -105,13 +129,16 @@ def aggregate_lines(rows: list[dict]) -> list[str]:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--seeds", default="0,1,2", help="comma-separated train.seed values")
-    p.add_argument("--faults", default="rate_limit=0.1", help="fault spec passed to reflrl train")
+    p.add_argument("--faults", help="fault spec passed to reflrl train (default: rate_limit=0.1 for the default "
+                                    "recipe, the config's own env.faults with --config)")
     p.add_argument("--config", help="config file (default: the default recipe)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
     p.add_argument("--out", default=str(ROOT / "runs" / "bench_recipe"), help="parent folder of the runs")
     p.add_argument("--json", help="write the per-seed results and aggregates to this JSON file")
     p.add_argument("--test-size", type=int, help="held-out tasks of every evaluation (sets data.n_test)")
     p.add_argument("--no-control", action="store_true", help="skip the equal-time supervised control")
+    p.add_argument("--arms", default="", help="comma-separated reflection variants (such as grpo,cot_is) run "
+                                              "from each seed's warm-up checkpoint beside the recipe's RL")
     p.add_argument("--name", help="name of this bench (run folders NAME-s<seed>); run again with the same name and "
                                   "--out, it reuses every seed already finished (its row file NAME-s<seed>.json) "
                                   "and runs the others; default recipe-<date-time>")
@@ -120,8 +147,11 @@ def main(argv=None) -> int:
     prefix = args.name or f"recipe-{datetime.now().strftime('%Y%m%d-%H%M%S')}"
     if args.test_size:
         args.overrides = [*args.overrides, f"data.n_test={args.test_size}"]
+    if args.faults is None and args.config is None:
+        args.faults = "rate_limit=0.1"
+    arms = [a.strip() for a in args.arms.split(",") if a.strip()]
     settings = {"faults": args.faults, "config": args.config, "overrides": list(args.overrides),
-                "control": not args.no_control}
+                "control": not args.no_control, **({"arms": arms} if arms else {})}
     rows = []
     base: dict | None = None  # the first seed's base-model evaluation, shared by the later seeds
     for seed in seeds:
@@ -160,7 +190,7 @@ def main(argv=None) -> int:
                "faults": s["faults"]["faults_by_kind"], "run_dir": s["run_dir"],
                "warmup_steps": (s.get("warmup") or {}).get("sft_steps"), "recovery": s.get("recovery") or {}}
         row["heldout"] = heldout_row(s)
-        if args.faults and not args.no_control:  # the RL phase's seconds on more SFT, same warm-up checkpoint
+        if s.get("heldout") and not args.no_control:  # the RL phase's seconds on more SFT, same warm-up checkpoint
             steps = control_steps(s)
             ck = Path(s["run_dir"]) / "checkpoints" / "step_000000"
             ccmd = train_command(seed=seed, name=name + "-sft", out_dir=args.out, config=args.config,
@@ -176,6 +206,21 @@ def main(argv=None) -> int:
                 return 1
             row["control"] = {k: (cs.get("heldout") or {}).get("after", {}).get(k) for k in FAULT_KEYS}
             row["control_steps"] = steps
+        for arm in arms:  # other RL variants from the same warm-up checkpoint
+            ck = Path(s["run_dir"]) / "checkpoints" / "step_000000"
+            acmd = train_command(seed=seed, name=f"{name}-{arm}", out_dir=args.out, config=args.config,
+                                 faults=args.faults, overrides=[*args.overrides, f"model.init_from={ck}",
+                                                                "warmup.enabled=false", "train.eval_before=false",
+                                                                f"reflection.variant={arm}"])
+            print(f"seed {seed} arm {arm}: {' '.join(acmd[1:])}", flush=True)
+            try:
+                a_s, _awall = run_train(acmd, Path(args.out) / f"{name}-{arm}", cwd=ROOT)
+            except RuntimeError as e:
+                print(f"seed {seed} arm {arm}: {e}", file=sys.stderr)
+                return 1
+            after = (a_s.get("heldout") or {}).get("after") or {}
+            row.setdefault("arms", {})[arm] = {"accuracy": a_s["accuracy_after"],
+                                               **{k: after.get(k) for k in FAULT_KEYS[1:] + COUNT_KEYS}}
         row["base"], row["settings"] = base, settings
         done.write_text(json.dumps(row, indent=2))
         rows.append(row)
@@ -196,10 +241,11 @@ def main(argv=None) -> int:
     n_test = None
     if rows:
         n_test = json.loads((Path(rows[0]["run_dir"]) / "summary.json").read_text())["eval_after"].get("n")
-    print(f"\n{len(rows)} seeds, faults {args.faults!r}, {n_test} held-out tasks each")
+    print(f"\n{len(rows)} seeds, faults {args.faults or 'of ' + str(args.config)}, {n_test} held-out tasks each")
     print("\n".join(aggregate_lines(rows)))
-    if any(r.get("heldout") for r in rows) and args.faults:
+    if any(r.get("control") or (r["heldout"]["after"] or {}).get("n_faulted") for r in rows):
         print("\n".join(fault_lines(rows)))
+    print("\n".join(arm_lines(rows)))
     if args.json:
         Path(args.json).write_text(json.dumps({"rows": rows, "faults": args.faults}, indent=2))
     return 0

@@ -84,3 +84,40 @@ def test_main_evaluates_the_base_once_and_resumes_finished_seeds(tmp_path, capsy
             "--set", "warmup.enabled=true"]
     assert br.main(skip) == 0
     assert "seed 0: base n/a -> after warm-up 45.0%" in capsys.readouterr().out
+
+
+def test_arms_run_from_the_seeds_warmup_checkpoint_and_are_compared_paired(tmp_path, capsys):
+    """--arms grpo,cot_is: each arm is a run of the same config from the seed's step-0 checkpoint with only
+    reflection.variant changed, and the printout gives the recipe's RL minus the arm per seed; a config's own
+    faults are used when --faults is not given."""
+    import json
+
+    br = load_script("bench_recipe")
+    calls: list[list[str]] = []
+    adapt = {"tool_rerl": 0.5, "grpo": 0.3, "cot_is": 0.1}
+
+    def fake_run_train(cmd, run_dir, cwd=None):
+        calls.append(cmd)
+        run_dir.mkdir(parents=True, exist_ok=True)
+        variant = next((c.split("=", 1)[1] for c in cmd if c.startswith("reflection.variant=")), "tool_rerl")
+        h = {"accuracy": 0.4, "clean_accuracy": 0.5, "adaptation": adapt[variant], "n_faulted": 10}
+        s = {"accuracy_before": None, "accuracy_after": 0.4, "accuracy_after_warmup": 0.3, "rl_gain": 0.1,
+             "steps": 8, "masked_trajectories": 0, "faults": {"faults_by_kind": {}}, "run_dir": str(run_dir),
+             "rl_seconds": 100.0, "warmup": {"ran": True, "sft_seconds": 60.0, "sft_steps": 60},
+             "eval_after": {"n": 48}, "heldout": {"after_warmup": dict(h, adaptation=0.1), "after": h}}
+        (run_dir / "summary.json").write_text(json.dumps(s))
+        return s, 1.0
+
+    br.run_train = fake_run_train
+    assert br.main(["--seeds", "0", "--out", str(tmp_path), "--name", "a", "--config", "configs/api_changes.yaml",
+                    "--no-control", "--arms", "grpo,cot_is"]) == 0
+    assert not any("--faults" in c for c in calls)  # the config's own faults
+    arms = {c[c.index("--name") + 1]: c for c in calls[1:]}
+    assert set(arms) == {"a-s0-grpo", "a-s0-cot_is"}
+    ck = tmp_path / "a-s0" / "checkpoints" / "step_000000"
+    for arm, c in arms.items():
+        assert f"model.init_from={ck}" in c and "warmup.enabled=false" in c
+        assert f"reflection.variant={arm.rsplit('-', 1)[1]}" in c
+    out = capsys.readouterr().out
+    assert "grpo adaptation: 0.300" in out and "the recipe's RL - grpo 0.200" in out and "+20.0; above in 1 of 1" in out
+    assert "cot_is adaptation: 0.100" in out and "+40.0" in out
