@@ -12,7 +12,7 @@ reflection, and `cot_is`) from that same checkpoint, each compared with the reci
 
 For the API-change recipe, every arm on 3 seeds:
 
-    .venv/bin/python scripts/bench_recipe.py --config configs/api_changes.yaml --faults "" --arms grpo,cot_is
+    .venv/bin/python scripts/bench_recipe.py --config configs/api_changes.yaml --arms grpo,cot_is --test-size 240
 
 The base model's evaluation is the same for every seed (greedy, the same held-out tasks, the same fixed
 evaluation faults), so only the first seed runs it; the later seeds skip it (`train.eval_before=false`,
@@ -23,7 +23,7 @@ evaluations included) one after the other; wall time is measured around the whol
 is a second `reflrl train` from the seed's warm-up checkpoint (`model.init_from`), its warm-up as many
 supervised steps as the RL phase's seconds buy at the warm-up's measured rate, no RL step; it is scored
 by the same evaluation (same tasks, same fixed fault seed). An arm is a `reflrl train` from the seed's
-warm-up checkpoint with `reflrl.variant` set to the arm, every other key as the recipe's, scored by the
+warm-up checkpoint with `reflection.variant` set to the arm, every other key as the recipe's, scored by the
 same evaluation.
 """
 from __future__ import annotations
@@ -190,9 +190,9 @@ def main(argv=None) -> int:
                "faults": s["faults"]["faults_by_kind"], "run_dir": s["run_dir"],
                "warmup_steps": (s.get("warmup") or {}).get("sft_steps"), "recovery": s.get("recovery") or {}}
         row["heldout"] = heldout_row(s)
+        ck = Path(s["run_dir"]) / "checkpoints" / "step_000000"  # the state right after the warm-up
         if s.get("heldout") and not args.no_control:  # the RL phase's seconds on more SFT, same warm-up checkpoint
             steps = control_steps(s)
-            ck = Path(s["run_dir"]) / "checkpoints" / "step_000000"
             ccmd = train_command(seed=seed, name=name + "-sft", out_dir=args.out, config=args.config,
                                  faults=args.faults, overrides=[*args.overrides, f"model.init_from={ck}",
                                                                 "train.eval_before=false",
@@ -207,7 +207,6 @@ def main(argv=None) -> int:
             row["control"] = {k: (cs.get("heldout") or {}).get("after", {}).get(k) for k in FAULT_KEYS}
             row["control_steps"] = steps
         for arm in arms:  # other RL variants from the same warm-up checkpoint
-            ck = Path(s["run_dir"]) / "checkpoints" / "step_000000"
             acmd = train_command(seed=seed, name=f"{name}-{arm}", out_dir=args.out, config=args.config,
                                  faults=args.faults, overrides=[*args.overrides, f"model.init_from={ck}",
                                                                 "warmup.enabled=false", "train.eval_before=false",
