@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from reflrl.engines.fast_decode import fast_decoding, growing_cache, reserve
-from reflrl.engines.lean_decode import LeanDecoder, supports
+from reflrl.engines import packed
+from reflrl.engines.lean_decode import FusedWeights, LeanDecoder, supports
 from reflrl.engines.transformers_engine import TransformersEngine
 from reflrl.logprobs import sequence_logprobs
 from reflrl.models import load_model
@@ -28,13 +29,20 @@ def _prefilled(model, rows: int, width: int, pad_first: int):
     return mask, cache
 
 
-@pytest.mark.parametrize("dtype,trainable,atol", [("float32", "all", 1e-5), ("bfloat16", "top_layers:1", 2e-2)])
-def test_step_equals_the_transformers_forward(dtype, trainable, atol):
+needs_onednn = pytest.mark.skipif(not packed.supported(), reason="this torch build cannot pack weights for oneDNN")
+PACKED = pytest.param(True, marks=needs_onednn, id="packed")
+
+
+@pytest.mark.parametrize("dtype,trainable,atol,pack", [("float32", "all", 1e-5, False), ("bfloat16", "top_layers:1", 2e-2, False),
+                                                       pytest.param("float32", "all", 1e-5, True, marks=needs_onednn, id="float32-packed")])
+def test_step_equals_the_transformers_forward(dtype, trainable, atol, pack):
     model, _ = load_model("tiny-random", dtype=dtype, trainable=trainable, seed=0)
     model.eval()
     assert supports(model)
     mask, cache = _prefilled(model, rows=3, width=7, pad_first=3)
-    dec, lean = model.get_decoder(), LeanDecoder(model)
+    dec, lean = model.get_decoder(), LeanDecoder(model, FusedWeights(packed=pack))
+    # with packing on, every matrix of the step is a packed one (not a silent fallback to F.linear)
+    assert all(w.is_mkldnn == pack for ws in lean.weights for w in ws if w is not None and w.dim() == 2)
     tok = torch.tensor([5, 17, 40])
     pos = mask.sum(-1)
     ref_cache, lean_cache = copy.deepcopy(cache), copy.deepcopy(cache)
@@ -50,13 +58,16 @@ def test_step_equals_the_transformers_forward(dtype, trainable, atol):
             amask = torch.cat([amask, torch.ones(3, 1, dtype=torch.long)], 1)
 
 
-def test_engine_answers_alike_with_and_without_the_lean_step():
+@pytest.mark.parametrize("pack", [False, PACKED])
+def test_engine_answers_alike_with_and_without_the_lean_step(pack):
     """Greedy tokens equal and log-probs within 1e-5 (float32), with rows finishing at different
-    times (stop ids and per-prompt caps), so rows are kept and compacted along the way."""
+    times (stop ids and per-prompt caps), so rows are kept and compacted along the way; with the
+    decode step's weights (and the output head) packed for oneDNN too."""
     model, tok = load_model("tiny-random", dtype="float32", seed=0)
     prompts = [tok.encode("hello there"), tok.encode("a much longer prompt with more tokens in it, ok"),
                tok.encode("third")]
-    fast, slow = TransformersEngine(model, tok), TransformersEngine(model, tok, lean=False)
+    fast, slow = TransformersEngine(model, tok, packed=pack), TransformersEngine(model, tok, lean=False)
+    assert fast.head()[0].is_mkldnn == pack
     assert fast._lean_decoder() is not None and slow._lean_decoder() is None
     first = fast.generate(prompts, n=2, max_new_tokens=16, temperature=0.0)
     stop = sorted({s.token_ids[3] for s in first})[:2]  # tokens that end some rows early
@@ -69,13 +80,14 @@ def test_engine_answers_alike_with_and_without_the_lean_step():
         assert x.logprobs == pytest.approx(y.logprobs, abs=1e-5)
 
 
-@pytest.mark.parametrize("dtype,trainable,atol", [("float32", "all", 1e-4), ("bfloat16", "top_layers:1", 5e-2)])
-def test_sampled_logprobs_match_the_trainers_recomputation(dtype, trainable, atol):
+@pytest.mark.parametrize("dtype,trainable,atol,pack", [("float32", "all", 1e-4, False), ("bfloat16", "top_layers:1", 5e-2, False),
+                                                       pytest.param("float32", "all", 1e-4, True, marks=needs_onednn, id="float32-packed")])
+def test_sampled_logprobs_match_the_trainers_recomputation(dtype, trainable, atol, pack):
     """The engine's log-probs at temperature 0.7 = the trainer's sequence_logprobs of the same tokens
     (the importance ratio of the clipped loss is 1 up to this tolerance)."""
     model, tok = load_model("tiny-random", dtype=dtype, trainable=trainable, seed=0)
     prompts = [tok.encode("hello there"), tok.encode("a much longer prompt with more tokens in it, ok")]
-    out = TransformersEngine(model, tok).generate(prompts, n=4, max_new_tokens=12, temperature=0.7, seed=3)
+    out = TransformersEngine(model, tok, packed=pack).generate(prompts, n=4, max_new_tokens=12, temperature=0.7, seed=3)
     ids, am, rm = right_padded(out)
     with torch.no_grad():
         lp = sequence_logprobs(model, ids, am, rm, temperature=0.7)
@@ -90,17 +102,22 @@ def test_lora_models_take_the_transformers_forward():
     assert TransformersEngine(model, tok)._lean_decoder() is None
 
 
-def test_concatenated_weights_follow_an_update_of_the_parameters():
-    """The fused q/k/v and gate/up matrices are kept across calls; an in-place update of a layer's
-    parameters (what an optimiser step does) must reach the next generation."""
+@pytest.mark.parametrize("pack", [False, PACKED])
+def test_concatenated_weights_follow_an_update_of_the_parameters(pack):
+    """The fused q/k/v and gate/up matrices (and, packed, every matrix and the head) are kept across
+    calls; an in-place update of a layer's parameters (what an optimiser step does) must reach the
+    next generation."""
     model, tok = load_model("tiny-random", dtype="float32", seed=0)
     prompts = [tok.encode("hello there"), tok.encode("a much longer prompt with more tokens in it, ok")]
-    fast, slow = TransformersEngine(model, tok), TransformersEngine(model, tok, lean=False)
+    fast, slow = TransformersEngine(model, tok, packed=pack), TransformersEngine(model, tok, lean=False)
     before = fast.generate(prompts, n=1, max_new_tokens=8, temperature=0.0)
     with torch.no_grad():
         layer = model.get_decoder().layers[-1]
         layer.self_attn.k_proj.weight.mul_(-3.0)
         layer.mlp.up_proj.weight.add_(0.5)
+        layer.self_attn.o_proj.weight.mul_(1.5)
+        layer.mlp.down_proj.weight.add_(0.1)
+        model.get_output_embeddings().weight.mul_(1.2)
     after, ref = fast.generate(prompts, n=1, max_new_tokens=8, temperature=0.0), \
         slow.generate(prompts, n=1, max_new_tokens=8, temperature=0.0)
     for x, y in zip(after, ref):

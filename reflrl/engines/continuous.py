@@ -44,12 +44,11 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
-import torch.nn.functional as F
 
 from reflrl.envs.seeding import derive_seed
-from reflrl.logprobs import head_of
 
 from .base import FinishReason, GenerateStats, PieceDecoder, Sample, generation_lock
+from .packed import dense
 
 __all__ = ["DecodePool", "Request", "kv_bytes_per_token"]
 
@@ -153,8 +152,7 @@ class DecodePool:
         self._lean = eng._lean_decoder()
         if self._lean is None:
             raise ValueError("DecodePool needs the lean decode step (a Llama-family model without LoRA)")
-        _, weight, bias = head_of(eng.model)
-        self._w32, self._b32 = weight.float(), None if bias is None else bias.float()
+        self._w32, self._b32 = eng.head()
         self._bpt = kv_bytes_per_token(eng.model)
         self._piece = PieceDecoder(eng.tokenizer)
 
@@ -269,7 +267,7 @@ class DecodePool:
         active = [i for i, s in enumerate(self.slots) if s is not None]
         if not active:
             return []
-        logits = F.linear(self.h[torch.tensor(active, device=self.h.device)].float(), self._w32, self._b32)
+        logits = dense(self.h[torch.tensor(active, device=self.h.device)].float(), self._w32, self._b32)
         rows = [self.slots[i] for i in active]
         tok = torch.empty(len(active), dtype=torch.long)
         lp = torch.empty(len(active), dtype=torch.float32)

@@ -35,6 +35,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from . import packed as _packed
+
 _TYPES = {"llama", "mistral", "qwen2", "qwen3"}
 
 
@@ -79,24 +81,49 @@ class FusedWeights:
     """Per layer, the q/k/v projections as one [q+k+v, hidden] matrix and the MLP's gate/up as one
     [2 x intermediate, hidden] matrix: fewer, larger matmuls per decode step. Kept across ``generate``
     calls and rebuilt for a layer whose parameters changed (an optimiser step bumps their version), so
-    the frozen bottom layers are concatenated once per run and the trained top ones once per update."""
+    the frozen bottom layers are concatenated once per run and the trained top ones once per update.
 
-    def __init__(self) -> None:
-        self.layers: dict[int, tuple[tuple, torch.Tensor, torch.Tensor | None, torch.Tensor]] = {}
+    ``packed``: float32 matrices are kept packed for oneDNN instead (:mod:`reflrl.engines.packed`), the
+    output and down projections and the output head (:meth:`head`) too; other dtypes stay plain."""
 
-    def get(self, li: int, layer: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    def __init__(self, packed: bool = False) -> None:
+        self.packed = bool(packed)
+        self.layers: dict[int, tuple] = {}
+        self._head: tuple | None = None
+
+    def _pack(self, w: torch.Tensor) -> torch.Tensor:
+        p = _packed.pack(w) if self.packed else None
+        return w if p is None else p
+
+    def get(self, li: int, layer: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor,
+                                                      torch.Tensor, torch.Tensor]:
+        """(q/k/v, its bias or None, gate/up, o_proj, down_proj) weights for :func:`packed.dense`."""
         at, m = layer.self_attn, layer.mlp
-        params = [at.q_proj.weight, at.k_proj.weight, at.v_proj.weight, m.gate_proj.weight, m.up_proj.weight]
+        params = [at.q_proj.weight, at.k_proj.weight, at.v_proj.weight, m.gate_proj.weight, m.up_proj.weight,
+                  at.o_proj.weight, m.down_proj.weight]
         biases = [b for b in (at.q_proj.bias, at.k_proj.bias, at.v_proj.bias) if b is not None]
         stamp = _stamp(params + biases)
         hit = self.layers.get(li)
         if hit is None or hit[0] != stamp:
             with torch.no_grad():
-                wqkv = torch.cat([at.q_proj.weight, at.k_proj.weight, at.v_proj.weight])
+                wqkv = self._pack(torch.cat([at.q_proj.weight, at.k_proj.weight, at.v_proj.weight]))
                 bqkv = torch.cat(biases) if len(biases) == 3 else None
-                wgu = torch.cat([m.gate_proj.weight, m.up_proj.weight])
-            hit = self.layers[li] = (stamp, wqkv, bqkv, wgu)
-        return hit[1], hit[2], hit[3]
+                wgu = self._pack(torch.cat([m.gate_proj.weight, m.up_proj.weight]))
+                wo, wd = self._pack(at.o_proj.weight), self._pack(m.down_proj.weight)
+            hit = self.layers[li] = (stamp, wqkv, bqkv, wgu, wo, wd)
+        return hit[1:]
+
+    def head(self, weight: torch.Tensor, bias: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The output head in float32 (packed where ``packed``), and its bias: the logits are
+        ``packed.dense(h.float(), *head)``."""
+        stamp = _stamp([weight] + ([bias] if bias is not None else []))
+        if self._head is None or self._head[0] != stamp:
+            with torch.no_grad():
+                self._head = (stamp, self._pack(weight.float()), None if bias is None else bias.float())
+        return self._head[1], self._head[2]
+
+
+_dense = _packed.dense
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -156,9 +183,9 @@ class LeanDecoder:
                 rope[dt] = (cos.to(dt), sin.to(dt))
             c, s = rope[dt]
             at = layer.self_attn
-            wqkv, bqkv, wgu = self.weights[li]
+            wqkv, bqkv, wgu, wo, wd = self.weights[li]
             x = _rms(h, layer.input_layernorm)
-            qkv = F.linear(x, wqkv, bqkv).view(b, nh + 2 * nkv, 1, hd)
+            qkv = _dense(x, wqkv, bqkv).view(b, nh + 2 * nkv, 1, hd)
             if self.qk_norm:
                 qk = torch.cat([_rms(qkv[:, :nh], at.q_norm), _rms(qkv[:, nh: nh + nkv], at.k_norm)], 1)
             else:
@@ -174,8 +201,8 @@ class LeanDecoder:
             keys, values = lay.kbuf[:, :, :width], lay.vbuf[:, :, :width]
             o = F.scaled_dot_product_attention(qk[:, :nh].reshape(b, nkv, g, hd), keys, values, attn_mask=attn_mask,
                                                scale=self.scaling)  # [B, Hkv, G, D]
-            h = h + F.linear(o.reshape(b, nh * hd), at.o_proj.weight, at.o_proj.bias)
+            h = h + _dense(o.reshape(b, nh * hd), wo, at.o_proj.bias)
             x = _rms(h, layer.post_attention_layernorm)
-            gate, up = F.linear(x, wgu).chunk(2, dim=-1)
-            h = h + F.linear(F.silu(gate) * up, layer.mlp.down_proj.weight)
+            gate, up = _dense(x, wgu).chunk(2, dim=-1)
+            h = h + _dense(F.silu(gate) * up, wd)
         return _rms(h, self.norm)

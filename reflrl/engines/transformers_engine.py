@@ -24,7 +24,8 @@ from reflrl.logprobs import head_of
 from .base import (FinishReason, GenerateStats, PieceDecoder, RolloutEngine, Sample, cut_at, generation_lock,
                    per_prompt_caps)
 from .fast_decode import fast_decoding, growable, growing_cache, length_chunks, merge_left_padded, reserve
-from .lean_decode import LeanDecoder, supports as lean_supports
+from .lean_decode import FusedWeights, LeanDecoder, supports as lean_supports
+from .packed import dense
 
 __all__ = ["FinishReason", "GenerateStats", "PieceDecoder", "RolloutEngine", "Sample", "TransformersEngine",
            "cut_at", "per_prompt_caps", "sample_next"]
@@ -131,7 +132,8 @@ class TransformersEngine:
     sample = staticmethod(sample_next)  # the draw of one token per row (the continuous pool calls it too)
 
     def __init__(self, model: nn.Module, tokenizer: Any, max_batch_size: int = 64, trunk_cache: Any = None,
-                 lean: bool = True, continuous: bool = False, kv_budget_bytes: int | None = None):
+                 lean: bool = True, continuous: bool = False, kv_budget_bytes: int | None = None,
+                 packed: bool = False):
         self.model = model
         self.tokenizer = tokenizer
         # reflrl.engines.trunk_cache.TrunkCache: replay the frozen bottom layers of prompts seen before (evaluation)
@@ -143,6 +145,7 @@ class TransformersEngine:
         self.lean = bool(lean)
         self.continuous = bool(continuous)
         self.kv_budget_bytes = kv_budget_bytes
+        self.packed = bool(packed)
         self._pool: Any = None  # the shared DecodePool of agenerate (continuous), made on first use
 
     def prompts_per_batch(self, prompts: Sequence[Sequence[int]], caps: Sequence[int], n: int) -> int:
@@ -237,15 +240,23 @@ class TransformersEngine:
         if self._pool is not None:
             self._pool.release(k)
 
+    def _weights(self) -> FusedWeights:
+        """The decode step's weight cache (concatenated, packed where ``packed``), kept across calls."""
+        if getattr(self, "_fused_for", None) is not self.model:
+            self._fused, self._fused_for = FusedWeights(packed=self.packed), self.model
+        return self._fused
+
+    def head(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The output head's weight and bias as the decode step multiplies by them
+        (``packed.dense(h.float(), *head)``: float32, packed where ``packed``)."""
+        _, weight, bias = head_of(self.model)
+        return self._weights().head(weight, bias)
+
     def _lean_decoder(self) -> LeanDecoder | None:
         """The lean decode step for the model as it is now, or None (transformers forward)."""
         if not self.lean or not growable(self.model.config) or not lean_supports(self.model):
             return None
-        if getattr(self, "_fused_for", None) is not self.model:  # concatenated weights, kept across calls
-            from .lean_decode import FusedWeights
-
-            self._fused, self._fused_for = FusedWeights(), self.model
-        return LeanDecoder(self.model, self._fused)
+        return LeanDecoder(self.model, self._weights())
 
     @property
     def device(self) -> torch.device:
@@ -291,9 +302,7 @@ class TransformersEngine:
             self.model.eval()
             try:
                 with torch.inference_mode(), fast_decoding(self.model):
-                    _, weight, bias = head_of(self.model)
-                    w32 = weight.float()
-                    b32 = None if bias is None else bias.float()
+                    w32, b32 = self.head()
                     per_group = self.prompts_per_batch(prompts, caps, n)
                     out: list[Sample] = []
                     for s in range(0, len(prompts), per_group):
@@ -419,7 +428,7 @@ class TransformersEngine:
             amask[:, :width] = mask.bool()
         live = [True] * rows  # per batch row: still sampling
         for step in range(max_new):
-            logits = F.linear(h.float(), w32, b32)
+            logits = dense(h.float(), w32, b32)
             tok, lp = sample_next(logits, temperature, top_p, gen, consume=True)
             stopped = torch.isin(tok, stop).tolist() if stop.numel() else [False] * len(live)
             for j, (r, t, l) in enumerate(zip(active.tolist(), tok.tolist(), lp.tolist())):

@@ -126,6 +126,7 @@ class Trainer:
         parts = build_components(cfg, self.train_tasks, say=self.say, engine=engine, model=model, tokenizer=tokenizer,
                                  env_factory=env_factory, critic=critic)
         self.model, self.tokenizer, self.precision = parts.model, parts.tokenizer, parts.precision
+        self.decode_weights = parts.decode_weights  # rollout.packed_weights as resolved
         self.engine, self.eval_engine, self.remote_engine = parts.engine, parts.eval_engine, parts.remote_engine
         self.variant, self.critic, self.envs, self.tool_server = parts.variant, parts.critic, parts.envs, parts.tool_server
         self.rollout_cfg, self.load_s = parts.rollout, parts.load_s
@@ -518,7 +519,8 @@ class Trainer:
     # -------------------------------------------------------------------------------- the end
     def summary(self) -> dict[str, Any]:
         return build_summary(self.state.to_dict(), cfg=self.cfg, run_dir=str(self.log.path), step=self.step,
-                             precision=self.precision, load_s=self.load_s, elapsed_s=self.elapsed(),
+                             precision=self.precision, decode_weights=self.decode_weights,
+                             load_s=self.load_s, elapsed_s=self.elapsed(),
                              prefilter_skipped=self.sampler.skipped, sampling=self.sampling,
                              faults=ledger_totals(self.envs))
 

@@ -13,6 +13,7 @@ import torch
 
 from reflrl import config as C
 from reflrl.device import resolve_device, resolve_precision
+from reflrl.engines.packed import PackedChoice, resolve as resolve_packed
 from reflrl.precision import DtypeChoice
 from reflrl.threads import fix_threads
 from reflrl.recovery import Variant, build_critic, think_of, uses_endpoint, variant_of
@@ -74,6 +75,7 @@ class Components:
     tool_server: Any
     rollout: RolloutSpec
     load_s: float
+    decode_weights: PackedChoice | None = None  # rollout.packed_weights as resolved (None: an engine was given)
 
 
 def load_policy(cfg: C.Config, say: Callable[[str], None]) -> tuple[torch.nn.Module, Any, DtypeChoice, float]:
@@ -172,11 +174,15 @@ def build_components(cfg: C.Config, train_tasks: Sequence[Any], *, say: Callable
         tok, load_s = tokenizer, 0.0
         precision = resolve_precision(str(next(model.parameters()).dtype).removeprefix("torch."),
                                       next(model.parameters()).device)
+    packed = None
     if engine is not None:
         rollout_engine = eval_engine = engine(model, tok)
     else:
         r = cfg.rollout  # continuous batching (rollout.continuous) within a KV budget
-        pool = {"continuous": r.continuous,
+        packed = resolve_packed(r.packed_weights, dtype=model.get_input_embeddings().weight.dtype,
+                                available=None if next(model.parameters()).device.type == "cpu" else False)
+        say(packed.log_line())
+        pool = {"continuous": r.continuous, "packed": packed.enabled,
                 "kv_budget_bytes": None if r.kv_budget_mb is None else int(r.kv_budget_mb * 2**20)}
         rollout_engine = TransformersEngine(model, tok, max_batch_size=max(64, r.n * r.batch_prompts), **pool)
         # held-out evaluations see the same prompts each time: the frozen bottom layers run once per prompt
@@ -192,7 +198,8 @@ def build_components(cfg: C.Config, train_tasks: Sequence[Any], *, say: Callable
     spec = RolloutSpec.from_config(cfg, fmt=answer_format(cfg), think=think_of(cfg))
     return Components(model=model, tokenizer=tok, precision=precision, engine=rollout_engine, eval_engine=eval_engine,
                       remote_engine=remote_engine(cfg, tok), variant=variant, critic=critic, envs=envs,
-                      tool_server=server, rollout=spec, load_s=load_s)
+                      tool_server=server, rollout=spec, load_s=load_s,
+                      decode_weights=packed)
 
 
 def checkpoint_config(run: str | Path, checkpoint: str, overrides: Sequence[str] = ()) -> C.Config:

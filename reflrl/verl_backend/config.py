@@ -320,6 +320,8 @@ KEYS: dict[str, Decision] = {
     "rollout.engine_off_policy": _not_needed("only read with rollout.engine='openai', which the verl backend refuses"),
     "rollout.continuous": _not_needed("verl's rollout engine (vLLM, SGLang) batches continuously itself; this is "
                                       "the CPU engine's decode loop"),
+    "rollout.packed_weights": _not_needed("verl's rollout engine runs on GPUs with its own kernels; this is the CPU "
+                                          "engine's decode weights"),
     "rollout.kv_budget_mb": _not_needed("verl sizes its rollout engine's KV cache (actor_rollout_ref.rollout."
                                         "gpu_memory_utilization); this is the CPU engine's budget"),
     # algo

@@ -1,0 +1,61 @@
+"""rollout.packed_weights: what auto decides from the measurement, its cache, and where packing is off."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from reflrl.engines import packed
+from reflrl.engines.packed import PackedTiming, dense, measure, pack, resolve
+
+
+def test_auto_packs_where_the_measurement_finds_it_faster_and_caches_it(tmp_path):
+    cache = tmp_path / "packed.json"
+    calls = []
+
+    def bench(t):
+        return lambda: calls.append(1) or t
+
+    on = resolve("auto", cache=cache, available=True, bench=bench(PackedTiming(1.0, 0.5)))
+    assert on.enabled and not on.cached and "0.50x" in on.reason
+    again = resolve("auto", cache=cache, available=True, bench=bench(PackedTiming(1.0, 2.0)))
+    assert again.enabled and again.cached and len(calls) == 1  # the same CPU model: measured once
+    off = resolve("auto", cache=False, available=True, bench=bench(PackedTiming(1.0, 0.97)))
+    assert not off.enabled  # within 5%: plain weights are kept
+    assert off.to_dict()["packed_s"] == 0.97
+
+
+def test_explicit_modes_and_what_cannot_be_packed():
+    never = lambda: pytest.fail("nothing is measured")  # noqa: E731
+    assert resolve("true", available=True, bench=never).enabled
+    assert resolve(True, available=True, bench=never).enabled  # a YAML boolean
+    assert not resolve("false", available=True, bench=never).enabled
+    assert not resolve(False, available=True, bench=never).enabled
+    no = resolve("true", available=False, bench=never)
+    assert not no.enabled and "not available" in no.log_line()
+    bf = resolve("auto", dtype=torch.bfloat16, available=True, bench=never)
+    assert not bf.enabled and "bfloat16" in bf.reason
+    with pytest.raises(ValueError, match="rollout.packed_weights='fast'"):
+        resolve("fast")
+
+
+def test_measure_interleaves_and_keeps_each_sides_fastest():
+    ticks = iter(range(1000))
+    seen = []
+
+    def work(p):
+        seen.append(p)
+
+    t = measure(repeats=3, clock=lambda: next(ticks), work=work)
+    assert seen == [False, True] + [False, True] * 3
+    assert t.plain_s == 1 and t.packed_s == 1
+
+
+@pytest.mark.skipif(not packed.supported(), reason="this torch build cannot pack weights for oneDNN")
+def test_a_packed_product_equals_the_plain_one():
+    g = torch.Generator().manual_seed(0)
+    w, b = torch.randn(300, 64, generator=g), torch.randn(300, generator=g)
+    x = torch.randn(10, 64, generator=g)[::2]  # a strided row selection, as the decode step's
+    p = pack(w)
+    assert p is not None and p.is_mkldnn
+    assert torch.allclose(dense(x, p, b), torch.nn.functional.linear(x, w, b), atol=1e-5)
+    assert pack(w.bfloat16()) is None  # only float32 is packed
