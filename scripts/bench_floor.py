@@ -167,14 +167,14 @@ class Tap:
         import reflrl.sft as SFT
         import reflrl.train.step as S
 
-        orig_sft_loss = SFT.sft_loss
+        orig_nll_backward = SFT.nll_backward
 
-        def sft_loss(model, batch):  # the warm-up's batches
+        def nll_backward(model, batch, *a, **k):  # the warm-up's batches (train_sft's loss and backward)
             if tap.capture:
                 tap.batches.append((batch["input_ids"], batch["attention_mask"], batch["response_mask"]))
-            return orig_sft_loss(model, batch)
+            return orig_nll_backward(model, batch, *a, **k)
 
-        SFT.sft_loss = sft_loss
+        SFT.nll_backward = nll_backward
 
         orig_update = S.policy_update
 

@@ -90,3 +90,30 @@ def test_main_on_a_quiet_machine_prints_the_ratios(tmp_path, monkeypatch, capsys
     res = json.loads((tmp_path / "f.json").read_text())
     assert res["floor_check"]["ok"] is True and res["rl_steps"][0]["ratio"] > 0
     assert res["matmul_gflops"]["2048"] == pytest.approx(250.0)  # the faster of the two readings
+
+
+def test_the_tap_captures_the_warm_ups_batches_as_train_sft_runs_them(monkeypatch):
+    """The warm-up floor is a bare forward+backward on the batches train_sft really trained on: the tap
+    must see them (it once hooked a function train_sft no longer called, and the floor read 0.15 s)."""
+    from types import SimpleNamespace
+
+    import reflrl.sft as SFT
+    import reflrl.train.step as S
+    import torch
+    from reflrl.models import load_model
+
+    bf = load_script("bench_floor")
+    monkeypatch.setattr(SFT, "nll_backward", SFT.nll_backward)  # the tap's patches are undone after the test
+    monkeypatch.setattr(S, "policy_update", S.policy_update)
+    monkeypatch.setattr(torch.autograd, "backward", torch.autograd.backward)
+    model, tok = load_model("tiny-random", dtype="float32", trainable="all", seed=0)
+    nothing = SimpleNamespace(generate=lambda *a, **k: [], agenerate=None)
+    trainer = SimpleNamespace(engine=nothing, eval_engine=nothing, critic=None, envs=[], recover=lambda: None,
+                              optimizer=SimpleNamespace(step=lambda: None))
+    tap = bf.Tap(trainer)
+    tap.capture = True
+    ex = [SFT.SFTExample(tok.encode(f"weather in city {i}?"), tok.encode(" ok") + [tok.eos_token_id], f"t{i}")
+          for i in range(4)]
+    SFT.train_sft(model, tok, ex, steps=2, batch_size=2, lr=0.0, seed=0)
+    assert len(tap.batches) == 2 and all(ids.shape[0] == 2 for ids, _, _ in tap.batches)
+    assert bf.bare_forward_backward(model, tap.batches, [p for p in model.parameters() if p.requires_grad]) > 0
