@@ -2,7 +2,8 @@
 from it -- measured in one run, every figure a ratio of two timings taken here and now.
 
     .venv/bin/python scripts/bench_floor.py [--checkpoint RUN/checkpoints/step_N] [--dtype auto|float32]
-        [--threads 2] [--rl-steps 2] [--warmup-steps 3] [--peer] [--set KEY=VALUE ...] [--json FILE]
+        [--threads 2] [--rl-steps 2] [--warmup-steps 3] [--peer] [--old-engine] [--set KEY=VALUE ...]
+        [--json FILE]
 
 1. The machine: matmul rate at the model's shapes (K=576, N=1536) for M = 1 .. 2048 rows, in the run's
    precision, the faster of the plain and the oneDNN-packed weight; memory bandwidth (a 256 MB copy);
@@ -22,7 +23,9 @@ from it -- measured in one run, every figure a ratio of two timings taken here a
 5. --peer: TRL's GRPOTrainer (where installed) on the same batch (the step's prompts, n rollouts,
    same model and precision, no vLLM): its step time beside reflrl's.
 
-The RL step's rollouts per minute are printed too. CPU-heavy (a few minutes on 2 cores): run it
+The RL step's rollouts per minute are printed too; with --old-engine the same RL steps run again from the
+same start on the engine as it was before its packed decode weights and shared-start prefill, and the two
+rollouts-per-minute figures are compared. CPU-heavy (a few minutes on 2 cores): run it
 alone; other busy processes make every multi-threaded operation wait.
 
 A busy machine cannot pass: the matmul rates and the bandwidth are measured before AND after the timed
@@ -399,13 +402,16 @@ class Timed:
     """What the timed work measured; the floors and ratios are computed from it after the check.
     steps: per RL step, its wall time, where it went and the generation counts its floors need; eval:
     the same for the greedy evaluation; decode_tps: decode tokens/s at batch 32; warmup: a warm-up
-    step's wall time and its bare forward+backward; peer: TRL's step time beside reflrl's (--peer)."""
+    step's wall time and its bare forward+backward; peer: TRL's step time beside reflrl's (--peer);
+    old_steps: the same RL steps' wall times and rollouts on the old engine (--old-engine)."""
 
     def __init__(self, model: torch.nn.Module, steps: list[dict[str, Any]] | None = None,
                  eval: dict[str, Any] | None = None, decode_tps: float = 0.0,
-                 warmup: dict[str, float] | None = None, peer: dict[str, Any] | None = None):
+                 warmup: dict[str, float] | None = None, peer: dict[str, Any] | None = None,
+                 old_steps: list[dict[str, Any]] | None = None):
         self.model, self.steps, self.eval = model, steps or [], eval or {}
         self.decode_tps, self.warmup, self.peer = decode_tps, warmup or {}, peer
+        self.old_steps = old_steps or []  # --old-engine: the same RL steps on the old engine
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -417,6 +423,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--warmup-steps", type=int, default=3)
     ap.add_argument("--faults", default="rate_limit=0.1")
     ap.add_argument("--peer", action="store_true", help="also time TRL's GRPOTrainer on the same batch")
+    ap.add_argument("--old-engine", action="store_true",
+                    help="also run the RL steps from the same start with the engine as it was before packed decode "
+                         "weights and shared-start prefill: rollouts per minute, new against old, in this run")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
     ap.add_argument("--json", default=None, help="write the figures to this file")
     args = ap.parse_args(argv)
@@ -509,6 +518,9 @@ def run_timed(args: argparse.Namespace) -> Timed:
               f"{s['new_tokens']} new tokens", flush=True)
         print("  where it goes: " + ", ".join(f"{k} {v:.2f}s" for k, v in parts.items()), flush=True)
 
+    if getattr(args, "old_engine", False):
+        timed.old_steps = old_engine_steps(cfg, args.rl_steps)
+
     # 3. greedy evaluation of the test split
     tap.reset()
     t0 = time.perf_counter()
@@ -555,6 +567,50 @@ def run_timed(args: argparse.Namespace) -> Timed:
     return timed
 
 
+def old_engine_steps(cfg: Any, steps: int) -> list[dict[str, Any]]:
+    """The RL steps again, from the same start (a fresh trainer on the same config and seed), with the
+    engine as it was before its two speed-ups: plain ``F.linear`` decode weights
+    (``rollout.packed_weights=false``) and every prompt prefilled whole (no shared start). Wall time and
+    rollouts (with reflection retries) per step; the first step warms up, as in the new engine's run."""
+    from dataclasses import replace
+
+    import reflrl.engines.transformers_engine as TE
+    from reflrl.train.loop import Trainer
+
+    old_cfg = replace(cfg, rollout=replace(cfg.rollout, packed_weights="false"),
+                      train=replace(cfg.train, out_dir=tempfile.mkdtemp(prefix="floor-old")))
+    keep = TE.SHARED_PREFIX_MIN
+    TE.SHARED_PREFIX_MIN = 10**9
+    out = []
+    try:
+        tr = Trainer(old_cfg, Path(old_cfg.train.out_dir) / "run", progress=False, quiet=True)
+        counts: dict[str, int] = {"n": 0}
+        for eng in {id(tr.engine): tr.engine, id(tr.eval_engine): tr.eval_engine}.values():
+            orig = eng.generate
+
+            def generate(*a, _orig=orig, **k):
+                got = _orig(*a, **k)
+                counts["n"] += len(got)
+                return got
+
+            eng.generate = generate
+        tr.train_step()
+        tr.step += 1
+        for _ in range(steps):
+            counts["n"] = 0
+            t0 = time.perf_counter()
+            tr.train_step()
+            wall = time.perf_counter() - t0
+            tr.step += 1
+            out.append({"wall_s": wall, "samples": counts["n"], "samples_per_min": 60 * counts["n"] / wall})
+            print(f"old engine, RL step: {wall:.2f}s; {counts['n']} samples ({out[-1]['samples_per_min']:.0f}/min)",
+                  flush=True)
+        tr.close()
+    finally:
+        TE.SHARED_PREFIX_MIN = keep
+    return out
+
+
 def report_ratios(fl: Floors, timed: Timed, res: dict[str, Any]) -> None:
     """Print each timed piece beside its floor (only once the floor check passed) and fill ``res``."""
     print(f"{fl.weight_bytes / 2**20:.0f} MiB of weights read per decode step; decode-step floor "
@@ -576,6 +632,14 @@ def report_ratios(fl: Floors, timed: Timed, res: dict[str, Any]) -> None:
         print(f"RL step: {s['wall_s']:.2f}s, floor {floor:.2f}s -> {ratio}", flush=True)
         print("  floor parts:   " + ", ".join(f"{k} {v:.2f}s" for k, v in row["floor_parts"].items()), flush=True)
     res["rl_steps"] = steps
+    if timed.old_steps:
+        new_w, old_w = sum(s["wall_s"] for s in timed.steps), sum(s["wall_s"] for s in timed.old_steps)
+        new_r = 60 * sum(s["rollouts"] for s in timed.steps) / new_w
+        old_r = 60 * sum(s["samples"] for s in timed.old_steps) / old_w
+        res["old_engine"] = {"steps": timed.old_steps, "wall_s": old_w, "new_wall_s": new_w,
+                             "rollouts_per_min": old_r, "new_rollouts_per_min": new_r, "gain": new_r / old_r}
+        print(f"rollouts and retries per minute: {new_r:.1f}, the old engine {old_r:.1f} on the same RL steps "
+              f"({new_w:.1f}s against {old_w:.1f}s) -> {new_r / old_r:.2f}x", flush=True)
 
     e = timed.eval
     if e:

@@ -58,7 +58,8 @@ def _fake_run(bf, monkeypatch, floors, loads):
             "forward+backward_floor_s": 0.1, "new_tokens": 64, "rollouts": 8, "rollouts_per_min": 240.0}
     timed = bf.Timed(model=model, steps=[step], eval={"tasks": 4, "wall_s": 1.5, "gen": gen, "tools_s": 0.1,
                                                       "accuracy": 0.5},
-                     decode_tps=100.0, warmup={"wall_s": 0.5, "floor_s": 0.25})
+                     decode_tps=100.0, warmup={"wall_s": 0.5, "floor_s": 0.25},
+                     old_steps=[{"wall_s": 3.0, "samples": 6, "samples_per_min": 120.0}])
     monkeypatch.setattr(bf, "measure_floor", lambda dtype: floors.pop(0))
     monkeypatch.setattr(bf, "loadavg", lambda: loads.pop(0))
     monkeypatch.setattr(bf, "run_timed", lambda args: timed)
@@ -87,6 +88,8 @@ def test_main_on_a_quiet_machine_prints_the_ratios(tmp_path, monkeypatch, capsys
     assert code == 0 and "floor check: floor steady" in out and "NO RATIOS" not in out
     assert "RL step: 2.00s, floor" in out and "greedy evaluation of 4 tasks: 1.5s, floor" in out
     assert "warm-up step: 0.50s, bare forward+backward+AdamW on the same tokens 0.25s -> 2.00x" in out
+    # --old-engine: 8 samples in 2 s against 6 in 3 s
+    assert "rollouts and retries per minute: 240.0, the old engine 120.0 on the same RL steps (2.0s against 3.0s) -> 2.00x" in out
     res = json.loads((tmp_path / "f.json").read_text())
     assert res["floor_check"]["ok"] is True and res["rl_steps"][0]["ratio"] > 0
     assert res["matmul_gflops"]["2048"] == pytest.approx(250.0)  # the faster of the two readings

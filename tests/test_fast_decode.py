@@ -139,3 +139,43 @@ def test_a_batch_of_similar_lengths_answers_each_prompt_as_alone(tiny):
     batched = eng.generate(prompts, n=2, max_new_tokens=6, temperature=0.0)
     assert [s.token_ids for s in batched] == [a for a in alone for _ in range(2)]
     assert [s.prompt_index for s in batched] == [i for i in range(len(prompts)) for _ in range(2)]
+
+
+def test_prefix_families_group_rows_by_a_shared_start():
+    from reflrl.engines.fast_decode import prefix_families
+
+    a, b = list(range(100, 180)), list(range(300, 370))
+    prompts = [a + [1, 2], b + [5], a + [7], list(range(10)), a, b + [6, 6, 6]]
+    fams = prefix_families(prompts, min_shared=64)
+    assert sorted(i for f, _ in fams for i in f) == list(range(len(prompts)))  # every row once
+    got = {tuple(sorted(f)): k for f, k in fams}
+    assert got[(0, 2, 4)] == 79  # all of a but its last token: the shortest member keeps one of its own
+    assert got[(1, 5)] == 70
+    assert got[(3,)] == 0  # alone: nothing shared
+    assert all(k == 0 for f, k in prefix_families(prompts, min_shared=90) if len(f) == 1)
+
+
+def test_rows_with_a_shared_start_prefill_it_once_with_the_same_answers(monkeypatch):
+    """A group's later turns share their first message(s): the shared tokens run once and are copied to
+    every row, the rest runs per row; greedy tokens and log-probs equal a whole prefill of each row."""
+    import reflrl.engines.transformers_engine as TE
+    from reflrl.engines.transformers_engine import TransformersEngine
+    from reflrl.models import load_model
+
+    model, tok = load_model("tiny-random", dtype="float32", seed=0)
+    g = torch.Generator().manual_seed(0)
+    base = torch.randint(3, 200, (90,), generator=g).tolist()
+    prompts = [base + torch.randint(3, 200, (k,), generator=g).tolist() for k in (3, 17, 40, 9)]
+    prompts.insert(2, torch.randint(3, 200, (50,), generator=g).tolist())  # a row that shares nothing
+    calls = []
+    orig = TransformersEngine._prefill_shared
+    monkeypatch.setattr(TransformersEngine, "_prefill_shared",
+                        lambda self, d, ps, shared: calls.append((len(ps), shared)) or orig(self, d, ps, shared))
+    shared = TransformersEngine(model, tok).generate(prompts, n=2, max_new_tokens=10, temperature=0.0)
+    assert calls == [(4, 90)]
+    monkeypatch.setattr(TE, "SHARED_PREFIX_MIN", 10**9)
+    whole = TransformersEngine(model, tok).generate(prompts, n=2, max_new_tokens=10, temperature=0.0)
+    assert calls == [(4, 90)]
+    assert [s.token_ids for s in shared] == [s.token_ids for s in whole]
+    for x, y in zip(shared, whole):
+        assert x.logprobs == pytest.approx(y.logprobs, abs=1e-5)

@@ -215,3 +215,31 @@ def merge_left_padded(parts: list[tuple[list[int], DynamicCache]], rows: int, wi
         layer._views()
         merged.layers.append(layer)
     return merged
+
+
+def prefix_families(prompts: list[list[int]], min_shared: int) -> list[tuple[list[int], int]]:
+    """Rows grouped by a shared leading run of tokens: [(row indices, shared length)], every index once.
+    Prompts are sorted by their tokens, so rows with long common prefixes sit side by side; a family
+    closes where the next prompt shares fewer than ``min_shared`` tokens with all of it. The shared
+    length is at most the shortest member's length minus one (every row keeps a token of its own, whose
+    hidden state the decode starts from). Families of one row have shared length 0."""
+    order = sorted(range(len(prompts)), key=lambda i: prompts[i])
+    out: list[tuple[list[int], int]] = []
+    fam: list[int] = []
+    shared = 0
+    for i in order:
+        if fam:
+            first, p = prompts[fam[0]], prompts[i]
+            n = min(shared, len(p) - 1)
+            k = 0
+            while k < n and first[k] == p[k]:
+                k += 1
+            if k >= min_shared:
+                fam.append(i)
+                shared = k
+                continue
+            out.append((fam, shared if len(fam) > 1 else 0))
+        fam, shared = [i], len(prompts[i]) - 1
+    if fam:
+        out.append((fam, shared if len(fam) > 1 else 0))
+    return out

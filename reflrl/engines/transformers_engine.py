@@ -23,7 +23,8 @@ from reflrl.logprobs import head_of
 
 from .base import (FinishReason, GenerateStats, PieceDecoder, RolloutEngine, Sample, cut_at, generation_lock,
                    per_prompt_caps)
-from .fast_decode import fast_decoding, growable, growing_cache, length_chunks, merge_left_padded, reserve
+from .fast_decode import (fast_decoding, growable, growing_cache, length_chunks, merge_left_padded, prefix_families,
+                          reserve)
 from .lean_decode import FusedWeights, LeanDecoder, supports as lean_supports
 from .packed import dense
 
@@ -106,6 +107,9 @@ def sample_next(
     if bool(bad.any()):
         tok = torch.where(bad, zs.argmax(dim=-1), tok)
     return tok, zs[r, tok] - torch.log(total[:, 0])
+
+
+SHARED_PREFIX_MIN = 64  # prompts sharing at least this many leading tokens prefill them once (_prefill)
 
 
 class TransformersEngine:
@@ -335,16 +339,48 @@ class TransformersEngine:
         Prompts of very different lengths are prefilled in chunks of similar length
         (:func:`reflrl.engines.fast_decode.length_chunks`) and their caches merged, so padding costs little
         compute; the merged cache is the same as one left-padded prefill except in masked positions.
+        Rows that begin with the same :data:`SHARED_PREFIX_MIN` or more tokens (the turns after the first
+        of one task's rollouts, its reflection retries) run those tokens once (:meth:`_prefill_shared`),
+        except on an engine whose trunk cache replays prompts seen before (the evaluations).
         """
         one = len(prompts) == 1 or not growable(self.model.config)
-        # rows keep their order inside a chunk, so a single chunk is the batch itself (its h and cache
-        # rows are the prompts' rows as they are given)
-        chunks = [list(range(len(prompts)))] if one else [sorted(c) for c in length_chunks([len(p) for p in prompts])]
         trunk = self.trunk_cache if growable(self.model.config) else None
         depth = trunk.check() if trunk is not None else 0
+        # rows keep their order inside a chunk, so a single chunk is the batch itself (its h and cache
+        # rows are the prompts' rows as they are given)
+        chunks: list[tuple[list[int], int]] = []  # (rows, tokens they share at the start: prefilled once)
+        alone = list(range(len(prompts)))  # rows prefilled whole
+        if one:
+            chunks, alone = [(alone, 0)], []
+        elif not depth:  # rows that share a long start (a group's turns, its retries) prefill it once
+            alone = []
+            for fam, shared in prefix_families(prompts, SHARED_PREFIX_MIN):
+                # a family decodes together up to 16 rows: padding its rows' own tokens costs less than
+                # the shared tokens it saves
+                own = [len(prompts[i]) - shared for i in fam]
+                subs = length_chunks(own, max_waste=1.0) if shared else [list(range(len(fam)))]
+                for c in subs:
+                    rows = sorted(fam[j] for j in c)
+                    if shared and len(rows) > 1:
+                        chunks.append((rows, shared))
+                    else:
+                        alone += rows
+            alone.sort()
+        if alone:
+            chunks += [(sorted(alone[j] for j in c), 0) for c in length_chunks([len(prompts[i]) for i in alone])]
         parts, hs = [], torch.empty(0)
         dev = self.device
-        for idx in chunks:
+        for idx, shared in chunks:
+            if shared:
+                h, cache = self._prefill_shared(decoder, [prompts[i] for i in idx], shared)
+                self.last_stats.forward_calls += 2
+                if len(chunks) == 1:
+                    return h, cache
+                if hs.numel() == 0:
+                    hs = h.new_empty((len(prompts), h.shape[-1]))
+                hs[torch.tensor(idx, device=h.device)] = h
+                parts.append((idx, cache))
+                continue
             cw = max(len(prompts[i]) for i in idx)
             ids = torch.full((len(idx), cw), self.pad_id, dtype=torch.long)
             mask = torch.zeros((len(idx), cw), dtype=torch.long)
@@ -379,6 +415,38 @@ class TransformersEngine:
             hs[torch.tensor(idx, device=h.device)] = h
             parts.append((idx, cache))
         return hs, merge_left_padded(parts, len(prompts), width)
+
+    def _prefill_shared(self, decoder: nn.Module, prompts: list[list[int]], shared: int) -> tuple[torch.Tensor, Any]:
+        """:meth:`_prefill` of rows whose first ``shared`` tokens are the same: those tokens run once (one
+        row), their keys/values are copied to every row, and only each row's own tokens run after them.
+        The cache comes back left-padded as a plain prefill's: each row's shared keys/values are moved
+        next to its own tokens (keys do not depend on the column, only on the position)."""
+        dev = self.device
+        rows = len(prompts)
+        head = torch.tensor([prompts[0][:shared]], dtype=torch.long, device=dev)
+        cache = growing_cache(self.model.config)
+        decoder(input_ids=head, attention_mask=torch.ones_like(head), position_ids=torch.arange(shared, device=dev)[None],
+                past_key_values=cache, use_cache=True)
+        cache.batch_repeat_interleave(rows)
+        own = [p[shared:] for p in prompts]
+        ws = max(len(o) for o in own)
+        ids = torch.full((rows, ws), self.pad_id, dtype=torch.long)
+        mask = torch.zeros((rows, ws), dtype=torch.long)
+        for r, o in enumerate(own):
+            ids[r, ws - len(o):] = torch.tensor(o, dtype=torch.long)
+            mask[r, ws - len(o):] = 1
+        ids, mask = ids.to(dev), mask.to(dev)
+        pos = shared + (mask.cumsum(-1) - 1).clamp(min=0)
+        full = torch.cat([torch.ones((rows, shared), dtype=torch.long, device=dev), mask], 1)
+        h = decoder(input_ids=ids, attention_mask=full, position_ids=pos, past_key_values=cache,
+                    use_cache=True).last_hidden_state[:, -1]
+        for r, o in enumerate(own):  # [shared | pad | own] -> [pad | shared | own]
+            gap = ws - len(o)
+            if gap:
+                for lay in cache.layers:
+                    for buf in (lay.kbuf, lay.vbuf):
+                        buf[r, :, gap: gap + shared] = buf[r, :, :shared].clone()
+        return h, cache
 
     def _generate_group(
         self,
