@@ -124,3 +124,13 @@ def test_concatenated_weights_follow_an_update_of_the_parameters(pack):
         assert x.token_ids == y.token_ids
         assert x.logprobs == pytest.approx(y.logprobs, abs=1e-5)
     assert [s.logprobs for s in after] != [s.logprobs for s in before]
+
+
+def test_engines_of_one_model_share_one_copy_of_the_decode_weights():
+    """A run's rollout and evaluation engines decode the same model: the concatenated / packed copies
+    exist once (each is as large as the layers it covers)."""
+    model, tok = load_model("tiny-random", dtype="float32", seed=0)
+    a, b = TransformersEngine(model, tok), TransformersEngine(model, tok, max_batch_size=4)
+    assert a._weights() is b._weights()
+    other, _ = load_model("tiny-random", dtype="float32", seed=1)
+    assert TransformersEngine(other, tok)._weights() is not a._weights()

@@ -13,6 +13,7 @@ OpenAI-compatible server) implement the same protocol.
 from __future__ import annotations
 
 import time
+import weakref
 from typing import Any, Callable, Sequence
 
 import torch
@@ -109,6 +110,8 @@ def sample_next(
     return tok, zs[r, tok] - torch.log(total[:, 0])
 
 
+# per model, the decode step's weight cache for plain (False) and packed (True) weights
+_DECODE_WEIGHTS: weakref.WeakKeyDictionary[nn.Module, dict[bool, FusedWeights]] = weakref.WeakKeyDictionary()
 SHARED_PREFIX_MIN = 64  # prompts sharing at least this many leading tokens prefill them once (_prefill)
 
 
@@ -245,10 +248,12 @@ class TransformersEngine:
             self._pool.release(k)
 
     def _weights(self) -> FusedWeights:
-        """The decode step's weight cache (concatenated, packed where ``packed``), kept across calls."""
-        if getattr(self, "_fused_for", None) is not self.model:
-            self._fused, self._fused_for = FusedWeights(packed=self.packed), self.model
-        return self._fused
+        """The decode step's weight cache (concatenated, packed where ``packed``), kept across calls and
+        shared by every engine of the same model (a run's rollout and evaluation engines hold one copy)."""
+        per_model = _DECODE_WEIGHTS.setdefault(self.model, {})
+        if self.packed not in per_model:
+            per_model[self.packed] = FusedWeights(packed=self.packed)
+        return per_model[self.packed]
 
     def head(self) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The output head's weight and bias as the decode step multiplies by them
