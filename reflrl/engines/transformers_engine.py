@@ -374,45 +374,12 @@ class TransformersEngine:
         if alone:
             chunks += [(sorted(alone[j] for j in c), 0) for c in length_chunks([len(prompts[i]) for i in alone])]
         parts, hs = [], torch.empty(0)
-        dev = self.device
         for idx, shared in chunks:
-            if shared:
-                h, cache = self._prefill_shared(decoder, [prompts[i] for i in idx], shared)
-                self.last_stats.forward_calls += 2
-                if len(chunks) == 1:
-                    return h, cache
-                if hs.numel() == 0:
-                    hs = h.new_empty((len(prompts), h.shape[-1]))
-                hs[torch.tensor(idx, device=h.device)] = h
-                parts.append((idx, cache))
-                continue
-            cw = max(len(prompts[i]) for i in idx)
-            ids = torch.full((len(idx), cw), self.pad_id, dtype=torch.long)
-            mask = torch.zeros((len(idx), cw), dtype=torch.long)
-            for r, i in enumerate(idx):
-                ids[r, cw - len(prompts[i]):] = torch.tensor(prompts[i], dtype=torch.long)
-                mask[r, cw - len(prompts[i]):] = 1
-            ids, mask = ids.to(dev), mask.to(dev)  # the model's device (train.device)
-            pos = (mask.cumsum(-1) - 1).clamp(min=0)
-            cache = growing_cache(self.model.config)
             chunk_prompts = [prompts[i] for i in idx]
-
-            def run() -> torch.Tensor:
-                return decoder(input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=cache,
-                               use_cache=True).last_hidden_state[:, -1]
-
-            if depth and trunk.has_all(chunk_prompts):  # seen before: only the trainable top runs
-                with trunk.replaying(*trunk.batch(chunk_prompts, cw, depth), depth):
-                    h = run()
-                trunk.hits += len(idx)
-            elif depth:
-                with trunk.capture(depth) as got:
-                    h = run()
-                trunk.store(chunk_prompts, cache, got["h"], cw, depth)
-                trunk.misses += len(idx)
+            if shared:
+                h, cache = self._prefill_shared(decoder, chunk_prompts, shared)
             else:
-                h = run()
-            self.last_stats.forward_calls += 1
+                h, cache = self._prefill_whole(decoder, chunk_prompts, trunk, depth)
             if len(chunks) == 1:
                 return h, cache
             if hs.numel() == 0:
@@ -420,6 +387,39 @@ class TransformersEngine:
             hs[torch.tensor(idx, device=h.device)] = h
             parts.append((idx, cache))
         return hs, merge_left_padded(parts, len(prompts), width)
+
+    def _prefill_whole(self, decoder: nn.Module, prompts: list[list[int]], trunk: Any,
+                       depth: int) -> tuple[torch.Tensor, Any]:
+        """One chunk of :meth:`_prefill`, every prompt run whole, left-padded to the longest; with a trunk
+        cache (``depth`` frozen layers) prompts seen before replay their bottom layers, new ones are stored."""
+        dev = self.device
+        cw = max(len(p) for p in prompts)
+        ids = torch.full((len(prompts), cw), self.pad_id, dtype=torch.long)
+        mask = torch.zeros((len(prompts), cw), dtype=torch.long)
+        for r, p in enumerate(prompts):
+            ids[r, cw - len(p):] = torch.tensor(p, dtype=torch.long)
+            mask[r, cw - len(p):] = 1
+        ids, mask = ids.to(dev), mask.to(dev)  # the model's device (train.device)
+        pos = (mask.cumsum(-1) - 1).clamp(min=0)
+        cache = growing_cache(self.model.config)
+
+        def run() -> torch.Tensor:
+            return decoder(input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=cache,
+                           use_cache=True).last_hidden_state[:, -1]
+
+        if depth and trunk.has_all(prompts):  # seen before: only the trainable top runs
+            with trunk.replaying(*trunk.batch(prompts, cw, depth), depth):
+                h = run()
+            trunk.hits += len(prompts)
+        elif depth:
+            with trunk.capture(depth) as got:
+                h = run()
+            trunk.store(prompts, cache, got["h"], cw, depth)
+            trunk.misses += len(prompts)
+        else:
+            h = run()
+        self.last_stats.forward_calls += 1
+        return h, cache
 
     def _prefill_shared(self, decoder: nn.Module, prompts: list[list[int]], shared: int) -> tuple[torch.Tensor, Any]:
         """:meth:`_prefill` of rows whose first ``shared`` tokens are the same: those tokens run once (one
@@ -430,8 +430,8 @@ class TransformersEngine:
         rows = len(prompts)
         head = torch.tensor([prompts[0][:shared]], dtype=torch.long, device=dev)
         cache = growing_cache(self.model.config)
-        decoder(input_ids=head, attention_mask=torch.ones_like(head), position_ids=torch.arange(shared, device=dev)[None],
-                past_key_values=cache, use_cache=True)
+        decoder(input_ids=head, attention_mask=torch.ones_like(head),
+                position_ids=torch.arange(shared, device=dev)[None], past_key_values=cache, use_cache=True)
         cache.batch_repeat_interleave(rows)
         own = [p[shared:] for p in prompts]
         ws = max(len(o) for o in own)
@@ -445,6 +445,7 @@ class TransformersEngine:
         full = torch.cat([torch.ones((rows, shared), dtype=torch.long, device=dev), mask], 1)
         h = decoder(input_ids=ids, attention_mask=full, position_ids=pos, past_key_values=cache,
                     use_cache=True).last_hidden_state[:, -1]
+        self.last_stats.forward_calls += 2
         for r, o in enumerate(own):  # [shared | pad | own] -> [pad | shared | own]
             gap = ws - len(o)
             if gap:
