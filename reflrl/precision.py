@@ -38,8 +38,6 @@ and the ``work`` it times), which is how the tests fake an AVX2 or an AVX512-BF1
 """
 from __future__ import annotations
 
-import json
-import os
 import platform
 import sys
 import time
@@ -278,29 +276,23 @@ _TIMING_FIELDS = ("bf16_decode", "fp32_decode", "bf16_update", "fp32_update")
 
 
 def _cached_timing(key: str, path: Path) -> PrecisionTiming | None:
+    from .paths import read_cache_entry
+
+    val = read_cache_entry(path, key)
     try:
-        val = json.loads(path.read_text()).get(key)
         secs = [float(val[k]) for k in _TIMING_FIELDS]
         emulated = bool(val.get("emulated", False))
-    except (OSError, ValueError, AttributeError, TypeError, KeyError):
+    except (ValueError, AttributeError, TypeError, KeyError):
         return None
     return PrecisionTiming(*secs, emulated=emulated) if all(s > 0 for s in secs) else None
 
 
 def _store_timing(key: str, t: PrecisionTiming, path: Path) -> None:
     """Best effort: a read-only cache folder only costs the next run a sub-second measurement."""
-    try:
-        data = json.loads(path.read_text()) if path.is_file() else {}
-        if not isinstance(data, dict):
-            data = {}
-        data[key] = {**{k: getattr(t, k) for k in _TIMING_FIELDS}, "emulated": t.emulated,
-                     "ratio": round(t.ratio, 4), "dtype": decide_dtype(t)}
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{path.name}.{os.getpid()}")
-        tmp.write_text(json.dumps(data, indent=1, sort_keys=True))
-        os.replace(tmp, path)
-    except (OSError, ValueError):
-        pass
+    from .paths import write_cache_entry
+
+    write_cache_entry(path, key, {**{k: getattr(t, k) for k in _TIMING_FIELDS}, "emulated": t.emulated,
+                                  "ratio": round(t.ratio, 4), "dtype": decide_dtype(t)})
 
 
 def _timing_dict(t: PrecisionTiming) -> dict[str, Any]:

@@ -25,7 +25,6 @@ update) the two are about equal, so only the decode step uses packed weights.
 """
 from __future__ import annotations
 
-import json
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -146,28 +145,19 @@ def _cache_key() -> str:
 
 
 def _read(path: Path, key: str) -> PackedTiming | None:
+    from reflrl.paths import read_cache_entry
+
+    d = read_cache_entry(path, key)
     try:
-        d = json.loads(path.read_text()).get(key)
-        return None if d is None else PackedTiming(float(d["plain_s"]), float(d["packed_s"]))
-    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return PackedTiming(float(d["plain_s"]), float(d["packed_s"]))
+    except (ValueError, KeyError, TypeError):
         return None
 
 
 def _store(path: Path, key: str, t: PackedTiming) -> None:
-    """Best effort: a read-only cache folder only costs the next run a sub-second measurement."""
-    try:
-        try:
-            data = json.loads(path.read_text())
-            data = data if isinstance(data, dict) else {}
-        except (OSError, ValueError):
-            data = {}
-        data[key] = {"plain_s": t.plain_s, "packed_s": t.packed_s}
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(data, indent=1, sort_keys=True))
-        tmp.replace(path)
-    except OSError:
-        pass
+    from reflrl.paths import write_cache_entry
+
+    write_cache_entry(path, key, {"plain_s": t.plain_s, "packed_s": t.packed_s})
 
 
 def resolve(requested: Any = "auto", *, dtype: torch.dtype = torch.float32, cache: Path | None | bool = True,
