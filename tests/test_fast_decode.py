@@ -122,6 +122,35 @@ def test_chunked_prefill_matches_one_padded_prefill(tiny, monkeypatch):
         assert x.logprobs == pytest.approx(y.logprobs, abs=1e-4)
 
 
+def test_a_chunked_prefill_holds_one_chunk_cache_at_a_time(tiny, monkeypatch):
+    """Each chunk's cache is copied into the call's cache and freed before the next chunk runs (the
+    prefill's memory is the call's cache plus one chunk's, not every chunk's at once), and the call's
+    cache has room for the decode's new tokens from the start (no reallocation while decoding)."""
+    import gc
+    import weakref
+
+    import reflrl.engines.transformers_engine as E
+
+    model, tok = tiny
+    prompts = [tok.encode("hi"), tok.encode("word " * 60), tok.encode("ok then"), tok.encode("word " * 30)]
+    eng = TransformersEngine(model, tok)
+    real, alive, seen = E.TransformersEngine._prefill_whole, [], []
+
+    def spy(self, *args, **kwargs):
+        gc.collect()
+        seen.append(sum(r() is not None for r in alive))  # earlier chunks' caches still alive now
+        h, cache = real(self, *args, **kwargs)
+        alive.append(weakref.ref(cache.layers[0].keys))
+        return h, cache
+
+    monkeypatch.setattr(E.TransformersEngine, "_prefill_whole", spy)
+    width = max(len(p) for p in prompts)
+    with torch.inference_mode():
+        _h, cache = eng._prefill(model.get_decoder(), prompts, width, capacity=width + 40)
+    assert len(seen) >= 3 and seen == [0] * len(seen)  # several chunks, never two alive at once
+    assert cache.layers[0].kbuf.shape[-2] == width + 40 and cache.get_seq_length() == width
+
+
 def test_a_batch_of_similar_lengths_answers_each_prompt_as_alone(tiny):
     """Similar lengths in no sorted order make ONE prefill chunk; each row must still be its own
     prompt's (a chunk kept in length order once swapped the rows: every GRPO group was sampled from

@@ -49,3 +49,26 @@ def test_a_changed_frozen_parameter_empties_the_cache_and_the_trainable_top_neve
     e2 = TransformersEngine(everything, tok2, trunk_cache=TrunkCache(everything))
     e2.generate(prompts, max_new_tokens=4, temperature=0.0)
     assert e2.trunk_cache.entries == {} and e2.trunk_cache.misses == 0
+
+
+def test_the_cache_keeps_within_its_bytes_dropping_the_least_recently_used():
+    model, tok = load_model("tiny-random", dtype="float32", trainable="top_layers:1", seed=0)
+    prompts = _prompts(tok)
+    probe = TransformersEngine(model, tok, trunk_cache=TrunkCache(model, max_bytes=None))
+    probe.generate(prompts, max_new_tokens=2, temperature=0.0)
+    size = {k: TrunkCache._size(e) for k, e in probe.trunk_cache.entries.items()}
+    assert probe.trunk_cache.nbytes == sum(size.values())
+    budget = size[tuple(prompts[0])] + size[tuple(prompts[1])] + size[tuple(prompts[2])]
+    eng = TransformersEngine(model, tok, trunk_cache=TrunkCache(model, max_bytes=budget))
+    eng.generate(prompts[:3], max_new_tokens=2, temperature=0.0)
+    assert set(eng.trunk_cache.entries) == {tuple(p) for p in prompts[:3]}
+    eng.generate(prompts[:1], max_new_tokens=2, temperature=0.0)  # prompt 0 used again: now the most recent
+    eng.generate(prompts[3:4], max_new_tokens=2, temperature=0.0)  # prompt 1, the least recently used, goes
+    kept = eng.trunk_cache.entries
+    assert tuple(prompts[0]) in kept and tuple(prompts[3]) in kept and tuple(prompts[1]) not in kept
+    assert eng.trunk_cache.nbytes == sum(size[k] for k in kept) <= budget
+    small = TransformersEngine(model, tok, trunk_cache=TrunkCache(model, max_bytes=min(size.values()) - 1))
+    out = small.generate(prompts, max_new_tokens=6, temperature=0.0)  # nothing fits: plain prefills
+    assert small.trunk_cache.entries == {} and small.trunk_cache.nbytes == 0
+    plain = TransformersEngine(model, tok).generate(prompts, max_new_tokens=6, temperature=0.0)
+    assert [s.token_ids for s in out] == [s.token_ids for s in plain]

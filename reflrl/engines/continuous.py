@@ -218,7 +218,7 @@ class DecodePool:
         eng = self.engine
         prompts = [r.prompt for r in reqs]
         width = max(len(p) for p in prompts)
-        h, cache = eng._prefill(eng.model.get_decoder(), prompts, width)
+        h, cache = eng._prefill(eng.model.get_decoder(), prompts, width, capacity=width)
         for i, r in enumerate(reqs):
             p = len(r.prompt)
             keys = [lay.keys[i, :, width - p: width].clone() for lay in cache.layers]

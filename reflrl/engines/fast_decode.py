@@ -192,29 +192,32 @@ def length_chunks(lengths: list[int], max_waste: float = 0.15, max_rows: int = 1
     return chunks
 
 
-def merge_left_padded(parts: list[tuple[list[int], DynamicCache]], rows: int, width: int) -> DynamicCache:
-    """One growing cache of ``rows`` rows, left-padded to ``width``, from caches prefilled over row
-    subsets: ``parts`` = [(original row indices, cache of those rows, left-padded to its own width)].
-    Padding positions hold zeros (they are masked out by the attention mask)."""
-    first = parts[0][1]
+def left_padded_buffers(template: DynamicCache, rows: int, width: int, capacity: int) -> DynamicCache:
+    """An empty growing cache of ``rows`` rows holding ``width`` columns (room for ``capacity``), its layers
+    shaped and typed as ``template``'s; fill it with :func:`place_rows`. Padding positions hold zeros
+    (they are masked out by the attention mask)."""
     merged = DynamicCache()
     merged.layers = []
-    for li in range(len(first.layers)):
-        k0 = first.layers[li].keys
+    for tl in template.layers:
+        k0 = tl.keys
         layer = GrowingLayer()
         layer.lazy_initialization(k0, k0)
-        shape = (rows, k0.shape[1], width + 64, k0.shape[-1])
+        shape = (rows, k0.shape[1], max(capacity, width), k0.shape[-1])
         layer.kbuf, layer.vbuf = k0.new_zeros(shape), k0.new_zeros(shape)
-        for idx, cache in parts:
-            src = cache.layers[li]
-            w = src.keys.shape[-2]
-            sel = torch.tensor(idx)
-            layer.kbuf[sel, :, width - w: width] = src.keys
-            layer.vbuf[sel, :, width - w: width] = src.values
         layer.length = width
         layer._views()
         merged.layers.append(layer)
     return merged
+
+
+def place_rows(merged: DynamicCache, idx: list[int], cache: DynamicCache) -> None:
+    """Copy a cache prefilled over the rows ``idx`` (left-padded to its own width) into ``merged`` (from
+    :func:`left_padded_buffers`), right-aligned at its width."""
+    sel = torch.tensor(idx)
+    for layer, src in zip(merged.layers, cache.layers):
+        w, width = src.keys.shape[-2], layer.length
+        layer.kbuf[sel, :, width - w: width] = src.keys
+        layer.vbuf[sel, :, width - w: width] = src.values
 
 
 def prefix_families(prompts: list[list[int]], min_shared: int) -> list[tuple[list[int], int]]:

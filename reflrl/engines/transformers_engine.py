@@ -24,7 +24,7 @@ from reflrl.logprobs import head_of
 
 from .base import (FinishReason, GenerateStats, PieceDecoder, RolloutEngine, Sample, cut_at, generation_lock,
                    per_prompt_caps)
-from .fast_decode import (fast_decoding, growable, growing_cache, length_chunks, merge_left_padded, prefix_families,
+from .fast_decode import (fast_decoding, growable, growing_cache, left_padded_buffers, length_chunks, place_rows, prefix_families,
                           reserve)
 from .lean_decode import FusedWeights, LeanDecoder, supports as lean_supports
 from .packed import dense
@@ -338,12 +338,16 @@ class TransformersEngine:
         self.last_stats = pool.stats
         return [s for r in reqs for s in r.samples]
 
-    def _prefill(self, decoder: nn.Module, prompts: list[list[int]], width: int) -> tuple[torch.Tensor, Any]:
+    def _prefill(self, decoder: nn.Module, prompts: list[list[int]], width: int,
+                 capacity: int | None = None) -> tuple[torch.Tensor, Any]:
         """Prompt forward pass: (last hidden state [num, hidden], KV cache left-padded to ``width``).
 
         Prompts of very different lengths are prefilled in chunks of similar length
-        (:func:`reflrl.engines.fast_decode.length_chunks`) and their caches merged, so padding costs little
-        compute; the merged cache is the same as one left-padded prefill except in masked positions.
+        (:func:`reflrl.engines.fast_decode.length_chunks`, at most 16 rows each), so padding costs little
+        compute; each chunk's cache is copied into the call's one as soon as it is computed and then freed,
+        so a prefill holds the call's cache and one chunk's at most (never every chunk's at once). The
+        merged cache is the same as one left-padded prefill except in masked positions; it has room for
+        ``capacity`` columns (default ``width + 64``: the decode writes its tokens there without a copy).
         Rows that begin with the same :data:`SHARED_PREFIX_MIN` or more tokens (the turns after the first
         of one task's rollouts, its reflection retries) run those tokens once (:meth:`_prefill_shared`),
         except on an engine whose trunk cache replays prompts seen before (the evaluations).
@@ -373,7 +377,7 @@ class TransformersEngine:
             alone.sort()
         if alone:
             chunks += [(sorted(alone[j] for j in c), 0) for c in length_chunks([len(prompts[i]) for i in alone])]
-        parts, hs = [], torch.empty(0)
+        merged, hs = None, torch.empty(0)
         for idx, shared in chunks:
             chunk_prompts = [prompts[i] for i in idx]
             if shared:
@@ -382,11 +386,13 @@ class TransformersEngine:
                 h, cache = self._prefill_whole(decoder, chunk_prompts, trunk, depth)
             if len(chunks) == 1:
                 return h, cache
-            if hs.numel() == 0:
+            if merged is None:
                 hs = h.new_empty((len(prompts), h.shape[-1]))
+                merged = left_padded_buffers(cache, len(prompts), width, capacity or width + 64)
             hs[torch.tensor(idx, device=h.device)] = h
-            parts.append((idx, cache))
-        return hs, merge_left_padded(parts, len(prompts), width)
+            place_rows(merged, idx, cache)
+            del cache  # the chunk's own cache is freed before the next chunk runs
+        return hs, merged
 
     def _prefill_whole(self, decoder: nn.Module, prompts: list[list[int]], trunk: Any,
                        depth: int) -> tuple[torch.Tensor, Any]:
@@ -478,7 +484,8 @@ class TransformersEngine:
         mask = mask.to(self.device)
         st.prompt_tokens += int(mask.sum())
         t_pre = time.perf_counter()
-        h, cache = self._prefill(decoder, prompts, width)
+        # room for the rows' new tokens and their n copies from the start: no reallocation while decoding
+        h, cache = self._prefill(decoder, prompts, width, capacity=width + max_new)
         st.prefill_s += time.perf_counter() - t_pre
         t_dec = time.perf_counter()
         if n > 1:  # one prefill per prompt, copied to its n samples

@@ -50,21 +50,26 @@ class _CachedLayer(nn.Module):
 
     def forward(self, hidden_states: torch.Tensor, *args: Any, past_key_values: Any = None, **kwargs: Any):
         past_key_values.update(self.keys, self.values, self.index)
-        return self.out if self.out is not None else hidden_states
+        self.keys = self.values = None  # copied into the cache: freed now (a stub replays once)
+        out, self.out = self.out, None
+        return out if out is not None else hidden_states
 
 
 class TrunkCache:
     """Per-prompt states of ``model``'s frozen bottom layers (see the module doc).
 
-    max_prompts: entries kept at most (oldest dropped first); each costs about
-    ``2 x depth x kv_heads x head_dim x prompt_len`` numbers (about 11 MB for a 290-token prompt of
-    SmolLM2-135M in float32 with 24 frozen layers).
+    max_bytes: the states kept hold at most this many bytes; the least recently used prompt is dropped
+    first (an evaluation's first turns are used again by the next evaluation and stay; the later turns
+    of a policy that has changed since are not, and go). Each prompt costs about
+    ``(2 x depth x kv_heads x head_dim + hidden) x prompt_len`` numbers (about 11 MB for a 380-token
+    prompt of SmolLM2-135M in float32 with 18 frozen layers). None: no limit.
     """
 
-    def __init__(self, model: nn.Module, max_prompts: int = 256):
+    def __init__(self, model: nn.Module, max_bytes: int | None = 512 << 20):
         self.model = model
-        self.max_prompts = int(max_prompts)
+        self.max_bytes = None if max_bytes is None else int(max_bytes)
         self.entries: dict[tuple[int, ...], tuple[list[torch.Tensor], list[torch.Tensor], torch.Tensor]] = {}
+        self.nbytes = 0
         self.hits = self.misses = 0
         self._stamp: tuple | None = None
 
@@ -85,12 +90,18 @@ class TrunkCache:
         stamp = self._current_stamp(depth) if depth else (0,)
         if stamp != self._stamp:
             self.entries.clear()
+            self.nbytes = 0
             self._stamp = stamp
         return depth
 
     # ------------------------------------------------------------------ entries
     def has_all(self, prompts: list[list[int]]) -> bool:
         return all(tuple(p) in self.entries for p in prompts)
+
+    @staticmethod
+    def _size(entry: tuple[list[torch.Tensor], list[torch.Tensor], torch.Tensor]) -> int:
+        ks, vs, h = entry
+        return sum(t.numel() * t.element_size() for t in (*ks, *vs, h))
 
     def store(self, prompts: list[list[int]], cache: Any, boundary: torch.Tensor, width: int, depth: int) -> None:
         """Keep each prompt's states from a left-padded prefill of ``width`` columns: layers < depth of
@@ -102,9 +113,14 @@ class TrunkCache:
             start = width - len(p)
             ks = [cache.layers[i].keys[r, :, start:width].clone() for i in range(depth)]
             vs = [cache.layers[i].values[r, :, start:width].clone() for i in range(depth)]
-            self.entries[key] = (ks, vs, boundary[r, start:width].clone())
-            while len(self.entries) > self.max_prompts:
-                self.entries.pop(next(iter(self.entries)))
+            entry = (ks, vs, boundary[r, start:width].clone())
+            size = self._size(entry)
+            if self.max_bytes is not None and size > self.max_bytes:
+                continue  # a prompt over the whole budget is not kept
+            self.entries[key] = entry
+            self.nbytes += size
+            while self.max_bytes is not None and self.nbytes > self.max_bytes:
+                self.nbytes -= self._size(self.entries.pop(next(iter(self.entries))))  # least recently used
 
     def batch(self, prompts: list[list[int]], width: int, depth: int
               ) -> tuple[list[torch.Tensor], list[torch.Tensor], torch.Tensor]:
@@ -116,7 +132,8 @@ class TrunkCache:
         values = [k.clone() for k in keys]
         hidden = h0.new_zeros((rows, width, h0.shape[-1]))
         for r, p in enumerate(prompts):
-            ks, vs, h = self.entries[tuple(p)]
+            key = tuple(p)
+            ks, vs, h = self.entries[key] = self.entries.pop(key)  # used now: the most recent
             start = width - len(p)
             for i in range(depth):
                 keys[i][r, :, start:] = ks[i]
@@ -144,10 +161,14 @@ class TrunkCache:
     def replaying(self, keys: list[torch.Tensor], values: list[torch.Tensor], hidden: torch.Tensor,
                   depth: int) -> Iterator[None]:
         """Within the block, the decoder's bottom ``depth`` layers are stubs replaying ``keys``,
-        ``values`` and ``hidden`` (from :meth:`batch`)."""
+        ``values`` and ``hidden`` (from :meth:`batch`). The lists are handed over (emptied here): each
+        layer's tensors are freed as soon as its stub has written them into the KV cache, so the prefill
+        holds one layer's copy at a time, not a second copy of every frozen layer's."""
         dec = self.model.get_decoder()
         real = dec.layers
         stubs = [_CachedLayer(i, keys[i], values[i], hidden if i == depth - 1 else None) for i in range(depth)]
+        keys.clear()
+        values.clear()
         dec.layers = nn.ModuleList(stubs + list(real)[depth:])
         try:
             yield

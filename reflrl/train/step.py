@@ -186,6 +186,7 @@ def train_step(tr: Any) -> dict[str, Any]:
         if ctl is None or not ctl.refill or got.rounds > cfg.sampling.max_refill_rounds:
             break
         want = min(B, groups_to_request(B, len(got.kept), len(got.kept) / max(1, len(got.groups)), max_request=B))
+    release_heap()  # the generation's KV and prefill buffers back to the system before the update's activations
     rollout_s, t_up = time.perf_counter() - t_step, time.perf_counter()
     kept = got.kept[:B]
 
