@@ -19,10 +19,6 @@ one up to float rounding. A single sequence over the budget still runs, alone (i
 glibc keeps freed memory in its heaps for reuse; after a step of large, short-lived activations that
 is hundreds of MB of resident memory nobody uses. :func:`release_heap` returns it to the system
 (``malloc_trim``); callers run it after an optimiser step, a rollout phase and an evaluation.
-:func:`bound_heap` (run once by the trainer) gives large blocks pages of their own, unmapped when freed:
-glibc otherwise raises its mmap threshold after each large free (up to 32 MB), so later KV buffers and
-activations come from the heap, where fragments stay resident and resident memory grows from one
-evaluation to the next.
 """
 from __future__ import annotations
 
@@ -138,20 +134,6 @@ def _libc() -> ctypes.CDLL | None:
         except OSError:
             _LIBC = None
     return _LIBC  # type: ignore[return-value]
-
-
-_M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter
-
-
-def bound_heap(threshold_bytes: int = 4 << 20) -> bool:
-    """Blocks of ``threshold_bytes`` or more (KV buffers, activations, logits) get pages of their own from
-    the system, given back as soon as they are freed (glibc ``mallopt(M_MMAP_THRESHOLD)``; setting it
-    also stops glibc from raising the threshold after each large free). True when it ran; a no-op returning
-    False where the C library is not glibc."""
-    lib = _libc()
-    if lib is None or not hasattr(lib, "mallopt"):
-        return False
-    return bool(lib.mallopt(_M_MMAP_THRESHOLD, int(threshold_bytes)))
 
 
 def release_heap() -> bool:

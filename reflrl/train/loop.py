@@ -47,7 +47,7 @@ from reflrl import rollout as R
 from reflrl.algos import PreRolloutFilter, advantage_needs_critic
 from reflrl.budget import budget_cut_text, cut_record
 from reflrl.errors import DiskSpaceError
-from reflrl.memory import bound_heap, release_heap
+from reflrl.memory import release_heap
 from reflrl.envs.seeding import derive_seed
 from reflrl.progress import Progress
 from reflrl.recovery import RecoveryLedger, own_rollouts, step_accounting
@@ -102,7 +102,6 @@ class Trainer:
                                      remaining_after=self._remaining_after)
         tr = cfg.train
         fix_threads(tr.threads)  # fixed for the run (reflrl.threads: why the count never changes mid-run)
-        bound_heap()  # large freed blocks go back to the system at once (reflrl.memory)
         random.seed(tr.seed)
         np.random.seed(tr.seed)
         torch.manual_seed(tr.seed)
