@@ -24,8 +24,8 @@ from reflrl.logprobs import head_of
 
 from .base import (FinishReason, GenerateStats, PieceDecoder, RolloutEngine, Sample, cut_at, generation_lock,
                    per_prompt_caps)
-from .fast_decode import (fast_decoding, growable, growing_cache, left_padded_buffers, length_chunks, place_rows, prefix_families,
-                          reserve)
+from .fast_decode import (fast_decoding, growable, growing_cache, left_padded_buffers, length_chunks, place_rows,
+                          prefix_families, reserve)
 from .lean_decode import FusedWeights, LeanDecoder, supports as lean_supports
 from .packed import dense
 
