@@ -124,7 +124,9 @@ def budget_bytes(mb: float | None) -> int | None:
 _LIBC: ctypes.CDLL | None | bool = False
 
 
-def _libc() -> ctypes.CDLL | None:
+def release_heap() -> bool:
+    """Give the C heap's free memory back to the system (glibc ``malloc_trim``); True when it ran.
+    A no-op returning False where the C library has no ``malloc_trim`` (macOS, musl)."""
     global _LIBC
     if _LIBC is False:
         name = ctypes.util.find_library("c")
@@ -133,14 +135,7 @@ def _libc() -> ctypes.CDLL | None:
             _LIBC = lib if lib is not None and hasattr(lib, "malloc_trim") else None
         except OSError:
             _LIBC = None
-    return _LIBC  # type: ignore[return-value]
-
-
-def release_heap() -> bool:
-    """Give the C heap's free memory back to the system (glibc ``malloc_trim``); True when it ran.
-    A no-op returning False where the C library has no ``malloc_trim`` (macOS, musl)."""
-    lib = _libc()
-    if lib is None:
+    if _LIBC is None:
         return False
-    lib.malloc_trim(0)
+    _LIBC.malloc_trim(0)  # type: ignore[union-attr]
     return True

@@ -173,4 +173,3 @@ def test_fixed_batches_take_as_many_prompts_as_the_kv_budget_holds(tiny):
     a = free.generate(prompts, n=1, max_new_tokens=8, temperature=0.0)
     b = tight.generate(prompts, n=1, max_new_tokens=8, temperature=0.0)
     assert [s.token_ids for s in a] == [s.token_ids for s in b]
-
