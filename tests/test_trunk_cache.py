@@ -72,3 +72,42 @@ def test_the_cache_keeps_within_its_bytes_dropping_the_least_recently_used():
     assert small.trunk_cache.entries == {} and small.trunk_cache.nbytes == 0
     plain = TransformersEngine(model, tok).generate(prompts, max_new_tokens=6, temperature=0.0)
     assert [s.token_ids for s in out] == [s.token_ids for s in plain]
+
+
+def _mapped_file(t: torch.Tensor) -> str:
+    """The file whose mapping holds ``t``'s data ('' for the heap): from /proc/self/maps (Linux)."""
+    ptr = t.untyped_storage().data_ptr()
+    with open("/proc/self/maps") as f:
+        for line in f:
+            parts = line.split(maxsplit=5)
+            lo, hi = (int(x, 16) for x in parts[0].split("-"))
+            if lo <= ptr < hi:
+                return parts[5].strip() if len(parts) > 5 else ""
+    return ""
+
+
+def test_offloaded_states_leave_memory_for_a_mapped_file_and_serve_the_same_samples(tmp_path, monkeypatch):
+    model, tok = load_model("tiny-random", dtype="float32", trainable="top_layers:1", seed=0)
+    prompts = _prompts(tok)
+    eng = TransformersEngine(model, tok, trunk_cache=TrunkCache(model))
+    first = eng.generate(prompts[:3], n=2, max_new_tokens=10, temperature=0.8, seed=3)
+    tc = eng.trunk_cache
+    before = {k: [t.clone() for t in (*ks, *vs, h)] for k, (ks, vs, h) in tc.entries.items()}
+    assert tc.offload(tmp_path)
+    assert list(tmp_path.iterdir()) == []  # unlinked once mapped: nothing left behind
+    for k, (ks, vs, h) in tc.entries.items():  # the same values, now read from the mapping, not the heap
+        assert all(".trunk-states-" in _mapped_file(t) for t in (*ks, *vs, h))
+        assert all(torch.equal(a, b) for a, b in zip(before[k], (*ks, *vs, h)))
+    again = eng.generate(prompts[:3], n=2, max_new_tokens=10, temperature=0.8, seed=3)
+    assert tc.hits == 3 and tc.misses == 3  # the offloaded prompts served from the mapping
+    assert [s.token_ids for s in again] == [s.token_ids for s in first]
+    eng.generate(prompts[3:], max_new_tokens=2, temperature=0.0)  # 2 new ones stored in memory
+    assert tc.offload(tmp_path) and len(tc.entries) == 5 and list(tmp_path.iterdir()) == []  # again, with both kinds
+
+    import reflrl.diskspace as D  # a disk without room: nothing moves, nothing is lost
+    monkeypatch.setattr(D.shutil, "disk_usage", lambda p: type("U", (), {"free": 0})())
+    eng.generate(prompts[:1] + [tok("one more prompt")["input_ids"]], max_new_tokens=2, temperature=0.0)
+    in_heap = [k for k, (ks, _, _) in tc.entries.items() if ".trunk-states-" not in _mapped_file(ks[0])]
+    assert in_heap and not tc.offload(tmp_path) and list(tmp_path.iterdir()) == []
+    assert len(tc.entries) == 6 and ".trunk-states-" not in _mapped_file(tc.entries[in_heap[0]][0][0])
+    assert TrunkCache(model).offload(tmp_path) is False  # nothing to move

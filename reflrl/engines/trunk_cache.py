@@ -12,10 +12,17 @@ same up to float rounding (tested).
 
 The cache checks the frozen parameters' version counters on every use and empties itself if any of
 them changed (an in-place update, a loaded checkpoint), so it can never serve stale states.
+
+Between evaluations (a warm-up, an RL phase) nothing reads the states, so :meth:`TrunkCache.offload`
+moves them to a file in a given folder and maps it back (``torch.load(mmap=True)``): the process keeps
+no copy in memory until the next evaluation reads a prompt's states again from the page cache (or the
+disk). The file is unlinked once mapped, so nothing is left behind.
 """
 from __future__ import annotations
 
 import contextlib
+import os
+from pathlib import Path
 from typing import Any, Iterator
 
 import torch
@@ -71,6 +78,7 @@ class TrunkCache:
         self.entries: dict[tuple[int, ...], tuple[list[torch.Tensor], list[torch.Tensor], torch.Tensor]] = {}
         self.nbytes = 0
         self.hits = self.misses = 0
+        self.offloads = 0
         self._stamp: tuple | None = None
 
     # ------------------------------------------------------------------ validity
@@ -93,6 +101,34 @@ class TrunkCache:
             self.nbytes = 0
             self._stamp = stamp
         return depth
+
+    def offload(self, folder: str | Path) -> bool:
+        """Move the states to a file under ``folder`` and map them back from it: their memory is given up
+        until a prefill reads them again (see the module doc); the same tensors' values, the same
+        entries. False (nothing moved) when there is nothing to move or the folder's disk has no room
+        for it."""
+        if not self.entries:
+            return False
+        from reflrl.diskspace import check_disk_space
+        from reflrl.errors import DiskSpaceError
+
+        folder = Path(folder)
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+            check_disk_space(folder, self.nbytes + (16 << 20), "the held-out prompts' trunk states")
+        except (DiskSpaceError, OSError):
+            return False
+        path = folder / f".trunk-states-{os.getpid()}-{self.offloads}.pt"
+        try:
+            torch.save(self.entries, path)
+            self.entries = torch.load(path, mmap=True, weights_only=True)
+        except (OSError, RuntimeError):  # a write that failed midway: the states stay in memory
+            return False
+        finally:
+            with contextlib.suppress(OSError):  # mapped: the data stays readable until it is dropped
+                path.unlink()
+        self.offloads += 1
+        return True
 
     # ------------------------------------------------------------------ entries
     def has_all(self, prompts: list[list[int]]) -> bool:

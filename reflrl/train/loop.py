@@ -217,6 +217,9 @@ class Trainer:
         else:
             res = evaluate(self.eval_engine, self.tokenizer, self.splits[split], self.messages, self.eval_cfg,
                            batch_size=self.eval_batch).to_dict()
+        trunk = getattr(self.eval_engine, "trunk_cache", None)
+        if trunk is not None:  # the held-out prompts' trunk states wait on disk until the next evaluation
+            trunk.offload(self.log.path)
         release_heap()  # its KV and prefill buffers back to the system (reflrl.memory)
         self.state["timers"]["eval_s"] += time.perf_counter() - t0
         return res
