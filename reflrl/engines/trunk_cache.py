@@ -110,13 +110,12 @@ class TrunkCache:
         if not self.entries:
             return False
         from reflrl.diskspace import check_disk_space
-        from reflrl.errors import DiskSpaceError
 
         folder = Path(folder)
         try:
             folder.mkdir(parents=True, exist_ok=True)
             check_disk_space(folder, self.nbytes + (16 << 20), "the held-out prompts' trunk states")
-        except (DiskSpaceError, OSError):
+        except OSError:  # DiskSpaceError included
             return False
         path = folder / f".trunk-states-{os.getpid()}-{self.offloads}.pt"
         try:
