@@ -19,14 +19,25 @@ one up to float rounding. A single sequence over the budget still runs, alone (i
 glibc keeps freed memory in its heaps for reuse; after a step of large, short-lived activations that
 is hundreds of MB of resident memory nobody uses. :func:`release_heap` returns it to the system
 (``malloc_trim``); callers run it after an optimiser step, a rollout phase and an evaluation.
+
+What a phase does not read need not stay resident during it. :func:`map_to_disk` writes tensors to a file
+and maps them back (``torch.load(mmap=True)``, the file unlinked at once): the values stay readable and
+writable, and their pages come back from the page cache only when read. The evaluations use it for the
+AdamW state (:func:`offload_optimizer_state`: 8 bytes per trainable parameter that an evaluation never
+reads) and for the frozen trunk's prompt states between evaluations (:mod:`reflrl.engines.trunk_cache`).
 """
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import ctypes.util
+import itertools
+import os
 from dataclasses import dataclass
-from typing import Callable, Sequence, TypeVar
+from pathlib import Path
+from typing import Any, Callable, Sequence, TypeVar
 
+import torch
 from torch import nn
 
 T = TypeVar("T")
@@ -138,4 +149,50 @@ def release_heap() -> bool:
     if _LIBC is None:
         return False
     _LIBC.malloc_trim(0)  # type: ignore[union-attr]
+    return True
+
+
+_MAPPED = itertools.count()
+
+
+def map_to_disk(obj: T, folder: str | Path, what: str, nbytes: int) -> T | None:
+    """``obj`` (tensors in dicts, lists and tuples) written to a file under ``folder`` and loaded back from
+    it mapped, the file unlinked at once (nothing is left behind; the data stays readable until dropped).
+    The same values; their memory is given up until something reads them. Mapped copy-on-write: a write
+    to a tensor lands in ordinary memory, never in the file. None (nothing moved) when the folder's disk
+    has no room for ``nbytes`` or the write fails; ``what`` names the data in the disk-space check."""
+    from reflrl.diskspace import check_disk_space
+
+    folder = Path(folder)
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        check_disk_space(folder, nbytes + (16 << 20), what)
+    except OSError:  # DiskSpaceError included
+        return None
+    path = folder / f".mapped-{os.getpid()}-{next(_MAPPED)}.pt"
+    try:
+        torch.save(obj, path)
+        return torch.load(path, mmap=True, weights_only=True)
+    except (OSError, RuntimeError):  # a write that failed midway: the data stays where it was
+        return None
+    finally:
+        with contextlib.suppress(OSError):  # mapped: the data stays readable until it is dropped
+            path.unlink()
+
+
+def offload_optimizer_state(optimizer: torch.optim.Optimizer, folder: str | Path) -> bool:
+    """Move ``optimizer``'s state tensors (AdamW's moments) to a mapped file under ``folder``
+    (:func:`map_to_disk`) while something that never reads them runs, such as an evaluation: the next
+    optimiser step reads them back from the page cache and updates them as before (the same values, so
+    the same step to the bit). False when there is no state or nothing could be moved."""
+    states = [s for s in optimizer.state.values() if s]
+    tensors = [{k: v for k, v in s.items() if torch.is_tensor(v)} for s in states]
+    nbytes = sum(v.numel() * v.element_size() for t in tensors for v in t.values())
+    if not nbytes:
+        return False
+    mapped = map_to_disk(tensors, folder, "the optimiser's state", nbytes)
+    if mapped is None:
+        return False
+    for s, m in zip(states, mapped):
+        s.update(m)
     return True

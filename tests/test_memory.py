@@ -11,7 +11,7 @@ from reflrl import config as C
 from reflrl import rollout as R
 from reflrl.envs.types import Task, ToolCall
 from reflrl.logprobs import nll_backward, sequence_logprobs
-from reflrl.memory import ActivationCost, budget_bytes, split_to_budget
+from reflrl.memory import ActivationCost, budget_bytes, offload_optimizer_state, split_to_budget
 from reflrl.models import load_model
 from reflrl.sft import SFTExample, collate, sft_loss
 from reflrl.train.batch import make_batch, micro_batches, update_bytes
@@ -173,3 +173,53 @@ def test_fixed_batches_take_as_many_prompts_as_the_kv_budget_holds(tiny):
     a = free.generate(prompts, n=1, max_new_tokens=8, temperature=0.0)
     b = tight.generate(prompts, n=1, max_new_tokens=8, temperature=0.0)
     assert [s.token_ids for s in a] == [s.token_ids for s in b]
+
+
+def _mapped_file(t: torch.Tensor) -> str:
+    """The file whose mapping holds ``t``'s data ('' for the heap): from /proc/self/maps (Linux)."""
+    ptr = t.untyped_storage().data_ptr()
+    with open("/proc/self/maps") as f:
+        for line in f:
+            parts = line.split(maxsplit=5)
+            lo, hi = (int(x, 16) for x in parts[0].split("-"))
+            if lo <= ptr < hi:
+                return parts[5].strip() if len(parts) > 5 else ""
+    return ""
+
+
+def test_optimizer_state_offloaded_to_a_mapped_file_steps_the_same(tmp_path, monkeypatch):
+    torch.manual_seed(0)
+    a = torch.nn.Linear(8, 4)
+    b = torch.nn.Linear(8, 4)
+    b.load_state_dict(a.state_dict())
+    opts = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (a, b)]
+    assert not offload_optimizer_state(opts[1], tmp_path)  # no state yet: nothing to move
+
+    def step(m, opt, x):
+        opt.zero_grad()
+        m(x).square().sum().backward()
+        opt.step()
+
+    xs = [torch.randn(3, 8) for _ in range(3)]
+    for m, o in zip((a, b), opts):
+        step(m, o, xs[0])
+    assert offload_optimizer_state(opts[1], tmp_path)
+    assert list(tmp_path.iterdir()) == []  # unlinked once mapped: nothing left behind
+    moments = [s[k] for s in opts[1].state.values() for k in ("exp_avg", "exp_avg_sq")]
+    assert all(".mapped-" in _mapped_file(t) for t in moments)  # read from the mapping, not the heap
+    for x in xs[1:]:  # the next steps update the mapped moments (copy-on-write) as they would the heap's
+        for m, o in zip((a, b), opts):
+            step(m, o, x)
+    assert all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters()))
+    for sa, sb in zip(opts[0].state.values(), opts[1].state.values()):
+        assert all(torch.equal(sa[k], sb[k]) for k in sa)
+    assert list(tmp_path.iterdir()) == []
+
+    import reflrl.diskspace as D  # a disk without room: nothing moves, nothing is lost
+    monkeypatch.setattr(D.shutil, "disk_usage", lambda p: type("U", (), {"free": 0})())
+    fresh = torch.optim.AdamW(a.parameters(), lr=1e-2)
+    step(a, fresh, xs[0])
+    kept = [s["exp_avg"].clone() for s in fresh.state.values()]
+    assert not offload_optimizer_state(fresh, tmp_path) and list(tmp_path.iterdir()) == []
+    assert all(".mapped-" not in _mapped_file(s["exp_avg"]) and torch.equal(s["exp_avg"], k)
+               for s, k in zip(fresh.state.values(), kept))

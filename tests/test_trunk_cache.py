@@ -96,7 +96,7 @@ def test_offloaded_states_leave_memory_for_a_mapped_file_and_serve_the_same_samp
     assert tc.offload(tmp_path)
     assert list(tmp_path.iterdir()) == []  # unlinked once mapped: nothing left behind
     for k, (ks, vs, h) in tc.entries.items():  # the same values, now read from the mapping, not the heap
-        assert all(".trunk-states-" in _mapped_file(t) for t in (*ks, *vs, h))
+        assert all(".mapped-" in _mapped_file(t) for t in (*ks, *vs, h))
         assert all(torch.equal(a, b) for a, b in zip(before[k], (*ks, *vs, h)))
     again = eng.generate(prompts[:3], n=2, max_new_tokens=10, temperature=0.8, seed=3)
     assert tc.hits == 3 and tc.misses == 3  # the offloaded prompts served from the mapping
@@ -107,7 +107,7 @@ def test_offloaded_states_leave_memory_for_a_mapped_file_and_serve_the_same_samp
     import reflrl.diskspace as D  # a disk without room: nothing moves, nothing is lost
     monkeypatch.setattr(D.shutil, "disk_usage", lambda p: type("U", (), {"free": 0})())
     eng.generate(prompts[:1] + [tok("one more prompt")["input_ids"]], max_new_tokens=2, temperature=0.0)
-    in_heap = [k for k, (ks, _, _) in tc.entries.items() if ".trunk-states-" not in _mapped_file(ks[0])]
+    in_heap = [k for k, (ks, _, _) in tc.entries.items() if ".mapped-" not in _mapped_file(ks[0])]
     assert in_heap and not tc.offload(tmp_path) and list(tmp_path.iterdir()) == []
-    assert len(tc.entries) == 6 and ".trunk-states-" not in _mapped_file(tc.entries[in_heap[0]][0][0])
+    assert len(tc.entries) == 6 and ".mapped-" not in _mapped_file(tc.entries[in_heap[0]][0][0])
     assert TrunkCache(model).offload(tmp_path) is False  # nothing to move

@@ -21,7 +21,6 @@ disk). The file is unlinked once mapped, so nothing is left behind.
 from __future__ import annotations
 
 import contextlib
-import os
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -109,23 +108,12 @@ class TrunkCache:
         for it."""
         if not self.entries:
             return False
-        from reflrl.diskspace import check_disk_space
+        from reflrl.memory import map_to_disk
 
-        folder = Path(folder)
-        try:
-            folder.mkdir(parents=True, exist_ok=True)
-            check_disk_space(folder, self.nbytes + (16 << 20), "the held-out prompts' trunk states")
-        except OSError:  # DiskSpaceError included
+        mapped = map_to_disk(self.entries, folder, "the held-out prompts' trunk states", self.nbytes)
+        if mapped is None:
             return False
-        path = folder / f".trunk-states-{os.getpid()}-{self.offloads}.pt"
-        try:
-            torch.save(self.entries, path)
-            self.entries = torch.load(path, mmap=True, weights_only=True)
-        except (OSError, RuntimeError):  # a write that failed midway: the states stay in memory
-            return False
-        finally:
-            with contextlib.suppress(OSError):  # mapped: the data stays readable until it is dropped
-                path.unlink()
+        self.entries = mapped
         self.offloads += 1
         return True
 

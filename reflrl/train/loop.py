@@ -47,7 +47,7 @@ from reflrl import rollout as R
 from reflrl.algos import PreRolloutFilter, advantage_needs_critic
 from reflrl.budget import budget_cut_text, cut_record
 from reflrl.errors import DiskSpaceError
-from reflrl.memory import release_heap
+from reflrl.memory import offload_optimizer_state, release_heap
 from reflrl.envs.seeding import derive_seed
 from reflrl.progress import Progress
 from reflrl.recovery import RecoveryLedger, own_rollouts, step_accounting
@@ -212,6 +212,7 @@ class Trainer:
         from reflrl.heldout import evaluate
 
         t0 = time.perf_counter()
+        offload_optimizer_state(self.optimizer, self.log.path)  # AdamW's moments wait on disk meanwhile
         if self.cfg.env.faults:
             res = self.evaluate_episodes(split)
         else:
