@@ -165,7 +165,7 @@ def test_the_api_changes_recipe_loads_and_changes_only_its_keys():
     assert cfg.reflection.variant == "tool_rerl" and cfg.reflection.critic == "rule"
     assert C.train_faults(cfg.env) == "param_renamed=0.4,tool_moved=0.4"  # the RL rollouts: twice the evaluation's
     pieces = ["env.faults=param_renamed=0.2,tool_moved=0.2", "data.kinds=[single]", "env.train_fault_scale=2.0",
-              "env.train_fault_cap=0.8", "train.steps=12", "env.max_steps=3", "warmup.critique_share=0.5", "warmup.critique_reveal=answer",
+              "env.train_fault_cap=0.8", "train.steps=16", "env.max_steps=3", "warmup.critique_share=0.5", "warmup.critique_reveal=answer",
               "warmup.rename_share=0.5", "reflection.reveal=answer", "reflection.level=sequence_mean",
               "reflection.max_per_step=8"]
     assert set(C.config_diff(cfg)) == {p.split("=")[0] for p in pieces}
