@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from mapping import mapped_file
 
 from reflrl import config as C
 from reflrl import rollout as R
@@ -175,18 +176,6 @@ def test_fixed_batches_take_as_many_prompts_as_the_kv_budget_holds(tiny):
     assert [s.token_ids for s in a] == [s.token_ids for s in b]
 
 
-def _mapped_file(t: torch.Tensor) -> str:
-    """The file whose mapping holds ``t``'s data ('' for the heap): from /proc/self/maps (Linux)."""
-    ptr = t.untyped_storage().data_ptr()
-    with open("/proc/self/maps") as f:
-        for line in f:
-            parts = line.split(maxsplit=5)
-            lo, hi = (int(x, 16) for x in parts[0].split("-"))
-            if lo <= ptr < hi:
-                return parts[5].strip() if len(parts) > 5 else ""
-    return ""
-
-
 def test_optimizer_state_offloaded_to_a_mapped_file_steps_the_same(tmp_path, monkeypatch):
     torch.manual_seed(0)
     a = torch.nn.Linear(8, 4)
@@ -206,7 +195,7 @@ def test_optimizer_state_offloaded_to_a_mapped_file_steps_the_same(tmp_path, mon
     assert offload_optimizer_state(opts[1], tmp_path)
     assert list(tmp_path.iterdir()) == []  # unlinked once mapped: nothing left behind
     moments = [s[k] for s in opts[1].state.values() for k in ("exp_avg", "exp_avg_sq")]
-    assert all(".mapped-" in _mapped_file(t) for t in moments)  # read from the mapping, not the heap
+    assert all(".mapped-" in mapped_file(t) for t in moments)  # read from the mapping, not the heap
     for x in xs[1:]:  # the next steps update the mapped moments (copy-on-write) as they would the heap's
         for m, o in zip((a, b), opts):
             step(m, o, x)
@@ -221,5 +210,5 @@ def test_optimizer_state_offloaded_to_a_mapped_file_steps_the_same(tmp_path, mon
     step(a, fresh, xs[0])
     kept = [s["exp_avg"].clone() for s in fresh.state.values()]
     assert not offload_optimizer_state(fresh, tmp_path) and list(tmp_path.iterdir()) == []
-    assert all(".mapped-" not in _mapped_file(s["exp_avg"]) and torch.equal(s["exp_avg"], k)
+    assert all(".mapped-" not in mapped_file(s["exp_avg"]) and torch.equal(s["exp_avg"], k)
                for s, k in zip(fresh.state.values(), kept))

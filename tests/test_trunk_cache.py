@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import torch
+from mapping import mapped_file
 
 from reflrl.engines.transformers_engine import TransformersEngine
 from reflrl.models import load_model
@@ -74,18 +75,6 @@ def test_the_cache_keeps_within_its_bytes_dropping_the_least_recently_used():
     assert [s.token_ids for s in out] == [s.token_ids for s in plain]
 
 
-def _mapped_file(t: torch.Tensor) -> str:
-    """The file whose mapping holds ``t``'s data ('' for the heap): from /proc/self/maps (Linux)."""
-    ptr = t.untyped_storage().data_ptr()
-    with open("/proc/self/maps") as f:
-        for line in f:
-            parts = line.split(maxsplit=5)
-            lo, hi = (int(x, 16) for x in parts[0].split("-"))
-            if lo <= ptr < hi:
-                return parts[5].strip() if len(parts) > 5 else ""
-    return ""
-
-
 def test_offloaded_states_leave_memory_for_a_mapped_file_and_serve_the_same_samples(tmp_path, monkeypatch):
     model, tok = load_model("tiny-random", dtype="float32", trainable="top_layers:1", seed=0)
     prompts = _prompts(tok)
@@ -96,7 +85,7 @@ def test_offloaded_states_leave_memory_for_a_mapped_file_and_serve_the_same_samp
     assert tc.offload(tmp_path)
     assert list(tmp_path.iterdir()) == []  # unlinked once mapped: nothing left behind
     for k, (ks, vs, h) in tc.entries.items():  # the same values, now read from the mapping, not the heap
-        assert all(".mapped-" in _mapped_file(t) for t in (*ks, *vs, h))
+        assert all(".mapped-" in mapped_file(t) for t in (*ks, *vs, h))
         assert all(torch.equal(a, b) for a, b in zip(before[k], (*ks, *vs, h)))
     again = eng.generate(prompts[:3], n=2, max_new_tokens=10, temperature=0.8, seed=3)
     assert tc.hits == 3 and tc.misses == 3  # the offloaded prompts served from the mapping
@@ -107,7 +96,7 @@ def test_offloaded_states_leave_memory_for_a_mapped_file_and_serve_the_same_samp
     import reflrl.diskspace as D  # a disk without room: nothing moves, nothing is lost
     monkeypatch.setattr(D.shutil, "disk_usage", lambda p: type("U", (), {"free": 0})())
     eng.generate(prompts[:1] + [tok("one more prompt")["input_ids"]], max_new_tokens=2, temperature=0.0)
-    in_heap = [k for k, (ks, _, _) in tc.entries.items() if ".mapped-" not in _mapped_file(ks[0])]
+    in_heap = [k for k, (ks, _, _) in tc.entries.items() if ".mapped-" not in mapped_file(ks[0])]
     assert in_heap and not tc.offload(tmp_path) and list(tmp_path.iterdir()) == []
-    assert len(tc.entries) == 6 and ".mapped-" not in _mapped_file(tc.entries[in_heap[0]][0][0])
+    assert len(tc.entries) == 6 and ".mapped-" not in mapped_file(tc.entries[in_heap[0]][0][0])
     assert TrunkCache(model).offload(tmp_path) is False  # nothing to move
