@@ -55,7 +55,7 @@ def main(argv: list[str] | None = None) -> int:
         opt = sum(v.numel() * v.element_size() for s in tr.optimizer.state.values() for v in s.values()
                   if torch.is_tensor(v))
         print(f"CPU capability {torch.backends.cpu.get_cpu_capability()}; loaded: resident {rss_gb():.2f} GB, "
-              f"AdamW state {opt / 1e9:.2f} GB", flush=True)
+              f"AdamW state {opt / 1e6:.1f} MB", flush=True)
         peak = [0.0]
 
         def sample() -> None:
