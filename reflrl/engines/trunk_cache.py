@@ -77,7 +77,6 @@ class TrunkCache:
         self.entries: dict[tuple[int, ...], tuple[list[torch.Tensor], list[torch.Tensor], torch.Tensor]] = {}
         self.nbytes = 0
         self.hits = self.misses = 0
-        self.offloads = 0
         self._stamp: tuple | None = None
 
     # ------------------------------------------------------------------ validity
@@ -114,7 +113,6 @@ class TrunkCache:
         if mapped is None:
             return False
         self.entries = mapped
-        self.offloads += 1
         return True
 
     # ------------------------------------------------------------------ entries
