@@ -77,6 +77,9 @@ class CritiqueRequest:
     gold:      the ground-truth calls of this turn (appendix C: the critic sees the ground truth);
                required by the rule critic, optional for model critics.
     env_fault: set when the attempt failed because of the environment, not the policy.
+    api_changes: the server's record of the API changes the episode met (``ToolCallEnv``'s
+               ``info["api_changes"]``: kind, tool, param, new); a critic that states the call to make
+               states it as the tool now takes it (``reflrl.critic.format.adapt_calls``).
     """
 
     query: str
@@ -85,6 +88,7 @@ class CritiqueRequest:
     parse: ParseResult | None = None
     gold: list[ToolCall] | None = None
     env_fault: EnvFault | None = None
+    api_changes: list[dict[str, Any]] | None = None
 
 
 @dataclass(frozen=True)

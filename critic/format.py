@@ -236,6 +236,45 @@ def fault_fix_calls(fault: EnvFault) -> list[ToolCall]:
     return out
 
 
+def adapt_calls(calls: list[ToolCall], changes: list[dict[str, Any]] | None) -> list[ToolCall]:
+    """``calls`` as the changed API takes them: a moved tool's call goes to its successor, a renamed
+    parameter gets its new name. ``changes``: the server's record of the episode's API changes (dicts
+    with ``kind``, ``tool``, ``param``, ``new``; ``ToolCallEnv``'s ``info["api_changes"]``). The inverse of
+    ``reflrl.envs.tool_env.canonical_call``; a call no change concerns is returned as it is."""
+    out = []
+    for c in calls:
+        name, args = c.name, dict(c.arguments)
+        for ch in changes or []:
+            if ch.get("tool") != c.name or not ch.get("new"):
+                continue
+            if ch.get("kind") == "param_renamed" and ch.get("param") in args and ch["new"] not in args:
+                args = {(ch["new"] if k == ch["param"] else k): v for k, v in args.items()}
+            elif ch.get("kind") == "tool_moved":
+                name = str(ch["new"])
+        out.append(ToolCall(name, args) if (name, args) != (c.name, dict(c.arguments)) else c)
+    return out
+
+
+def describe_changes(calls: list[ToolCall], changes: list[dict[str, Any]] | None) -> str:
+    """One sentence per API change that concerns ``calls`` (see :func:`adapt_calls`): ``"The API changed:
+    get_air_quality now takes 'location' in place of 'city'."`` / ``"The API changed: get_air_quality was
+    retired for get_air_quality_v2, which takes the same arguments."``; "" when none does."""
+    said: list[str] = []
+    for ch in changes or []:
+        if not ch.get("new") or not any(c.name == ch.get("tool") for c in calls):
+            continue
+        if ch.get("kind") == "param_renamed" and any(ch.get("param") in c.arguments for c in calls
+                                                   if c.name == ch.get("tool")):
+            s = f"The API changed: {ch['tool']} now takes '{ch['new']}' in place of '{ch['param']}'."
+        elif ch.get("kind") == "tool_moved":
+            s = f"The API changed: {ch['tool']} was retired for {ch['new']}, which takes the same arguments."
+        else:
+            continue
+        if s not in said:
+            said.append(s)
+    return " ".join(said)
+
+
 def describe_api_change(fault: EnvFault) -> str:
     """The fix an API change asks for, from the server's record of it (``fault.param`` / ``fault.new``;
     else its message in ``fault.detail``), with the call to make: ``"Your call was right but the API

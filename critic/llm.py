@@ -42,7 +42,7 @@ from tenacity import (
 from reflrl.envs.client import parse_retry_after
 
 from .base import Critique, CritiqueRequest, unparsed
-from .format import CRITIC_INSTRUCTION, critic_messages, critique_from_text, fault_critique
+from .format import CRITIC_INSTRUCTION, adapt_calls, critic_messages, critique_from_text, fault_critique
 
 TRANSIENT_STATUS = frozenset({408, 409, 429, 500, 502, 503, 504})
 
@@ -122,7 +122,8 @@ class LLMCritic:
 
     def messages(self, request: CritiqueRequest) -> list[dict[str, str]]:
         """The chat messages sent for ``request`` (appendix C instruction + evaluation template)."""
-        gold = request.gold if self.show_gold else None
+        # the ground truth as the tool now takes it (an API change the episode met renames or moves it)
+        gold = adapt_calls(request.gold, request.api_changes) if self.show_gold and request.gold else None
         return critic_messages(request.response, gold, request.query, self.instruction)
 
     def served_models(self) -> list[str]:

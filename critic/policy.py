@@ -20,7 +20,7 @@ import time
 from typing import Any, Callable
 
 from .base import Critique, CritiqueRequest
-from .format import CRITIC_INSTRUCTION, critic_messages, critique_from_text, fault_critique
+from .format import CRITIC_INSTRUCTION, adapt_calls, critic_messages, critique_from_text, fault_critique
 
 
 class PolicyCritic:
@@ -46,8 +46,8 @@ class PolicyCritic:
 
     def prompt(self, request: CritiqueRequest) -> Any:
         """What ``generate`` receives for ``request`` (a string or chat messages)."""
-        msgs = critic_messages(request.response, request.gold if self.show_gold else None,
-                               request.query, self.instruction)
+        gold = adapt_calls(request.gold, request.api_changes) if self.show_gold and request.gold else None
+        msgs = critic_messages(request.response, gold, request.query, self.instruction)
         if self.as_messages:
             return msgs
         return msgs[0]["content"] + "\n\n" + msgs[1]["content"]

@@ -28,7 +28,10 @@ an LLM critic that sees the ground truth may; ``reveal="call"`` adds the whole e
 expected answer in the policy's own answer format (the ``parser``'s, e.g. hermes ``<tool_call>`` blocks),
 so acting on the critique is a copy -- the most a ground-truth critic can say, in the form a small
 policy can use. At that level a fault the policy was shown also gets the call that would have worked in
-the answer format (the same call again; for an API change, the adapted call).
+the answer format (the same call again; for an API change, the adapted call). At the ``call`` and
+``answer`` levels a policy error in an episode that met an API change (``CritiqueRequest.api_changes``, the
+server's record) gets the expected call as the tool now takes it, and a sentence naming the change: the
+call the ground truth names would meet the change again.
 Which level a run uses is measured, not assumed: see the recipe's ``reflection.reveal`` comment.
 Tool names are always named (the paper's critic names endpoints and parameters).
 """
@@ -44,7 +47,7 @@ from reflrl.envs.rewards import calls_match, normalize_value
 from reflrl.envs.types import ParseResult, ToolCall
 
 from .base import Critique, CritiqueRequest, SyncCritic
-from .format import describe_env_fault, fault_fix_calls, format_critique
+from .format import adapt_calls, describe_changes, describe_env_fault, fault_fix_calls, format_critique
 
 REVEAL_MODES = ("none", "query", "value", "call", "answer")
 VALUE_LEVELS = ("value", "call", "answer")  # the levels whose analysis states expected values
@@ -176,6 +179,13 @@ class RuleCritic(SyncCritic):
         problem = self._problem(pr, gold, request.query)
         if problem is None:
             return "positive", POSITIVE_ANALYSIS
+        if self.reveal in ("call", "answer") and gold:
+            # the call to make is the gold as the tool now takes it: an API change the episode met (the
+            # server's record) renames a parameter or moves the tool, and the critique says so
+            changed = describe_changes(gold, request.api_changes)
+            if changed:
+                problem += " " + changed
+                gold = adapt_calls(gold, request.api_changes)
         if self.reveal == "call" and gold:  # the whole expected answer, after what is wrong
             calls = "; ".join(_call_text(g) for g in gold)
             problem += f" The expected {'calls are' if len(gold) > 1 else 'call is'} {calls}."

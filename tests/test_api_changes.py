@@ -415,3 +415,97 @@ def test_reflection_repairs_a_change_right_after_the_call_that_met_it(tmp_path):
         assert new in tok.decode(t.response_ids[:start])                     # the error names the new name
     finally:
         env.close()
+
+
+@pytest.mark.parametrize("kind", ["param_renamed", "tool_moved"])
+def test_a_policy_error_after_a_change_is_critiqued_with_the_call_the_changed_tool_takes(tmp_path, kind):
+    """A wrong call (the wrong city) that met an API change is a policy error, not change-caused: the
+    adapted call would be wrong too. The rule critic's expected answer is the gold call as the changed
+    tool takes it, with the change named; a policy that copies the critique's answer is repaired. With
+    the gold call as written in the task (the old name), the copy would meet the change again."""
+    import asyncio
+    import dataclasses
+    import re
+
+    from doubles import ScriptedEngine, tiny_cfg
+    from reflrl import rollout as R
+    from reflrl.models import load_tokenizer
+    from reflrl.envs.parsing import parse
+    from reflrl.envs.prompts import build_messages
+    from reflrl.recovery.recover import arecover
+
+    tok = load_tokenizer("tiny-random")
+    env = _env(kind, max_steps=3)   # the recipe's: the call, and two more after the tool's error
+    wrong = format_calls([ToolCall("get_current_weather", {"city": "London"})], "hermes")
+
+    def answer(prompt: str, _j: int) -> str:
+        if "Your previous attempt had issues" in prompt:   # under q*: copy the critique's expected answer
+            m = re.search(r"The expected answer is: (<tool_call>.*?</tool_call>)", prompt, re.S)
+            return m.group(1) if m else wrong
+        return wrong
+
+    cfg = tiny_cfg(tmp_path, **{"env.fault_exposure": "policy", "reflection.variant": "tool_rerl",
+                                "reflection.critic": "rule", "reflection.group": "add"})
+    spec = dataclasses.replace(R.RolloutSpec.from_config(cfg, fmt="hermes", think=False), temperature=0.0)
+    engine = ScriptedEngine(tok, answer)
+
+    async def main():
+        for s in range(300):   # a rollout seed whose episode meets the change
+            trajs = await R.arollout(engine, tok, [env], [_task()], 1, spec, seed=s)
+            if any(ch["kind"] == kind for ch in trajs[0].last.info.get("api_changes") or []):
+                break
+        else:
+            raise AssertionError("no rollout seed meets the change")
+        assert not trajs[0].correct and not trajs[0].last.info.get("change_caused")
+        res = await arecover(trajs, cfg=cfg, engine=engine, tokenizer=tok, envs=[env],
+                             critic=RuleCritic(reveal="answer"), messages_of=build_messages, rollout_cfg=spec, seed=0)
+        return trajs, res
+
+    try:
+        trajs, res = asyncio.run(main())
+        assert res.counts["reflected_policy_error"] == 1 and res.counts["recovered_policy_error"] == 1
+        [rec] = res.records
+        [ch] = rec.first_feedback.info["api_changes"]
+        feedback = rec.attempts[0].feedback
+        assert "The API changed" in feedback and ch["new"] in feedback
+        [made] = parse(rec.response_text, "hermes").calls
+        if kind == "param_renamed":
+            assert made == ToolCall("get_current_weather", {ch["new"]: "Paris"})
+        else:
+            assert made == ToolCall(ch["new"], {"city": "Paris"})
+        assert trajs[-1].added and trajs[-1].correct
+    finally:
+        env.close()
+
+
+def test_adapt_calls_is_the_inverse_of_canonical_call():
+    from reflrl.critic.format import adapt_calls, describe_changes
+    from reflrl.envs.tool_env import canonical_call
+
+    changes = [{"kind": "param_renamed", "tool": "get_current_weather", "param": "city", "new": "location"},
+               {"kind": "tool_moved", "tool": "get_stock_quote", "param": None, "new": "get_stock_quote_v2"}]
+    stock = ToolCall("get_stock_quote", {"symbol": "AAPL"})
+    other = ToolCall("get_air_quality", {"city": "Paris"})
+    adapted = adapt_calls([WEATHER, stock, other], changes)
+    assert adapted == [ToolCall("get_current_weather", {"location": "Paris"}),
+                       ToolCall("get_stock_quote_v2", {"symbol": "AAPL"}), other]
+    assert [canonical_call(changes, c) for c in adapted] == [WEATHER, stock, other]
+    assert describe_changes([WEATHER], changes) == \
+        "The API changed: get_current_weather now takes 'location' in place of 'city'."
+    assert "retired for get_stock_quote_v2" in describe_changes([stock], changes)
+    assert describe_changes([other], changes) == "" and adapt_calls([other], None) == [other]
+
+
+def test_model_critics_are_shown_the_ground_truth_as_the_changed_tool_takes_it():
+    from reflrl.critic.llm import LLMCritic
+    from reflrl.critic.policy import PolicyCritic
+
+    changes = [{"kind": "param_renamed", "tool": "get_current_weather", "param": "city", "new": "location"}]
+    req = CritiqueRequest(query="What's the weather in Paris?", response="x", gold=[WEATHER], api_changes=changes)
+    llm = LLMCritic(base_url="http://127.0.0.1:9/v1", model="m")
+    shown = llm.messages(req)[-1]["content"]
+    assert 'location' in shown and '"city"' not in shown and "city=" not in shown
+    pol = PolicyCritic(lambda p: "Score: positive\nAnalysis: fine.", as_messages=False)
+    assert "location" in pol.prompt(req)
+    plain = llm.messages(CritiqueRequest(query=req.query, response="x", gold=[WEATHER]))[-1]["content"]
+    assert "city" in plain and "location" not in plain

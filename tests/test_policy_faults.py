@@ -312,6 +312,36 @@ def test_rule_critic_names_the_fault_kind_and_what_would_have_worked():
                           'get_current_weather(city="Paris"); call it again with the same arguments.')
 
 
+def test_a_wrong_call_that_met_a_fault_is_critiqued_as_the_policy_error_it_is():
+    """A fault shown to the policy on a call that was wrong anyway, at the step that ends the episode,
+    is not the failure's cause (not fault_caused): the critic compares the answer with the gold call,
+    not 'your call was right'. At a step that does not end it, the fault is still the one to answer."""
+    from reflrl.critic import CritiqueRequest, RuleCritic
+    from reflrl.envs.parsing import format_calls
+    from reflrl.envs.types import ToolCall
+    from reflrl.recovery.reflection import env_fault_from_info
+
+    wrong = format_calls([ToolCall("get_current_weather", {"city": "London"})], "hermes")
+    infos = {}
+    for max_steps in (1, 2):
+        seed = _first_faulted_seed(WEATHER, "rate_limit=0.3:2s", max_steps=max_steps)
+        env = _env(WEATHER, "rate_limit=0.3:2s", max_steps=max_steps)
+        try:
+            env.reset(seed=seed)
+            _o, reward, term, trunc, infos[max_steps] = env.step(wrong)
+        finally:
+            env.close()
+        assert infos[max_steps]["shown_faults"][0]["kind"] == "rate_limit"
+    end, mid = infos[1], infos[2]
+    assert end["turn_ended"] and not end["fault_caused"] and end["open_faults"] and reward == 0.0
+    assert env_fault_from_info(end) is None
+    assert not mid["turn_ended"] and env_fault_from_info(mid).kind == "rate_limit"
+    c = RuleCritic(reveal="call").critique(CritiqueRequest(
+        query=WEATHER.query, tools=WEATHER.tools, response=wrong, gold=list(WEATHER.gold[0]),
+        env_fault=env_fault_from_info(end)))
+    assert c.score == "negative" and "London" in c.analysis and 'get_current_weather(city="Paris")' in c.analysis
+
+
 def _scripted_policy_faults(tmp_path, tasks, answer, n_envs, *overrides):
     """The tiny recipe under policy-visible server errors at 0.5 with tool_rerl and the rule critic, a scripted
     engine answering ``answer``, ``n_envs`` envs over ``tasks`` and a rollout spec: (cfg, engine, envs, spec, tok)."""

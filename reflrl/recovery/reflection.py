@@ -183,13 +183,19 @@ def env_fault_from_info(info: dict[str, Any]) -> EnvFault | None:
     ``env.fault_exposure="policy"``): a *visible* EnvFault of the first open fault, the others in
     ``also``. Otherwise the first call whose triage is "env_fault" (the client's retries gave up on
     it): its ``fault_kind``, tool name and billed attempts, and the HTTP status / Retry-After of
-    that call's last observed fault event (``detail`` "retry_after=2.0").
+    that call's last observed fault event (``detail`` "retry_after=2.0"). A fault the policy was shown
+    and could act on (``shown_faults``, ``policy_can_act``) at the step that ended the turn is not the
+    failure's cause when the failure is not ``fault_caused``: the answer would have been wrong without it,
+    so it is the policy's error (None). At a step that did not end the turn (a retry that met a fault
+    and had not answered it yet) it is the fault still.
     """
     if info.get("fault_caused") and info.get("open_faults"):
         first, *rest = info["open_faults"]
         return _visible(first, tuple(_visible(f) for f in rest))
+    actionable = ({f.get("call_index") for f in info.get("shown_faults") or [] if f.get("policy_can_act")}
+                  if info.get("turn_ended") else set())
     for res in info.get("tool_results") or []:
-        if res.get("triage") != "env_fault":
+        if res.get("triage") != "env_fault" or res.get("call_index") in actionable:
             continue
         idx = res.get("call_index")
         evs = [e for e in info.get("fault_events") or [] if e.get("call_index") == idx]
@@ -330,7 +336,8 @@ async def reflect_and_retry(
         """Critique ``gen``, note it in ``rec``; True when the repair loop ends here (a positive
         verdict, or no reflection to retry with), else the attempt and its reflection are kept."""
         req = CritiqueRequest(query=query, tools=list(task.tools), response=gen.text,
-                              parse=fb.parse, gold=gold, env_fault=fb.env_fault)
+                              parse=fb.parse, gold=gold, env_fault=fb.env_fault,
+                              api_changes=list((fb.info or {}).get("api_changes") or []) or None)
         c = await critic.acritique(req)
         if stats is not None:
             stats.record(c)
