@@ -352,20 +352,48 @@ def test_an_episode_ended_by_the_caller_gets_its_final_attribution(kind):
 
 
 # ---- reflection on a change the policy did not adapt to ---------------------------------------------
-def test_reflection_repairs_a_change_right_after_the_call_that_met_it(tmp_path):
-    """A policy that repeats the old call after the 400/410 fails by the change; reflection is asked
-    where the change was first met (q* holds the call at the change and the critique naming the new
-    call, not the policy's repetitions), and the repair keeps that call and the tool's error, then the
-    adapted call: what the policy learns on the original prompt is to read the error."""
+def _rollout_and_recover(tmp_path, env, answer, met, critic):
+    """A greedy scripted policy (``answer(prompt, j)``) rolled out on ``env`` from the first seed whose
+    rollout satisfies ``met``, then its recovery with ``critic``: (rollouts before recovery, after, the result)."""
     import asyncio
     import dataclasses
-    import re
 
     from doubles import ScriptedEngine, tiny_cfg
     from reflrl import rollout as R
     from reflrl.models import load_tokenizer
     from reflrl.envs.prompts import build_messages
-    from reflrl.recovery.recover import arecover, change_point
+    from reflrl.recovery.recover import arecover
+
+    tok = load_tokenizer("tiny-random")
+    cfg = tiny_cfg(tmp_path, **{"env.fault_exposure": "policy", "reflection.variant": "tool_rerl",
+                                "reflection.critic": "rule", "reflection.group": "add"})
+    spec = dataclasses.replace(R.RolloutSpec.from_config(cfg, fmt="hermes", think=False), temperature=0.0)
+    engine = ScriptedEngine(tok, answer)
+
+    async def main():
+        for s in range(300):
+            trajs = await R.arollout(engine, tok, [env], [_task()], 1, spec, seed=s)
+            if met(trajs[0]):
+                break
+        else:
+            raise AssertionError("no rollout seed meets the change")
+        before = list(trajs)
+        res = await arecover(trajs, cfg=cfg, engine=engine, tokenizer=tok, envs=[env],
+                             critic=critic, messages_of=build_messages, rollout_cfg=spec, seed=0)
+        return before, trajs, res
+
+    return asyncio.run(main())
+
+
+def test_reflection_repairs_a_change_right_after_the_call_that_met_it(tmp_path):
+    """A policy that repeats the old call after the 400/410 fails by the change; reflection is asked
+    where the change was first met (q* holds the call at the change and the critique naming the new
+    call, not the policy's repetitions), and the repair keeps that call and the tool's error, then the
+    adapted call: what the policy learns on the original prompt is to read the error."""
+    import re
+
+    from reflrl.models import load_tokenizer
+    from reflrl.recovery.recover import change_point
 
     tok = load_tokenizer("tiny-random")
     env = _env("param_renamed")
@@ -377,26 +405,10 @@ def test_reflection_repairs_a_change_right_after_the_call_that_met_it(tmp_path):
             return format_calls([ToolCall("get_current_weather", {m.group(1): "Paris"})], "hermes") if m else old
         return old                                           # the policy does not read the tool's error
 
-    cfg = tiny_cfg(tmp_path, **{"env.fault_exposure": "policy", "reflection.variant": "tool_rerl",
-                                "reflection.critic": "rule", "reflection.group": "add"})
-    spec = dataclasses.replace(R.RolloutSpec.from_config(cfg, fmt="hermes", think=False), temperature=0.0)
-    engine = ScriptedEngine(tok, answer)
-
-    async def main():
-        for s in range(300):   # a rollout seed whose episode meets the change
-            trajs = await R.arollout(engine, tok, [env], [_task()], 1, spec, seed=s)
-            if trajs[0].last.info.get("change_caused"):
-                break
-        else:
-            raise AssertionError("no rollout seed meets the change")
-        t = trajs[0]
-        assert len(t.steps) > 2 and change_point(t) == 0      # the old call, again and again
-        res = await arecover(trajs, cfg=cfg, engine=engine, tokenizer=tok, envs=[env],
-                             critic=RuleCritic(reveal="call"), messages_of=build_messages, rollout_cfg=spec, seed=0)
-        return t, trajs, res
-
     try:
-        t, trajs, res = asyncio.run(main())
+        [t], trajs, res = _rollout_and_recover(tmp_path, env, answer, lambda t: t.last.info.get("change_caused"),
+                                               RuleCritic(reveal="call"))
+        assert len(t.steps) > 2 and change_point(t) == 0      # the old call, again and again
         assert res.counts["reflected_env_fault"] == 1 and res.counts["recovered_env_fault"] == 1
         [rec] = res.records
         new = rec.final_feedback.info["api_changes"][0]["new"]
@@ -423,18 +435,10 @@ def test_a_policy_error_after_a_change_is_critiqued_with_the_call_the_changed_to
     adapted call would be wrong too. The rule critic's expected answer is the gold call as the changed
     tool takes it, with the change named; a policy that copies the critique's answer is repaired. With
     the gold call as written in the task (the old name), the copy would meet the change again."""
-    import asyncio
-    import dataclasses
     import re
 
-    from doubles import ScriptedEngine, tiny_cfg
-    from reflrl import rollout as R
-    from reflrl.models import load_tokenizer
     from reflrl.envs.parsing import parse
-    from reflrl.envs.prompts import build_messages
-    from reflrl.recovery.recover import arecover
 
-    tok = load_tokenizer("tiny-random")
     env = _env(kind, max_steps=3)   # the recipe's: the call, and two more after the tool's error
     wrong = format_calls([ToolCall("get_current_weather", {"city": "London"})], "hermes")
 
@@ -444,25 +448,12 @@ def test_a_policy_error_after_a_change_is_critiqued_with_the_call_the_changed_to
             return m.group(1) if m else wrong
         return wrong
 
-    cfg = tiny_cfg(tmp_path, **{"env.fault_exposure": "policy", "reflection.variant": "tool_rerl",
-                                "reflection.critic": "rule", "reflection.group": "add"})
-    spec = dataclasses.replace(R.RolloutSpec.from_config(cfg, fmt="hermes", think=False), temperature=0.0)
-    engine = ScriptedEngine(tok, answer)
-
-    async def main():
-        for s in range(300):   # a rollout seed whose episode meets the change
-            trajs = await R.arollout(engine, tok, [env], [_task()], 1, spec, seed=s)
-            if any(ch["kind"] == kind for ch in trajs[0].last.info.get("api_changes") or []):
-                break
-        else:
-            raise AssertionError("no rollout seed meets the change")
-        assert not trajs[0].correct and not trajs[0].last.info.get("change_caused")
-        res = await arecover(trajs, cfg=cfg, engine=engine, tokenizer=tok, envs=[env],
-                             critic=RuleCritic(reveal="answer"), messages_of=build_messages, rollout_cfg=spec, seed=0)
-        return trajs, res
+    def met(t) -> bool:
+        return any(ch["kind"] == kind for ch in t.last.info.get("api_changes") or [])
 
     try:
-        trajs, res = asyncio.run(main())
+        [t], trajs, res = _rollout_and_recover(tmp_path, env, answer, met, RuleCritic(reveal="answer"))
+        assert not t.correct and not t.last.info.get("change_caused")
         assert res.counts["reflected_policy_error"] == 1 and res.counts["recovered_policy_error"] == 1
         [rec] = res.records
         [ch] = rec.first_feedback.info["api_changes"]
