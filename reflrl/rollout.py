@@ -686,21 +686,31 @@ async def _pooled_episodes(engine, tokenizer, envs, trajs: list[Trajectory], mes
             await asyncio.gather(*(later_turns(k, hold) for k in range(len(trajs))))
 
 
-def _observe(tokenizer, tr: Trajectory, messages: list[list[dict]], k: int, info: dict[str, Any], text: str,
-             ids: list[int]) -> bool:
-    """Append what the env answered to action ``ids`` (tool messages, maybe a new user turn, and the next
-    assistant header) to ``tr`` as observation tokens, and move ``messages[k]`` on; False when the env
-    added nothing to answer (the episode is over)."""
+def observation_ids(tokenizer, before: list[dict], info: dict[str, Any], text: str, ids: list[int]
+                    ) -> tuple[list[int], list[dict]] | None:
+    """What the env answered to action ``ids`` (sampled after the conversation ``before``) as tokens: the
+    tool messages, maybe a new user turn, and the next assistant header (:func:`observation_text`), with
+    the conversation after it (``info["messages"]``); None when the env added nothing to answer."""
     new_msgs = list(info.get("messages") or [])
-    before = messages[k]
     after = new_msgs[len(before) + 1:] if len(new_msgs) > len(before) + 1 else []
     if not after:
-        return False
+        return None
     action_text = new_msgs[len(before)].get("content", text) if len(new_msgs) > len(before) else text
     sampled = tokenizer.decode(ids, skip_special_tokens=False)
     obs = observation_text(tokenizer, before, action_text, after, sampled)
-    tr.append_observation(tokenizer(obs, add_special_tokens=False)["input_ids"])
-    messages[k] = new_msgs
+    return tokenizer(obs, add_special_tokens=False)["input_ids"], new_msgs
+
+
+def _observe(tokenizer, tr: Trajectory, messages: list[list[dict]], k: int, info: dict[str, Any], text: str,
+             ids: list[int]) -> bool:
+    """Append what the env answered to action ``ids`` to ``tr`` as observation tokens
+    (:func:`observation_ids`), and move ``messages[k]`` on; False when the env added nothing to answer
+    (the episode is over)."""
+    got = observation_ids(tokenizer, messages[k], info, text, ids)
+    if got is None:
+        return False
+    tr.append_observation(got[0])
+    messages[k] = got[1]
     return True
 
 

@@ -352,13 +352,14 @@ def test_an_episode_ended_by_the_caller_gets_its_final_attribution(kind):
 
 
 # ---- reflection on a change the policy did not adapt to ---------------------------------------------
-def _rollout_and_recover(tmp_path, env, answer, met, critic):
-    """A greedy scripted policy (``answer(prompt, j)``) rolled out on ``env`` from the first seed whose
-    rollout satisfies ``met``, then its recovery with ``critic``: (rollouts before recovery, after, the result)."""
+def _rollout_and_recover(tmp_path, env, answer, met, critic, seeds=range(300), pooled=False):
+    """A greedy scripted policy (``answer(prompt, j)``) rolled out on ``env`` from the first of ``seeds``
+    whose rollout satisfies ``met``, then its recovery with ``critic``: (rollouts before recovery, after,
+    the result)."""
     import asyncio
     import dataclasses
 
-    from doubles import ScriptedEngine, tiny_cfg
+    from doubles import PooledScriptedEngine, ScriptedEngine, tiny_cfg
     from reflrl import rollout as R
     from reflrl.models import load_tokenizer
     from reflrl.envs.prompts import build_messages
@@ -368,10 +369,11 @@ def _rollout_and_recover(tmp_path, env, answer, met, critic):
     cfg = tiny_cfg(tmp_path, **{"env.fault_exposure": "policy", "reflection.variant": "tool_rerl",
                                 "reflection.critic": "rule", "reflection.group": "add"})
     spec = dataclasses.replace(R.RolloutSpec.from_config(cfg, fmt="hermes", think=False), temperature=0.0)
-    engine = ScriptedEngine(tok, answer)
+    engine = (PooledScriptedEngine if pooled else ScriptedEngine)(tok, answer)
+    assert R.pooled(engine, spec) == pooled
 
     async def main():
-        for s in range(300):
+        for s in seeds:
             trajs = await R.arollout(engine, tok, [env], [_task()], 1, spec, seed=s)
             if met(trajs[0]):
                 break
@@ -500,3 +502,62 @@ def test_model_critics_are_shown_the_ground_truth_as_the_changed_tool_takes_it()
     assert "location" in pol.prompt(req)
     plain = llm.messages(CritiqueRequest(query=req.query, response="x", gold=[WEATHER]))[-1]["content"]
     assert "city" in plain and "location" not in plain
+
+
+@pytest.mark.parametrize("pooled", [False, True], ids=["fixed-batches", "continuous-batching"])
+def test_a_retry_that_meets_a_change_goes_on_and_the_policy_answers_the_tools_error(tmp_path, pooled):
+    """A policy error that never met the change (a wrong argument name: 422) is retried in a fresh
+    episode whose tool has changed: the retry copies the critique's call (the old name), meets the 400,
+    and the episode goes on as a rollout's would -- the policy answers the tool's error after the tokens
+    so far (not under q*). tau* is the retry, the tool's error and the adapted call; the later answer
+    carries its own log-probs and the error is not trained on."""
+    import itertools
+    import re
+
+    from reflrl.envs.parsing import parse
+    from reflrl.envs.seeding import derive_seed
+
+    env = _env("param_renamed", max_steps=3)
+    wrong = format_calls([ToolCall("get_current_weather", {"zzz": "Paris"})], "hermes")
+
+    def answer(prompt: str, _j: int) -> str:
+        if "Your previous attempt had issues" in prompt:   # under q*: copy the critique's expected answer
+            m = re.search(r"The expected answer is: (<tool_call>.*?</tool_call>)", prompt, re.S)
+            return m.group(1) if m else wrong
+        m = re.search(r"now takes '(\w+)'", prompt)        # the tool's error names the new parameter
+        return format_calls([ToolCall("get_current_weather", {m.group(1): "Paris"})], "hermes") if m else wrong
+
+    def retry_meets_the_change(s: int) -> bool:   # the retry's fresh episode: env seed (rollout seed, attempt 1)
+        probe = _env("param_renamed", max_steps=3)
+        try:
+            probe.reset(seed=derive_seed(s, 1, bits=31))
+            return bool(probe.step(format_calls([WEATHER], "hermes"))[4]["api_changes"])
+        finally:
+            probe.close()
+
+    seeds = list(itertools.islice((s for s in range(300) if retry_meets_the_change(s)), 3))
+    try:
+        [t], trajs, res = _rollout_and_recover(tmp_path, env, answer, lambda t: not t.last.info["api_changes"],
+                                               RuleCritic(reveal="answer"), seeds=seeds, pooled=pooled)
+        assert not t.correct and len(t.steps) == 1 and "change" not in " ".join(t.texts)
+        assert res.counts["reflected_policy_error"] == 1 and res.counts["recovered_policy_error"] == 1
+        [rec] = res.records
+        fb = rec.final_feedback
+        assert fb.correct and len(fb.continuation) == 1 and len(fb.steps) == 2
+        [ch] = fb.info["api_changes"]
+        assert parse(rec.response_text, "hermes").calls == [WEATHER]          # the retry: the old name
+        obs, later = fb.continuation[0]
+        assert parse(later.text, "hermes").calls == [ToolCall("get_current_weather", {ch["new"]: "Paris"})]
+        tok = __import__("reflrl.models", fromlist=["load_tokenizer"]).load_tokenizer("tiny-random")
+        assert f"now takes '{ch['new']}'" in tok.decode(obs)                  # the tool's error, as tokens
+        repaired = trajs[-1]
+        assert repaired.added and repaired.correct and repaired.repair is rec and repaired.reward == 1.0
+        assert repaired.texts == [rec.response_text, later.text] and len(repaired.steps) == 2
+        n_retry, n_obs = len(rec.response_ids), len(obs)
+        assert repaired.response_ids == rec.response_ids + obs + later.token_ids
+        assert repaired.loss_mask == [1] * n_retry + [0] * n_obs + [1] * len(later.token_ids)
+        assert repaired.old_logprobs[n_retry + n_obs:] == later.logprobs
+        # the later answer was sampled after the original prompt's tokens, the retry and the error
+        assert "Your previous attempt" not in tok.decode(t.prompt_ids + repaired.response_ids)
+    finally:
+        env.close()

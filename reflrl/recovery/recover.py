@@ -21,7 +21,14 @@ the change, and the critique names the change and the call to make. The retry is
 that call's error (the replay keeps the call and the tool's error), so tau* is the request, the call
 that met the change, the tool's error naming the new name, then the adapted call: trained on the
 original prompt, it teaches reading the error. Without this the retry would follow the policy's own
-repetitions of the old call, which a small policy copies."""
+repetitions of the old call, which a small policy copies.
+
+A retry is an answer like any other: when it meets a fault the policy was shown and may act on (a rate
+limit, or an API change that the failed attempt never reached, so the critique could not name it), the
+tool's answer goes back to the policy and the episode goes on as a rollout's would (:func:`_go_on`): the
+policy answers after the tokens so far (q, the kept steps, the retry, the tool's error), not under q*,
+until the episode ends. tau* is then the retry, the tool's answer and the policy's later answers, each
+answer with the log-probs it was sampled with; the critic judges the episode's last answer."""
 from __future__ import annotations
 
 import asyncio
@@ -33,7 +40,7 @@ from reflrl import rollout as R
 from reflrl.critic.base import CriticStats
 from reflrl.envs.rewards import normalize_value
 from reflrl.envs.seeding import derive_seed
-from reflrl.envs.types import ToolCall
+from reflrl.envs.types import ParseResult, ToolCall
 
 from .accounting import COUNT_KEYS, RecoveryResult, triage
 from .batcher import RoundBatcher
@@ -125,22 +132,99 @@ def _remaining_gold(t: R.Trajectory, upto: int | None = None) -> list[ToolCall] 
     return gold
 
 
+def _keep_cut(t: R.Trajectory, keep: int) -> int:
+    """Where in ``t.response_ids`` the answer of step ``keep`` starts: the tokens of the steps kept before
+    a retry end there."""
+    return _last_action_start(t) if keep == len(t.steps) - 1 else _action_spans(t)[keep][0]
+
+
+def _prompt_ids(tokenizer: Any, prompt: list[Any]) -> list[int]:
+    """A generation request's prompt as token ids: chat messages rendered, or token ids as they are."""
+    return list(prompt) if prompt and isinstance(prompt[0], int) else R.render_prompt(tokenizer, prompt)
+
+
+def _goes_on(reward: float, term: bool, trunc: bool, info: dict[str, Any]) -> bool:
+    """An env step after which the episode goes on because the answer met a fault the policy was shown
+    and may still act on (``env.fault_exposure="policy"``): the turn has not ended and nothing masks it."""
+    del reward
+    return (not (term or trunc) and not info.get("turn_ended") and not info.get("masked")
+            and any(f.get("policy_can_act") for f in info.get("shown_faults") or []))
+
+
+def _answered(infos: Sequence[dict[str, Any]]) -> list[ToolCall]:
+    """The calls of these steps that got an answer (not an env fault)."""
+    out = []
+    for info in infos:
+        calls = info.get("calls") or []
+        for res in info.get("tool_results") or []:
+            i = res.get("call_index")
+            if res.get("triage") != "env_fault" and isinstance(i, int) and i < len(calls):
+                out.append(ToolCall.from_dict(calls[i]))
+    return out
+
+
+async def _go_on(env: Any, tokenizer: Any, step: tuple, before: list[dict], text: str, gen: Generation,
+                 context: list[int], sample_one: Callable, cap: int, max_total_tokens: int) -> EnvFeedback:
+    """A retry's episode after its answer met a fault the policy was shown: the tool's answer goes back
+    to the policy, which answers it after the tokens so far (``context``: q, the kept steps, the retry),
+    not under q*, until the episode ends or the token budget does -- as in a rollout. The verdict is the
+    episode's at its last answer; its calls are those answered on the way and the last answer's."""
+    steps = [(float(step[1]), step[4])]
+    cont: list[tuple[list[int], Generation]] = []
+    while _goes_on(*step[1:]):
+        got = R.observation_ids(tokenizer, before, step[4], text, gen.token_ids)
+        if got is None:
+            break
+        obs, before = got
+        room = min(cap, max_total_tokens - len(context) - len(obs))
+        if room < 8:  # no room left for an answer (the rollouts' own budget check)
+            break
+        context = context + obs
+        gen = await sample_one(context, room)
+        context = context + list(gen.token_ids)
+        text = gen.text
+        step = await R.step_episode(env, text)
+        cont.append((obs, gen))
+        steps.append((float(step[1]), step[4]))
+    fb = feedback_from_step(step[4], step[1])
+    info = step[4]
+    earlier = _answered([i for _r, i in steps[:-1]])
+    if info.get("api_changes"):
+        from reflrl.envs.tool_env import canonical_call
+        earlier = [canonical_call(info["api_changes"], c) for c in earlier]
+    if fb.parse is not None and earlier:
+        fb.parse = ParseResult(ok=fb.parse.ok, calls=earlier + list(fb.parse.calls), error=fb.parse.error)
+    fb.continuation, fb.steps = cont, steps
+    fb.tool_calls = sum(int(i.get("billed_calls") or 0) for _r, i in steps)
+    return fb
+
+
 def repaired_trajectory(t: R.Trajectory, rec: RepairRecord, keep: int | None = None) -> R.Trajectory:
     """tau* as a rollout of t's group: q's prompt tokens, tau*'s ids with their behaviour log-probs
     under q* (``old_logprobs``), tau*'s env verdict; ``repair`` = the record, ``original`` = t.
-    ``keep``: the steps of t kept before the retry (default all but the last)."""
+    ``keep``: the steps of t kept before the retry (default all but the last). A retry whose episode
+    went on (:func:`_go_on`) is followed by the tools' answers and the policy's later answers, with their
+    own log-probs."""
     new = R.Trajectory(task=t.task, group=t.group, prompt_ids=list(t.prompt_ids), seed=t.seed)
     keep = len(t.steps) - 1 if keep is None else keep
     # a rollout of several steps keeps its earlier ones (module doc)
-    cut = _last_action_start(t) if keep == len(t.steps) - 1 else _action_spans(t)[keep][0]
+    cut = _keep_cut(t, keep)
     new.response_ids, new.loss_mask = list(t.response_ids[:cut]), list(t.loss_mask[:cut])
     new.old_logprobs = list(t.old_logprobs[:cut])
     new.append_action(rec.response_ids, rec.behaviour_logprobs)
-    new.turns = max(1, t.turns)
     new.texts = list(t.texts[:keep]) + [rec.response_text]
     new.steps = list(t.steps[:keep])
     fb = rec.final_feedback
-    R.record_step(new, fb.reward, dict(fb.info) if fb.info else {"correct": fb.correct})
+    if fb.continuation:
+        R.record_step(new, *fb.steps[0])
+        for (obs, g), (reward, info) in zip(fb.continuation, fb.steps[1:]):
+            new.append_observation(obs)
+            new.append_action(g.token_ids, g.logprobs)
+            new.texts.append(g.text)
+            R.record_step(new, reward, info)
+    else:
+        R.record_step(new, fb.reward, dict(fb.info) if fb.info else {"correct": fb.correct})
+    new.turns = max(1, t.turns, len(new.texts))
     new.repair = rec
     new.original = t
     return new
@@ -189,7 +273,7 @@ async def arecover(trajs: list[R.Trajectory], *, cfg: C.Config, engine: Any, tok
     def sample(batch: list[tuple[list[dict], int]]) -> list[Generation]:
         """One attempt round: every waiting repair's q* (with its task's token cap) in ONE generate call."""
         tg = time.perf_counter()
-        prompts = [R.render_prompt(tokenizer, m) for m, _cap in batch]
+        prompts = [_prompt_ids(tokenizer, m) for m, _cap in batch]
         out = R.generate_batch(engine, prompts, rollout_cfg, n=1, seed=seed + 7919 * (rounds[0] + 1),
                                max_new_tokens=[cap for _m, cap in batch])
         rounds[0] += 1
@@ -215,6 +299,10 @@ async def arecover(trajs: list[R.Trajectory], *, cfg: C.Config, engine: Any, tok
 
         j = points.get(k)
         keep = len(t.steps) - 1 if j is None else j + 1  # the steps replayed before the retry
+        cap = R.answer_token_cap(t.task, tokenizer, rollout_cfg)  # the rollouts' cap for this task
+        asked = [0]
+
+        last: list[Generation | None] = [None]  # the last answer sampled under q* (its episode may go on)
 
         async def step_env(text: str) -> EnvFeedback:
             attempt[0] += 1
@@ -222,14 +310,34 @@ async def arecover(trajs: list[R.Trajectory], *, cfg: C.Config, engine: Any, tok
             # and a retry that meets a fault does not meet the same one at every attempt
             if keep > 0 and t.seed is not None:
                 # replay the earlier steps (the same faults), then the retry in the next one's place
-                await R.reset_episode(env, t.task, t.seed, fault_draw=(keep, attempt[0]))
+                _o, info = await R.reset_episode(env, t.task, t.seed, fault_draw=(keep, attempt[0]))
                 for earlier in t.texts[:keep]:
-                    await R.step_episode(env, earlier)
+                    *_r, info = await R.step_episode(env, earlier)
             else:  # a fresh episode of the same task
                 base = t.seed if t.seed is not None else seed + k
-                await R.reset_episode(env, t.task, derive_seed(base, attempt[0], bits=31), fault_draw=(0, attempt[0]))
-            _obs, reward, _term, _trunc, info = await R.step_episode(env, text)
-            return feedback_from_step(info, reward)
+                _o, info = await R.reset_episode(env, t.task, derive_seed(base, attempt[0], bits=31),
+                                                 fault_draw=(0, attempt[0]))
+            before = list(info.get("messages") or [])
+            step = await R.step_episode(env, text)
+            gen = last[0]
+            if gen is None or gen.text != text or not _goes_on(*step[1:]):
+                return feedback_from_step(step[4], step[1])
+            # the retry met a fault the policy was shown: its episode goes on as a rollout's would (module doc)
+            context = list(t.prompt_ids) + list(t.response_ids[:_keep_cut(t, keep)]) + list(gen.token_ids)
+            return await _go_on(env, tokenizer, step, before, text, gen, context, sample_one, cap,
+                                rollout_cfg.max_total_tokens)
+
+        async def sample_one(prompt: list[dict] | list[int], cap_: int) -> Generation:
+            """One answer: under q* (messages) or, in a retry's episode that went on, after its tokens."""
+            if not pooled:
+                return await batcher.generate((prompt, cap_))
+            requests[0] += 1
+            asked[0] += 1
+            with gen_timer:
+                (ids, lps, _fin), = await R.agenerate_batch(
+                    engine, [_prompt_ids(tokenizer, prompt)], rollout_cfg, max_new_tokens=cap_,
+                    seed=derive_seed(seed, 3, k, asked[0]), held=True)
+            return Generation(tokenizer.decode(ids, skip_special_tokens=True), ids, lps)
 
         try:
             if j is None:
@@ -240,20 +348,9 @@ async def arecover(trajs: list[R.Trajectory], *, cfg: C.Config, engine: Any, tok
                 fb0 = feedback_from_step(_change_feedback(t, j), t.reward)
                 gold = _remaining_gold(t, j)
                 q = messages_of(t.task) if j == 0 else list(t.steps[j - 1].info.get("messages") or [])
-            cap = R.answer_token_cap(t.task, tokenizer, rollout_cfg)  # the rollouts' cap for this task
-
             async def generate(messages: list[dict]) -> Generation:
-                if not pooled:
-                    return await batcher.generate((messages, cap))
-                requests[0] += 1
-                asked[0] += 1
-                with gen_timer:
-                    (ids, lps, _fin), = await R.agenerate_batch(
-                        engine, [R.render_prompt(tokenizer, messages)], rollout_cfg, max_new_tokens=cap,
-                        seed=derive_seed(seed, 3, k, asked[0]), held=True)
-                return Generation(tokenizer.decode(ids, skip_special_tokens=True), ids, lps)
-
-            asked = [0]
+                last[0] = await sample_one(messages, cap)
+                return last[0]
 
             return await reflect_and_retry(generate, critic, step_env, t.task, _first_generation(t, j),
                                            f.max_attempts, first_feedback=fb0, messages=q or messages_of(t.task),

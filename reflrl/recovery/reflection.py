@@ -153,6 +153,11 @@ class EnvFeedback:
                 client's own retries), e.g. ``EnvFault("rate_limit", "search", 429, 2.0)``.
     tool_calls: billed tool calls the attempt spent (retries included).
     info:       anything else the caller wants to keep (the env's info dict).
+    continuation: a response whose episode went on (it met a fault the policy was shown, so the
+                policy answered the tool, as in a rollout): each later answer, as (the observation
+                tokens before it, the answer sampled under the conversation so far); the verdict above
+                is the episode's at its last answer.
+    steps:      with a continuation, each step's (reward, info), the response's own first.
     """
 
     parse: ParseResult | None = None
@@ -161,6 +166,8 @@ class EnvFeedback:
     env_fault: EnvFault | None = None
     tool_calls: int = 0
     info: dict[str, Any] = field(default_factory=dict)
+    continuation: list[tuple[list[int], "Generation"]] = field(default_factory=list)
+    steps: list[tuple[float, dict[str, Any]]] = field(default_factory=list)
 
 
 _RETRY_AFTER_RE = re.compile(r"retry_after=([0-9.]+)")
