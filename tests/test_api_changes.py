@@ -505,12 +505,14 @@ def test_model_critics_are_shown_the_ground_truth_as_the_changed_tool_takes_it()
 
 
 @pytest.mark.parametrize("pooled", [False, True], ids=["fixed-batches", "continuous-batching"])
-def test_a_retry_that_meets_a_change_goes_on_and_the_policy_answers_the_tools_error(tmp_path, pooled):
+def test_a_retry_that_meets_a_change_goes_on_and_the_answer_after_the_error_follows_its_critique(tmp_path, pooled):
     """A policy error that never met the change (a wrong argument name: 422) is retried in a fresh
-    episode whose tool has changed: the retry copies the critique's call (the old name), meets the 400,
-    and the episode goes on as a rollout's would -- the policy answers the tool's error after the tokens
-    so far (not under q*). tau* is the retry, the tool's error and the adapted call; the later answer
-    carries its own log-probs and the error is not trained on."""
+    episode whose tool has changed: the retry copies the critique's call (the old name) and meets the 400.
+    The episode goes on: the answer after the tool's error is sampled under the critique of that error
+    (q*': the request, the call that met the change, the analysis naming the new call), as a repair at a
+    change is. tau* is the retry, the tool's error and the adapted call, each answer with the log-probs it
+    was sampled with; the error is not trained on. A policy that does not read the tool's error on its own
+    (this one) is repaired all the same."""
     import itertools
     import re
 
@@ -519,13 +521,14 @@ def test_a_retry_that_meets_a_change_goes_on_and_the_policy_answers_the_tools_er
 
     env = _env("param_renamed", max_steps=3)
     wrong = format_calls([ToolCall("get_current_weather", {"zzz": "Paris"})], "hermes")
+    asked: list[str] = []
 
     def answer(prompt: str, _j: int) -> str:
+        asked.append(prompt)
         if "Your previous attempt had issues" in prompt:   # under q*: copy the critique's expected answer
             m = re.search(r"The expected answer is: (<tool_call>.*?</tool_call>)", prompt, re.S)
             return m.group(1) if m else wrong
-        m = re.search(r"now takes '(\w+)'", prompt)        # the tool's error names the new parameter
-        return format_calls([ToolCall("get_current_weather", {m.group(1): "Paris"})], "hermes") if m else wrong
+        return wrong                                       # it never reads the tool's error
 
     def retry_meets_the_change(s: int) -> bool:   # the retry's fresh episode: env seed (rollout seed, attempt 1)
         probe = _env("param_renamed", max_steps=3)
@@ -550,6 +553,9 @@ def test_a_retry_that_meets_a_change_goes_on_and_the_policy_answers_the_tools_er
         assert parse(later.text, "hermes").calls == [ToolCall("get_current_weather", {ch["new"]: "Paris"})]
         tok = __import__("reflrl.models", fromlist=["load_tokenizer"]).load_tokenizer("tiny-random")
         assert f"now takes '{ch['new']}'" in tok.decode(obs)                  # the tool's error, as tokens
+        # the answer after the error was asked under q*': the call that met the change and its critique
+        under = [p for p in asked if f"in place of 'city'" in p]
+        assert under and "Your previous attempt had issues" in under[-1] and '"city": "Paris"' in under[-1]
         repaired = trajs[-1]
         assert repaired.added and repaired.correct and repaired.repair is rec and repaired.reward == 1.0
         assert repaired.texts == [rec.response_text, later.text] and len(repaired.steps) == 2

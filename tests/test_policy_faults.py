@@ -418,8 +418,12 @@ def test_fault_caused_failures_reach_reflection_and_the_repair_keeps_the_earlier
         # behaviour log-probs under q*; the prompt is the original one (eq. 2)
         cut = _last_action_start(old)
         assert 0 < cut and t.response_ids[:cut] == old.response_ids[:cut] and t.loss_mask[:cut] == old.loss_mask[:cut]
-        assert t.response_ids[cut:] == rec.response_ids and t.old_logprobs[cut:] == rec.behaviour_logprobs
-        assert t.prompt_ids == old.prompt_ids and len(t.steps) == len(old.steps)
+        # (a retry that met a fault again went on: the tool's answer, then the answer after it)
+        cont = rec.final_feedback.continuation
+        tail = list(rec.response_ids) + [x for obs, g in cont for x in (*obs, *g.token_ids)]
+        n = len(rec.response_ids)
+        assert t.response_ids[cut:] == tail and t.old_logprobs[cut:cut + n] == rec.behaviour_logprobs
+        assert t.prompt_ids == old.prompt_ids and len(t.steps) == len(old.steps) + len(cont)
         assert t.correct and t.reward == 1.0
     loop.close()
 

@@ -36,7 +36,7 @@ from reflrl.envs.prompts import tool_schema
 from reflrl.envs.rewards import calls_match
 from reflrl.envs.types import Task, ToolCall
 
-from .reflection import Attempt, Messages, _last_user, augmented_messages
+from .reflection import Attempt, Messages, last_user_index, augmented_messages
 
 CORRUPTIONS = ("wrong_tool", "wrong_value", "dropped_argument")
 STALE = "stale_name"  # the corruption of a renamed task's example: the call with the name as it was
@@ -212,7 +212,7 @@ def critique_examples(tasks: Sequence[Task], *, messages_fn: Callable[[Task], Me
             misses += 1
             continue
         q = messages_fn(t)
-        query = str(q[_last_user(q)].get("content") or t.query)
+        query = str(q[last_user_index(q)].get("content") or t.query)
         c = critic.critique(CritiqueRequest(query=query, tools=list(t.tools), response=text,
                                             parse=parse(text, fmt), gold=gold))
         if c.positive or c.reflection is None:

@@ -25,10 +25,12 @@ repetitions of the old call, which a small policy copies.
 
 A retry is an answer like any other: when it meets a fault the policy was shown and may act on (a rate
 limit, or an API change that the failed attempt never reached, so the critique could not name it), the
-tool's answer goes back to the policy and the episode goes on as a rollout's would (:func:`_go_on`): the
-policy answers after the tokens so far (q, the kept steps, the retry, the tool's error), not under q*,
-until the episode ends. tau* is then the retry, the tool's answer and the policy's later answers, each
-answer with the log-probs it was sampled with; the critic judges the episode's last answer."""
+tool's answer goes back to the policy and the episode goes on until it ends (:func:`_go_on`). The answer
+after the fault is repaired where the fault was met, as a change-caused failure is: it is sampled under
+q*' = [the conversation before the answer that met the fault, that answer, the critic's analysis of it
+(the fault's fix; or, where the call was wrong too, what is wrong and the call to make as the changed
+tool takes it)], and placed after the tool's answer. tau* is then the retry, the tool's answer and the
+later answers, each with the log-probs it was sampled with; the critic judges the episode's last answer."""
 from __future__ import annotations
 
 import asyncio
@@ -37,14 +39,16 @@ from typing import Any, Callable, Sequence
 
 from reflrl import config as C
 from reflrl import rollout as R
-from reflrl.critic.base import CriticStats
+from reflrl.critic.base import CriticStats, CritiqueRequest
+from reflrl.envs.parsing import format_calls
 from reflrl.envs.rewards import normalize_value
 from reflrl.envs.seeding import derive_seed
 from reflrl.envs.types import ParseResult, ToolCall
 
 from .accounting import COUNT_KEYS, RecoveryResult, triage
 from .batcher import RoundBatcher
-from .reflection import EnvFeedback, Generation, RepairRecord, feedback_from_step, reflect_and_retry
+from .reflection import (Attempt, EnvFeedback, Generation, RepairRecord, last_user_index, visible_fault, augmented_messages,
+                         feedback_from_step, reflect_and_retry, split_response)
 
 
 def _last_action_start(t: R.Trajectory) -> int:
@@ -164,23 +168,29 @@ def _answered(infos: Sequence[dict[str, Any]]) -> list[ToolCall]:
 
 
 async def _go_on(env: Any, tokenizer: Any, step: tuple, before: list[dict], text: str, gen: Generation,
-                 context: list[int], sample_one: Callable, cap: int, max_total_tokens: int) -> EnvFeedback:
+                 context: list[int], sample_one: Callable, cap: int, max_total_tokens: int,
+                 guide: Callable | None = None) -> EnvFeedback:
     """A retry's episode after its answer met a fault the policy was shown: the tool's answer goes back
-    to the policy, which answers it after the tokens so far (``context``: q, the kept steps, the retry),
-    not under q*, until the episode ends or the token budget does -- as in a rollout. The verdict is the
-    episode's at its last answer; its calls are those answered on the way and the last answer's."""
+    to the policy, which answers it, until the episode ends or the token budget does (module doc). Each
+    answer follows the tokens so far (``context``: q, the kept steps, the retry, the tool's answers); with
+    ``guide`` (``guide(conversation before the answer that met the fault, that answer's text, its step's
+    info)`` -> q*' messages or None) it is sampled under the critique of the fault it answers, as a repair
+    at the point of a change is, with its log-probs under q*'. The verdict is the episode's at its last
+    answer; its calls are those answered on the way and the last answer's."""
     steps = [(float(step[1]), step[4])]
     cont: list[tuple[list[int], Generation]] = []
     while _goes_on(*step[1:]):
         got = R.observation_ids(tokenizer, before, step[4], text, gen.token_ids)
         if got is None:
             break
-        obs, before = got
+        obs, after = got
         room = min(cap, max_total_tokens - len(context) - len(obs))
         if room < 8:  # no room left for an answer (the rollouts' own budget check)
             break
         context = context + obs
-        gen = await sample_one(context, room)
+        q_star = await guide(before, text, step[4]) if guide is not None else None
+        gen = await sample_one(q_star if q_star else context, room)
+        before = after
         context = context + list(gen.token_ids)
         text = gen.text
         step = await R.step_episode(env, text)
@@ -322,10 +332,41 @@ async def arecover(trajs: list[R.Trajectory], *, cfg: C.Config, engine: Any, tok
             gen = last[0]
             if gen is None or gen.text != text or not _goes_on(*step[1:]):
                 return feedback_from_step(step[4], step[1])
-            # the retry met a fault the policy was shown: its episode goes on as a rollout's would (module doc)
+            # the retry met a fault the policy was shown: its episode goes on, each answer after a fault
+            # sampled under that fault's critique (module doc)
             context = list(t.prompt_ids) + list(t.response_ids[:_keep_cut(t, keep)]) + list(gen.token_ids)
             return await _go_on(env, tokenizer, step, before, text, gen, context, sample_one, cap,
-                                rollout_cfg.max_total_tokens)
+                                rollout_cfg.max_total_tokens, guide=guide)
+
+        async def guide(conv: list[dict], text: str, info: dict[str, Any]) -> list[dict] | None:
+            """q*' for the answer after a fault the retry met: the conversation before the answer that met
+            it, that answer, and the critic's analysis of the step (the fault's fix when the faulted calls
+            were right; else what is wrong, with the call to make as the changed tool takes it)."""
+            fb = feedback_from_step(info, 0.0)
+            shown = [x for x in info.get("shown_faults") or [] if x.get("policy_can_act")]
+            if not shown or fb.parse is None:
+                return None
+            faulted = [ToolCall(x.get("name") or "", dict(x.get("arguments") or {})) for x in shown]
+            if info.get("api_changes"):
+                from reflrl.envs.tool_env import canonical_call
+                faulted = [canonical_call(info["api_changes"], c) for c in faulted]
+            want = {(g.name, repr(normalize_value(dict(g.arguments)))) for g in gold or []}
+            right = all((c.name, repr(normalize_value(dict(c.arguments)))) in want for c in faulted)
+            fault = visible_fault(shown[0], tuple(visible_fault(x) for x in shown[1:])) if right else None
+            req = CritiqueRequest(query=query, tools=list(t.task.tools), response=text, parse=fb.parse,
+                                  gold=gold, env_fault=fault, api_changes=list(info.get("api_changes") or []) or None)
+            c = await critic.acritique(req)
+            stats.record(c)
+            if c.positive or c.reflection is None:
+                return None
+            thought, action = split_response(text)
+            if fault is not None:
+                try:
+                    action = format_calls([ToolCall(x.tool, dict(x.arguments or {})) for x in (fault, *fault.also)],
+                                          rollout_cfg.fmt)
+                except ValueError:
+                    pass
+            return augmented_messages(conv, [Attempt(thought, action, c.reflection)], mode=f.mode)
 
         async def sample_one(prompt: list[dict] | list[int], cap_: int) -> Generation:
             """One answer: under q* (messages) or, in a retry's episode that went on, after its tokens."""
@@ -348,12 +389,14 @@ async def arecover(trajs: list[R.Trajectory], *, cfg: C.Config, engine: Any, tok
                 fb0 = feedback_from_step(_change_feedback(t, j), t.reward)
                 gold = _remaining_gold(t, j)
                 q = messages_of(t.task) if j == 0 else list(t.steps[j - 1].info.get("messages") or [])
+            q = q or messages_of(t.task)
+            query = str(q[last_user_index(q)].get("content") or t.task.query)
             async def generate(messages: list[dict]) -> Generation:
                 last[0] = await sample_one(messages, cap)
                 return last[0]
 
             return await reflect_and_retry(generate, critic, step_env, t.task, _first_generation(t, j),
-                                           f.max_attempts, first_feedback=fb0, messages=q or messages_of(t.task),
+                                           f.max_attempts, first_feedback=fb0, messages=q,
                                            gold=gold, mode=f.mode, stats=stats, fmt=rollout_cfg.fmt)
         except Exception as e:  # noqa: BLE001 - a broken critic/repair must not stop training
             errors.append(f"{type(e).__name__}: {e}")

@@ -91,7 +91,8 @@ def build_retry_prompt(query: str, attempts: list[Attempt]) -> str:
     return "\n".join(lines)
 
 
-def _last_user(messages: Messages) -> int:
+def last_user_index(messages: Messages) -> int:
+    """Index of the last user message in ``messages``; ValueError when there is none."""
     for i in range(len(messages) - 1, -1, -1):
         if messages[i].get("role") == "user":
             return i
@@ -118,7 +119,7 @@ def augmented_messages(task_messages: Messages, attempts: list[Attempt], mode: s
     if not attempts:
         raise ValueError("augmented_messages needs at least one attempt")
     msgs = [dict(m) for m in task_messages]
-    i = _last_user(msgs)
+    i = last_user_index(msgs)
     query = str(msgs[i].get("content") or "")
     if mode == "replace":
         msgs[i]["content"] = build_retry_prompt(query, attempts)
@@ -173,7 +174,9 @@ class EnvFeedback:
 _RETRY_AFTER_RE = re.compile(r"retry_after=([0-9.]+)")
 
 
-def _visible(f: dict[str, Any], also: tuple[EnvFault, ...] = ()) -> EnvFault:
+def visible_fault(f: dict[str, Any], also: tuple[EnvFault, ...] = ()) -> EnvFault:
+    """The :class:`EnvFault` of a fault the policy was shown (an entry of the env's ``shown_faults`` or
+    ``open_faults``): ``visible``, with its call's arguments and an API change's record."""
     ra = f.get("retry_after_s")
     return EnvFault(kind=str(f.get("kind") or "unknown"), tool=str(f.get("name") or ""),
                     status=f.get("status") if isinstance(f.get("status"), int) else None,
@@ -198,7 +201,7 @@ def env_fault_from_info(info: dict[str, Any]) -> EnvFault | None:
     """
     if info.get("fault_caused") and info.get("open_faults"):
         first, *rest = info["open_faults"]
-        return _visible(first, tuple(_visible(f) for f in rest))
+        return visible_fault(first, tuple(visible_fault(f) for f in rest))
     actionable = ({f.get("call_index") for f in info.get("shown_faults") or [] if f.get("policy_can_act")}
                   if info.get("turn_ended") else set())
     for res in info.get("tool_results") or []:
@@ -337,7 +340,7 @@ async def reflect_and_retry(
         messages = build_messages(task)
     if gold is None and task.gold:
         gold = list(task.gold[0])
-    query = str(messages[_last_user(messages)].get("content") or task.query)
+    query = str(messages[last_user_index(messages)].get("content") or task.query)
 
     async def judge(gen: Generation, fb: EnvFeedback) -> bool:
         """Critique ``gen``, note it in ``rec``; True when the repair loop ends here (a positive
