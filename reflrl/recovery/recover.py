@@ -47,8 +47,8 @@ from reflrl.envs.types import ParseResult, ToolCall
 
 from .accounting import COUNT_KEYS, RecoveryResult, triage
 from .batcher import RoundBatcher
-from .reflection import (Attempt, EnvFeedback, Generation, RepairRecord, last_user_index, visible_fault, augmented_messages,
-                         feedback_from_step, reflect_and_retry, split_response)
+from .reflection import (Attempt, EnvFeedback, Generation, RepairRecord, augmented_messages, feedback_from_step,
+                         last_user_index, reflect_and_retry, split_response, visible_fault)
 
 
 def _last_action_start(t: R.Trajectory) -> int:
