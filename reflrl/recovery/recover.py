@@ -391,6 +391,7 @@ async def arecover(trajs: list[R.Trajectory], *, cfg: C.Config, engine: Any, tok
                 q = messages_of(t.task) if j == 0 else list(t.steps[j - 1].info.get("messages") or [])
             q = q or messages_of(t.task)
             query = str(q[last_user_index(q)].get("content") or t.task.query)
+
             async def generate(messages: list[dict]) -> Generation:
                 last[0] = await sample_one(messages, cap)
                 return last[0]
