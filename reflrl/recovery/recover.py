@@ -108,18 +108,22 @@ def _first_generation(t: R.Trajectory, j: int | None = None) -> Generation:
     return Generation(t.texts[j + 1], list(t.response_ids[a:b]), list(t.old_logprobs[a:b]))
 
 
+def _answered(infos: Sequence[dict[str, Any]]) -> list[ToolCall]:
+    """The calls of these steps that got an answer (not an env fault)."""
+    out = []
+    for info in infos:
+        calls = info.get("calls") or []
+        for res in info.get("tool_results") or []:
+            i = res.get("call_index")
+            if res.get("triage") != "env_fault" and isinstance(i, int) and i < len(calls):
+                out.append(ToolCall.from_dict(calls[i]))
+    return out
+
+
 def _answered_before_last(t: R.Trajectory, upto: int | None = None) -> list[ToolCall]:
     """The calls that got an answer in the steps before the last one (they are already in the answer);
     ``upto``: before that step instead."""
-    out = []
-    for st in t.steps[:-1] if upto is None else t.steps[:upto]:
-        for res in st.info.get("tool_results") or []:
-            if res.get("triage") != "env_fault":
-                calls = st.info.get("calls") or []
-                i = res.get("call_index")
-                if isinstance(i, int) and i < len(calls):
-                    out.append(ToolCall.from_dict(calls[i]))
-    return out
+    return _answered([st.info for st in (t.steps[:-1] if upto is None else t.steps[:upto])])
 
 
 def _remaining_gold(t: R.Trajectory, upto: int | None = None) -> list[ToolCall] | None:
@@ -153,18 +157,6 @@ def _goes_on(reward: float, term: bool, trunc: bool, info: dict[str, Any]) -> bo
     del reward
     return (not (term or trunc) and not info.get("turn_ended") and not info.get("masked")
             and any(f.get("policy_can_act") for f in info.get("shown_faults") or []))
-
-
-def _answered(infos: Sequence[dict[str, Any]]) -> list[ToolCall]:
-    """The calls of these steps that got an answer (not an env fault)."""
-    out = []
-    for info in infos:
-        calls = info.get("calls") or []
-        for res in info.get("tool_results") or []:
-            i = res.get("call_index")
-            if res.get("triage") != "env_fault" and isinstance(i, int) and i < len(calls):
-                out.append(ToolCall.from_dict(calls[i]))
-    return out
 
 
 async def _go_on(env: Any, tokenizer: Any, step: tuple, before: list[dict], text: str, gen: Generation,
