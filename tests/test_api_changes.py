@@ -504,20 +504,64 @@ def test_model_critics_are_shown_the_ground_truth_as_the_changed_tool_takes_it()
     assert "city" in plain and "location" not in plain
 
 
+def _holds_a_change(seed: int) -> bool:
+    """Whether the episode of env seed ``seed`` (``_env("param_renamed")``) has changed its tool: the gold
+    call meets the change."""
+    probe = _env("param_renamed", max_steps=3)
+    try:
+        probe.reset(seed=seed)
+        return bool(probe.step(format_calls([WEATHER], "hermes"))[4]["api_changes"])
+    finally:
+        probe.close()
+
+
+@pytest.mark.parametrize("pooled", [False, True], ids=["fixed-batches", "continuous-batching"])
+def test_the_retry_of_a_single_step_rollout_replays_its_episode_with_the_same_api_changes(tmp_path, pooled):
+    """A one-step rollout's policy error is retried in its own episode again (its env seed), not in another
+    episode of the task: the retry meets the API changes the failed episode had and the critique was
+    written for. Here the failed episode's tool did not change, while a fresh episode of the task (the
+    seed an earlier version derived from (episode seed, attempt)) would have met a change: the retry
+    that copies the critique's call is right at once."""
+    import re
+
+    from reflrl.envs.seeding import derive_seed
+
+    env = _env("param_renamed", max_steps=3)
+    wrong = format_calls([ToolCall("get_current_weather", {"zzz": "Paris"})], "hermes")
+
+    def answer(prompt: str, _j: int) -> str:
+        m = re.search(r"The expected answer is: (<tool_call>.*?</tool_call>)", prompt, re.S)
+        return m.group(1) if "Your previous attempt had issues" in prompt and m else wrong
+
+    def unchanged_but_a_fresh_episode_changed(t) -> bool:
+        return not _holds_a_change(t.seed) and _holds_a_change(derive_seed(t.seed, 1, bits=31))
+
+    try:
+        [t], trajs, res = _rollout_and_recover(tmp_path, env, answer, unchanged_but_a_fresh_episode_changed,
+                                               RuleCritic(reveal="answer"), pooled=pooled)
+        assert not t.correct and len(t.steps) == 1
+        assert res.counts["reflected_policy_error"] == 1 and res.counts["recovered_policy_error"] == 1
+        [rec] = res.records
+        fb = rec.final_feedback
+        assert fb.correct and not fb.info["api_changes"] and not fb.continuation
+        assert trajs[-1].added and trajs[-1].texts == [rec.response_text]
+    finally:
+        env.close()
+
+
 @pytest.mark.parametrize("pooled", [False, True], ids=["fixed-batches", "continuous-batching"])
 def test_a_retry_that_meets_a_change_goes_on_and_the_answer_after_the_error_follows_its_critique(tmp_path, pooled):
-    """A policy error that never met the change (a wrong argument name: 422) is retried in a fresh
-    episode whose tool has changed: the retry copies the critique's call (the old name) and meets the 400.
+    """A policy error that never met its episode's change (a wrong argument name: 422) is retried in a
+    replay of that episode, whose tool has changed: the retry copies the critique's call (the old name)
+    and meets the 400.
     The episode goes on: the answer after the tool's error is sampled under the critique of that error
     (q*': the request, the call that met the change, the analysis naming the new call), as a repair at a
     change is. tau* is the retry, the tool's error and the adapted call, each answer with the log-probs it
     was sampled with; the error is not trained on. A policy that does not read the tool's error on its own
     (this one) is repaired all the same."""
-    import itertools
     import re
 
     from reflrl.envs.parsing import parse
-    from reflrl.envs.seeding import derive_seed
 
     env = _env("param_renamed", max_steps=3)
     wrong = format_calls([ToolCall("get_current_weather", {"zzz": "Paris"})], "hermes")
@@ -530,18 +574,10 @@ def test_a_retry_that_meets_a_change_goes_on_and_the_answer_after_the_error_foll
             return m.group(1) if m else wrong
         return wrong                                       # it never reads the tool's error
 
-    def retry_meets_the_change(s: int) -> bool:   # the retry's fresh episode: env seed (rollout seed, attempt 1)
-        probe = _env("param_renamed", max_steps=3)
-        try:
-            probe.reset(seed=derive_seed(s, 1, bits=31))
-            return bool(probe.step(format_calls([WEATHER], "hermes"))[4]["api_changes"])
-        finally:
-            probe.close()
-
-    seeds = list(itertools.islice((s for s in range(300) if retry_meets_the_change(s)), 3))
     try:
-        [t], trajs, res = _rollout_and_recover(tmp_path, env, answer, lambda t: not t.last.info["api_changes"],
-                                               RuleCritic(reveal="answer"), seeds=seeds, pooled=pooled)
+        [t], trajs, res = _rollout_and_recover(
+            tmp_path, env, answer, lambda t: not t.last.info["api_changes"] and _holds_a_change(t.seed),
+            RuleCritic(reveal="answer"), pooled=pooled)
         assert not t.correct and len(t.steps) == 1 and "change" not in " ".join(t.texts)
         assert res.counts["reflected_policy_error"] == 1 and res.counts["recovered_policy_error"] == 1
         [rec] = res.records

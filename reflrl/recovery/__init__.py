@@ -24,8 +24,8 @@ of rollouts):
    faults first): the critic judges the failed response -- an env fault gets its exact description
    ("the tool answered 429 rate limit after 4 attempts; retry after 2 s"), a policy error the critic's
    analysis -- then :func:`reflect_and_retry` samples under q* until the first positive critique or
-   ``reflection.max_attempts`` retries. Each retry runs in a fresh episode of the same task on the same
-   env (new episode seed, so new fault draws).
+   ``reflection.max_attempts`` retries. Each retry replays the failed episode on the same env (its seed: the
+   same API changes) with fresh fault draws for the retried step.
 3. **Batched generation.** All failures of the round are repaired together: their coroutines share a
    :class:`RoundBatcher`, which waits until every still-active repair is waiting for a sample and then
    draws all of them in ONE ``engine.generate`` call -- one call per attempt round, never one per

@@ -310,14 +310,15 @@ async def arecover(trajs: list[R.Trajectory], *, cfg: C.Config, engine: Any, tok
             attempt[0] += 1
             # each attempt meets its own fault draws, derived from (episode seed, attempt): deterministic,
             # and a retry that meets a fault does not meet the same one at every attempt
-            if keep > 0 and t.seed is not None:
-                # replay the earlier steps (the same faults), then the retry in the next one's place
+            if t.seed is not None:
+                # replay the earlier steps (the same faults), then the retry in the next one's place; the
+                # replay is the failed episode's, so it has the same API changes (sticky per episode and
+                # tool), the ones the critique was written for, even where the retry is the first step
                 _o, info = await R.reset_episode(env, t.task, t.seed, fault_draw=(keep, attempt[0]))
                 for earlier in t.texts[:keep]:
                     *_r, info = await R.step_episode(env, earlier)
-            else:  # a fresh episode of the same task
-                base = t.seed if t.seed is not None else seed + k
-                _o, info = await R.reset_episode(env, t.task, derive_seed(base, attempt[0], bits=31),
+            else:  # no episode seed recorded: a fresh episode of the same task
+                _o, info = await R.reset_episode(env, t.task, derive_seed(seed + k, attempt[0], bits=31),
                                                  fault_draw=(0, attempt[0]))
             before = list(info.get("messages") or [])
             step = await R.step_episode(env, text)
