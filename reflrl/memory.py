@@ -20,6 +20,10 @@ glibc keeps freed memory in its heaps for reuse; after a step of large, short-li
 is hundreds of MB of resident memory nobody uses. :func:`release_heap` returns it to the system
 (``malloc_trim``); callers run it after an optimiser step, a rollout phase and an evaluation.
 
+How much a run holds is measured per phase (:class:`PeakMemory`): the kernel's high-water mark of the
+process's resident memory (``VmHWM``) is reset when a phase starts and read when it ends, so the summary
+can say which phase needs the memory (load, evaluations, warm-up, RL).
+
 What a phase does not read need not stay resident during it. :func:`map_to_disk` writes tensors to a file
 and maps them back (``torch.load(mmap=True)``, the file unlinked at once): the values stay readable and
 writable, and their pages come back from the page cache only when read. The evaluations use it for the
@@ -196,3 +200,81 @@ def offload_optimizer_state(optimizer: torch.optim.Optimizer, folder: str | Path
     for s, m in zip(states, mapped):
         s.update(m)
     return True
+
+
+_STATUS = Path("/proc/self/status")
+_CLEAR_REFS = Path("/proc/self/clear_refs")
+
+
+def _status_kb(key: str) -> int | None:
+    try:
+        for line in _STATUS.read_text().splitlines():
+            if line.startswith(key + ":"):
+                return int(line.split()[1])
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+def peak_rss_bytes() -> int | None:
+    """The process's peak resident memory since the last :func:`reset_peak_rss` (or its start), in bytes:
+    ``VmHWM`` (Linux); elsewhere the lifetime peak (``ru_maxrss``); None where neither can be read."""
+    kb = _status_kb("VmHWM")
+    if kb is not None:
+        return kb * 1024
+    try:
+        import resource
+        import sys
+
+        r = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        return int(r) if sys.platform == "darwin" else int(r) * 1024  # bytes on macOS, KiB on Linux
+    except (ImportError, OSError, ValueError):
+        return None
+
+
+def reset_peak_rss() -> bool:
+    """Start a new high-water mark at the current resident memory (``echo 5 > /proc/self/clear_refs``);
+    False where the kernel does not allow it (then :func:`peak_rss_bytes` keeps the older, higher peak)."""
+    try:
+        _CLEAR_REFS.write_text("5")
+        return True
+    except OSError:
+        return False
+
+
+class PeakMemory:
+    """Peak resident memory per phase of a run, in MB, kept in ``peaks`` (a dict the caller owns, e.g. the
+    run's checkpointed state, so a resumed run keeps the peaks of its earlier phases).
+
+    ``with pm.phase("eval"): ...`` resets the high-water mark, runs the phase and records its peak (the
+    largest of every time that phase ran). Phases nest: a phase inside another (a format probe inside the
+    warm-up) counts for both. Where the mark cannot be reset (``per_phase`` False) every reading is the
+    process's peak so far: an upper bound for each phase."""
+
+    def __init__(self, peaks: dict[str, float]):
+        self.peaks = peaks
+        self.per_phase = True
+        self._open: list[str] = []
+
+    def record(self, *names: str) -> None:
+        """Record the peak since the last reset for ``names`` (each keeps the largest of its readings)."""
+        b = peak_rss_bytes()
+        if b is None:
+            return
+        for name in names:
+            self.peaks[name] = round(max(self.peaks.get(name, 0.0), b / 1e6), 1)
+
+    def _restart(self) -> None:
+        self.per_phase = reset_peak_rss() and self.per_phase
+
+    @contextlib.contextmanager
+    def phase(self, name: str):
+        self.record(*self._open)  # what the enclosing phases held so far, before the mark restarts
+        self._restart()
+        self._open.append(name)
+        try:
+            yield
+        finally:
+            self.record(*self._open)
+            self._open.pop()
+            self._restart()

@@ -17,15 +17,17 @@ from it -- measured in one run, every figure a ratio of two timings taken here a
    run; without it the untrained policy writes longer, wrong answers), one greedy evaluation of the test
    split (48 tasks), warm-up (SFT) steps. Each is printed beside its floor, with where an RL step's time
    goes: prefill, decode, tools, critic, reflection (its prefill and decode), log-probs (the update's
-   forward), backward, optimiser and the rest (Python, batching, accounting).
+   forward), backward, optimiser and the rest (Python, batching, accounting). With continuous batching
+   (``--set rollout.continuous=true``) the rollouts, the turns after faults and the reflection retries
+   share one decode loop: their prefill and decode are counted together, under prefill and decode.
 4. Decode throughput at batch 32 (64 new tokens after 200-token prompts) against what the measured
    matmul rate and bandwidth allow.
 5. --peer: TRL's GRPOTrainer (where installed) on the same batch (the step's prompts, n rollouts,
    same model and precision, no vLLM): its step time beside reflrl's.
 
 The RL step's rollouts per minute are printed too; with --old-engine the same RL steps run again from the
-same start on the engine as it was before its packed decode weights and shared-start prefill, and the two
-rollouts-per-minute figures are compared. CPU-heavy (a few minutes on 2 cores): run it
+same start on the engine as it was before its packed decode weights, shared-start prefill and continuous
+batching (fixed batches), and the two rollouts-per-minute figures are compared. CPU-heavy (a few minutes on 2 cores): run it
 alone; other busy processes make every multi-threaded operation wait.
 
 A busy machine cannot pass: the matmul rates and the bandwidth are measured before AND after the timed
@@ -137,11 +139,35 @@ class Floors:
 
 
 # ------------------------------------------------------------------------------------ instrumentation
+_POOL_KEYS = ("prefill_s", "decode_s", "prompt_tokens", "prompts", "new_tokens", "samples")
+
+
+def _gen_record() -> dict[str, Any]:
+    """What a phase's generation took and served: seconds, tokens, samples, rows per decode step, mean prompt
+    length per call (``ctx``)."""
+    return {"prefill_s": 0.0, "decode_s": 0.0, "prompt_tokens": 0, "prompts": 0, "new_tokens": 0, "samples": 0,
+            "rows": [], "ctx": []}
+
+
+def _merge(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
+    return {k: a[k] + b[k] for k in a}
+
+
+def _pool_counters(engine: Any) -> dict[str, Any] | None:
+    """The counters of ``engine``'s shared decode loop (continuous batching) now, or None (no loop yet)."""
+    pool = getattr(engine, "_pool", None)
+    if pool is None:
+        return None
+    st = pool.stats
+    return {"rows": len(st.decode_rows), **{k: getattr(st, k) for k in _POOL_KEYS}}
+
+
 class Tap:
     """Wraps the trainer's parts to split a phase's time and keep what a floor is computed from."""
 
     def __init__(self, trainer: Any):
         self.t = trainer
+        self.engines = list({id(e): e for e in (trainer.engine, trainer.eval_engine)}.values())
         self.reset()
         self._wrap_engine(trainer.engine)
         if trainer.eval_engine is not trainer.engine:
@@ -188,12 +214,41 @@ class Tap:
         S.policy_update = policy_update
 
     def reset(self) -> None:
+        self.pool_marks = {id(e): _pool_counters(e) for e in self.engines}
         self.times: dict[str, float] = {}
         self.gen: dict[str, dict[str, Any]] = {}
         self.batches: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
         self.update_batches: list[Any] = []
         self.intervals: dict[str, list[tuple[float, float]]] = {}
         self.in_recover = False
+
+    def pooled(self) -> dict[str, Any]:
+        """What the engines' shared continuous-batching loops served since :meth:`reset` (rollouts, turns
+        after faults and reflection retries together: they share decode steps), as a generation record."""
+        g = _gen_record()
+        for e in self.engines:
+            now, then = _pool_counters(e), self.pool_marks.get(id(e))
+            if now is None:
+                continue
+            base = then or {"rows": 0, **{k: 0 for k in _POOL_KEYS}}
+            for k in _POOL_KEYS:
+                g[k] += now[k] - base[k]
+            rows = e._pool.stats.decode_rows[base["rows"]:]
+            g["rows"] += list(rows)
+            if now["prompts"] > base["prompts"]:
+                g["ctx"].append((now["prompt_tokens"] - base["prompt_tokens"]) / (now["prompts"] - base["prompts"]))
+        return g
+
+    def generation(self, key: str) -> dict[str, Any]:
+        """The generation record of ``key`` ("rollout" or "reflection") from fixed-batch calls, with the shared
+        loops' (:meth:`pooled`) added to "rollout"."""
+        g = self.gen.get(key)
+        if key != "rollout":
+            return g or {}
+        p = self.pooled()
+        if not p["samples"] and not p["decode_s"]:
+            return g or {}
+        return _merge(g, p) if g else p
 
     def add(self, key: str, dt: float) -> None:
         self.times[key] = self.times.get(key, 0.0) + dt
@@ -204,9 +259,7 @@ class Tap:
         def generate(*a, **k):
             out = orig(*a, **k)
             st = engine.last_stats
-            g = tap.gen.setdefault("reflection" if tap.in_recover else "rollout",
-                                   {"prefill_s": 0.0, "decode_s": 0.0, "prompt_tokens": 0, "prompts": 0,
-                                    "new_tokens": 0, "samples": 0, "rows": [], "ctx": []})
+            g = tap.gen.setdefault("reflection" if tap.in_recover else "rollout", _gen_record())
             g["prefill_s"] += st.prefill_s
             g["decode_s"] += st.decode_s
             g["prompt_tokens"] += st.prompt_tokens
@@ -425,7 +478,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--peer", action="store_true", help="also time TRL's GRPOTrainer on the same batch")
     ap.add_argument("--old-engine", action="store_true",
                     help="also run the RL steps from the same start with the engine as it was before packed decode "
-                         "weights and shared-start prefill: rollouts per minute, new against old, in this run")
+                         "weights, shared-start prefill and continuous batching: rollouts per minute, new against "
+                         "old, in this run")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
     ap.add_argument("--json", default=None, help="write the figures to this file")
     args = ap.parse_args(argv)
@@ -500,7 +554,7 @@ def run_timed(args: argparse.Namespace) -> Timed:
         wall = time.perf_counter() - t0
         tap.capture = False
         tr.step += 1
-        ro, rf = tap.gen.get("rollout", {}), tap.gen.get("reflection", {})
+        ro, rf = tap.generation("rollout"), tap.generation("reflection")
         fb_floor = update_floor(tr.model, tap.update_batches)
         upd = m.get("time_update_s", 0.0)
         parts = {"prefill": ro.get("prefill_s", 0.0), "decode": ro.get("decode_s", 0.0),
@@ -526,7 +580,7 @@ def run_timed(args: argparse.Namespace) -> Timed:
     t0 = time.perf_counter()
     ev = tr.evaluate("test")
     wall = time.perf_counter() - t0
-    g = tap.gen.get("rollout", {})
+    g = tap.generation("rollout")
     timed.eval = {"tasks": len(tr.splits["test"]), "wall_s": wall, "gen": g, "tools_s": tap.union("tools"),
                   "accuracy": ev.get("accuracy")}
     print(f"greedy evaluation of {len(tr.splits['test'])} tasks: {wall:.1f}s (prefill {g.get('prefill_s', 0):.1f}s, "
@@ -536,7 +590,8 @@ def run_timed(args: argparse.Namespace) -> Timed:
     # 4. decode throughput at batch 32
     from reflrl.engines.transformers_engine import TransformersEngine
 
-    eng = TransformersEngine(tr.model, tr.tokenizer, packed=tr.engine.packed)  # the run's decode weights
+    eng = TransformersEngine(tr.model, tr.tokenizer, packed=tr.engine.packed,  # the run's decode path
+                             continuous=tr.engine.continuous)
     gen = torch.Generator().manual_seed(0)
     prompts = [torch.randint(100, 40000, (200,), generator=gen).tolist() for _ in range(32)]
     eng.generate(prompts[:2], n=1, max_new_tokens=4, stop_ids=[], seed=0)
@@ -569,15 +624,16 @@ def run_timed(args: argparse.Namespace) -> Timed:
 
 def old_engine_steps(cfg: Any, steps: int) -> list[dict[str, Any]]:
     """The RL steps again, from the same start (a fresh trainer on the same config and seed), with the
-    engine as it was before its two speed-ups: plain ``F.linear`` decode weights
-    (``rollout.packed_weights=false``) and every prompt prefilled whole (no shared start). Wall time and
+    engine as it was before its speed-ups: plain ``F.linear`` decode weights
+    (``rollout.packed_weights=false``), every prompt prefilled whole (no shared start) and fixed batches
+    (``rollout.continuous=false``). Wall time and
     rollouts (with reflection retries) per step; the first step warms up, as in the new engine's run."""
     from dataclasses import replace
 
     import reflrl.engines.transformers_engine as TE
     from reflrl.train.loop import Trainer
 
-    old_cfg = replace(cfg, rollout=replace(cfg.rollout, packed_weights="false"),
+    old_cfg = replace(cfg, rollout=replace(cfg.rollout, packed_weights="false", continuous=False),
                       train=replace(cfg.train, out_dir=tempfile.mkdtemp(prefix="floor-old")))
     keep = TE.SHARED_PREFIX_MIN
     TE.SHARED_PREFIX_MIN = 10**9

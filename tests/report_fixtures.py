@@ -76,6 +76,7 @@ def make_run(path: Path, *, seed: int = 0, fault_rate: float = 0.1, reflection: 
                             "reflection_ratio_policy_error": 0.1 if reflection else None, "eval_fault_seed": 1234}
                     for stage, acc, rec in (("before", 0.2, 0.0), ("after_warmup", 0.45, 0.2),
                                             ("after", acc_after, 0.5))},
+        "peak_rss_mb": {"load": 900.0, "eval": 3100.0, "rl": 3400.0, "run": 3400.0},
         "time_split": {"load_s": 4.0, "eval_s": 10.0, "warmup_s": 0.0, "rl_s": 90.0, "other_s": 6.0,
                        "total_s": 110.0, "load_share": 4 / 110, "eval_share": 10 / 110, "warmup_share": 0.0,
                        "rl_share": 90 / 110, "other_share": 6 / 110},

@@ -120,3 +120,46 @@ def test_the_tap_captures_the_warm_ups_batches_as_train_sft_runs_them(monkeypatc
     SFT.train_sft(model, tok, ex, steps=2, batch_size=2, lr=0.0, seed=0)
     assert len(tap.batches) == 2 and all(ids.shape[0] == 2 for ids, _, _ in tap.batches)
     assert bf.bare_forward_backward(model, tap.batches, [p for p in model.parameters() if p.requires_grad]) > 0
+
+
+def test_the_tap_counts_what_a_shared_continuous_batching_loop_served(monkeypatch):
+    """With continuous batching the rollouts and reflection retries decode in the engine's shared loop
+    (``agenerate``), not through ``generate``: the tap must count their samples, tokens, rows and seconds
+    since its last reset (it once read 0 rollouts and no prefill or decode for a whole RL step)."""
+    import asyncio
+    from types import SimpleNamespace
+
+    import reflrl.sft as SFT
+    import reflrl.train.step as S
+    import torch
+    from reflrl.engines.transformers_engine import TransformersEngine
+    from reflrl.models import load_model
+
+    bf = load_script("bench_floor")
+    monkeypatch.setattr(SFT, "nll_backward", SFT.nll_backward)  # the tap's patches are undone after the test
+    monkeypatch.setattr(S, "policy_update", S.policy_update)
+    monkeypatch.setattr(torch.autograd, "backward", torch.autograd.backward)
+    model, tok = load_model("tiny-random", dtype="float32", seed=0)
+    eng = TransformersEngine(model, tok, continuous=True, max_batch_size=4)
+    trainer = SimpleNamespace(engine=eng, eval_engine=eng, critic=None, envs=[], recover=lambda: None,
+                              optimizer=SimpleNamespace(step=lambda: None))
+    tap = bf.Tap(trainer)
+    prompts = [tok.encode("hello there"), tok.encode("another prompt of middling length")]
+
+    async def serve(seed):
+        return await asyncio.gather(*(eng.agenerate([p], n=3, max_new_tokens=6, temperature=1.0, seed=seed + i)
+                                      for i, p in enumerate(prompts)))
+
+    asyncio.run(serve(0))  # before the reset: not counted
+    tap.reset()
+    got = asyncio.run(serve(10))
+    g = tap.generation("rollout")
+    samples = [s for out in got for s in out]
+    assert g["samples"] == len(samples) == 6 and g["prompts"] == 2
+    assert g["new_tokens"] == sum(len(s.token_ids) for s in samples)
+    assert g["prompt_tokens"] == sum(len(p) for p in prompts)
+    assert g["rows"] and max(g["rows"]) <= 4 and g["prefill_s"] > 0 and g["decode_s"] > 0
+    assert g["ctx"] == [sum(len(p) for p in prompts) / 2]
+    assert tap.generation("reflection") == {}
+    tap.reset()
+    assert tap.generation("rollout") == {}  # nothing served since

@@ -212,3 +212,35 @@ def test_optimizer_state_offloaded_to_a_mapped_file_steps_the_same(tmp_path, mon
     assert not offload_optimizer_state(fresh, tmp_path) and list(tmp_path.iterdir()) == []
     assert all(".mapped-" not in mapped_file(s["exp_avg"]) and torch.equal(s["exp_avg"], k)
                for s, k in zip(fresh.state.values(), kept))
+
+
+def test_peak_memory_is_measured_per_phase_and_nested_phases_count_for_both():
+    """PeakMemory resets the kernel's high-water mark at each phase: a phase that allocated 200 MB reads at
+    least that much above the process's resident memory, a later phase that allocated nothing reads less,
+    and a phase inside another (a probe inside the warm-up) counts for both."""
+    from reflrl.memory import PeakMemory, peak_rss_bytes, reset_peak_rss
+
+    peaks: dict[str, float] = {}
+    pm = PeakMemory(peaks)
+    assert reset_peak_rss()
+    base = peak_rss_bytes() / 1e6  # resident now (the mark restarts at the current resident memory)
+
+    def touch(mb):
+        x = torch.ones(int(mb * 1e6) // 4)
+        x += 1
+        del x
+
+    with pm.phase("big"):
+        touch(200)
+    with pm.phase("small"):
+        touch(1)
+    with pm.phase("outer"):
+        with pm.phase("inner"):
+            touch(150)
+    assert pm.per_phase  # Linux: /proc/self/clear_refs restarts the mark
+    assert peaks["big"] >= base + 190
+    assert peaks["small"] < peaks["big"] - 150
+    assert peaks["inner"] >= peaks["small"] + 140 and peaks["outer"] >= peaks["inner"]
+    with pm.phase("small"):  # a phase that runs again keeps the larger of its peaks
+        touch(100)
+    assert peaks["small"] >= base + 90

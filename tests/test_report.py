@@ -51,6 +51,8 @@ def test_run_report_has_every_plot_non_blank(tmp_path):
     # provenance: config, seed, versions
     assert "tiny-random" in html and "torch" in html and "2.13.0" in html and "rate_limit=0.1" in html
     assert re.search(r"<th>seed</th><td>0</td>", html)
+    # peak resident memory by phase (only the phases the run had)
+    assert "<td>load 0.90 GB, evaluations 3.10 GB, RL 3.40 GB; the run 3.40 GB</td>" in html
 
 
 def test_sweep_report_has_every_plot_non_blank(tmp_path):

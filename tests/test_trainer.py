@@ -502,6 +502,11 @@ def test_eval_before_false_skips_the_base_evaluation_and_needs_a_set_warmup(tmp_
     from reflrl.train.summary import format_summary
 
     assert "held-out accuracy: n/a -> " in format_summary(s)
+    # peak resident memory by phase: the phases that ran (no evaluation before), the run's peak their largest
+    p = s["peak_rss_mb"]
+    assert set(p) == {"load", "eval", "warmup", "rl", "run"} and p["run"] == max(v for k, v in p.items() if k != "run")
+    assert all(v > 50 for v in p.values())  # MB: the process with torch and a model holds more than this
+    assert "peak memory (resident): load " in format_summary(s)
 
 
 def test_sft_anchor_adds_the_demonstrations_loss_to_the_update(tmp_path):

@@ -39,6 +39,7 @@ other models take the engine's batch path.
 from __future__ import annotations
 
 import asyncio
+import time
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -262,8 +263,19 @@ class DecodePool:
     # ----------------------------------------------------------------------------------- one step
     def iterate(self) -> list[Request]:
         """Admit pending requests, sample one token for every live row, retire finished rows, run one
-        decode step for the rest. Returns the requests answered at this step (``req.samples`` complete)."""
+        decode step for the rest. Returns the requests answered at this step (``req.samples`` complete).
+        Its time is counted in ``stats``: admission (prefill, the rows' copies) in ``prefill_s``, the head,
+        sampling and decode step in ``decode_s``."""
+        t0 = time.perf_counter()
         self._admit()
+        t1 = time.perf_counter()
+        self.stats.prefill_s += t1 - t0
+        try:
+            return self._sample_and_step()
+        finally:
+            self.stats.decode_s += time.perf_counter() - t1
+
+    def _sample_and_step(self) -> list[Request]:
         active = [i for i, s in enumerate(self.slots) if s is not None]
         if not active:
             return []

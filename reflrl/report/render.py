@@ -232,6 +232,7 @@ def run_sections(run: RunData) -> tuple[list[Section], list[Section]]:
             ("tool calls per learning signal", f"{num(cps)} ({num(calls)} tool calls / {num(signals)} learning signals)"),
             ("time", ", ".join(f"{k[:-2]} {v:.0f}s" for k, v in t.items() if isinstance(v, (int, float)))),
             ("time split", _time_split_text(s.get("time_split"))),
+            ("peak memory (resident)", _peak_memory_text(s.get("peak_rss_mb"))),
             ("evaluations", ", ".join(f"{k.replace('_', ' ')} {v:.0f}s" for k, v in (s.get("eval_seconds") or {}).items()
                                       if isinstance(v, (int, float))) or NOT_RECORDED),
         ]
@@ -303,6 +304,14 @@ def heldout_section(run: RunData) -> Section | None:
     return Section("Held-out: base, after warm-up, after RL",
                    table=(["metric"] + [name for _, name in cols] + ["RL gain (after RL - after warm-up)"], body),
                    rows=[("how", note)])
+
+
+def _peak_memory_text(p: Any) -> str:
+    """``load 0.90 GB, evaluations 3.10 GB, warm-up 2.60 GB, RL 3.40 GB; the run 3.40 GB``."""
+    if not isinstance(p, dict) or "run" not in p:
+        return NOT_RECORDED
+    parts = [("load", "load"), ("evaluations", "eval"), ("warm-up", "warmup"), ("RL", "rl")]
+    return ", ".join(f"{name} {p[k] / 1000:.2f} GB" for name, k in parts if k in p) + f"; the run {p['run'] / 1000:.2f} GB"
 
 
 def _time_split_text(t: Any) -> str:

@@ -47,7 +47,7 @@ from reflrl import rollout as R
 from reflrl.algos import PreRolloutFilter, advantage_needs_critic
 from reflrl.budget import budget_cut_text, cut_record
 from reflrl.errors import DiskSpaceError
-from reflrl.memory import offload_optimizer_state, release_heap
+from reflrl.memory import PeakMemory, offload_optimizer_state, release_heap
 from reflrl.envs.seeding import derive_seed
 from reflrl.progress import Progress
 from reflrl.recovery import RecoveryLedger, own_rollouts, step_accounting
@@ -165,6 +165,9 @@ class Trainer:
                 self.say(f"{self.log.path} has no checkpoint yet: the run starts from the beginning")
             else:
                 self._load(ck)
+        # peak resident memory by phase (summary, report): loading is what this process held so far
+        self.memory = PeakMemory(self.state.peak_rss_mb)
+        self.memory.record("load")
 
     # -------------------------------------------------------------------------------- small helpers
     @property
@@ -213,11 +216,12 @@ class Trainer:
 
         t0 = time.perf_counter()
         offload_optimizer_state(self.optimizer, self.log.path)  # AdamW's moments wait on disk meanwhile
-        if self.cfg.env.faults:
-            res = self.evaluate_episodes(split)
-        else:
-            res = evaluate(self.eval_engine, self.tokenizer, self.splits[split], self.messages, self.eval_cfg,
-                           batch_size=self.eval_batch).to_dict()
+        with self.memory.phase("eval"):
+            if self.cfg.env.faults:
+                res = self.evaluate_episodes(split)
+            else:
+                res = evaluate(self.eval_engine, self.tokenizer, self.splits[split], self.messages, self.eval_cfg,
+                               batch_size=self.eval_batch).to_dict()
         trunk = getattr(self.eval_engine, "trunk_cache", None)
         if trunk is not None:  # the held-out prompts' trunk states wait on disk until the next evaluation
             trunk.offload(self.log.path)
@@ -260,8 +264,9 @@ class Trainer:
         pool = self.splits["val"] or self.train_tasks
         tasks = [pool[i % len(pool)] for i in range(w.probe_n)]
         t0 = time.perf_counter()
-        r = format_rate(self.engine, self.tokenizer, tasks, self.messages, self.rollout_cfg,
-                        batch_size=self.eval_batch, seed=derive_seed(self.cfg.train.seed, 77, bits=31))
+        with self.memory.phase("eval"):
+            r = format_rate(self.engine, self.tokenizer, tasks, self.messages, self.rollout_cfg,
+                            batch_size=self.eval_batch, seed=derive_seed(self.cfg.train.seed, 77, bits=31))
         self.state["timers"]["eval_s"] += time.perf_counter() - t0
         return r
 
@@ -289,11 +294,12 @@ class Trainer:
         else:  # train.eval_before=false (validated: warmup.enabled is then true or false)
             before = (None, "not measured: train.eval_before=false")
         n_evals = 1 + int(bool(w.eval_after or tr.eval_every))  # still to come, each about the first one's cost
-        out = run_warmup(self.cfg, model=self.model, tokenizer=self.tokenizer, train_tasks=self.train_tasks,
-                         messages=self.messages, fmt=answer_format(self.cfg), format_rate_before=before,
-                         over_budget=self._over_budget, reserve_s=n_evals * self._eval_estimate_s(),
-                         progress=self.progress_out, log=lambda s, m: self.log.log(s, m, phase="warmup"),
-                         say=self.say, probe=self.probe_format_rate if w.probe_n > 0 else None)
+        with self.memory.phase("warmup"):
+            out = run_warmup(self.cfg, model=self.model, tokenizer=self.tokenizer, train_tasks=self.train_tasks,
+                             messages=self.messages, fmt=answer_format(self.cfg), format_rate_before=before,
+                             over_budget=self._over_budget, reserve_s=n_evals * self._eval_estimate_s(),
+                             progress=self.progress_out, log=lambda s, m: self.log.log(s, m, phase="warmup"),
+                             say=self.say, probe=self.probe_format_rate if w.probe_n > 0 else None)
         self.state["timers"]["warmup_s"] += out.get("seconds", 0.0)
         if out.get("sft_cut"):
             self._record_cut("warm-up", out["sft_steps"], w.steps)
@@ -443,7 +449,8 @@ class Trainer:
         if cfg.algo.kl_coef > 0 and self.ref_model is None:
             # the reference is the policy RL starts from (after the warm-up; on --resume, the resumed one)
             self.ref_model = frozen_copy(self.model)
-        self._rl_phase()
+        with self.memory.phase("rl"):
+            self._rl_phase()
         st["phase"] = "done"
         if self.step == 0 and "eval_after_warmup" in st:
             # no RL step ran (e.g. a warm-up-only run, train.steps=0): the model is the one just evaluated

@@ -42,6 +42,7 @@ class RunState:
     eval_after_warmup: dict[str, Any] | None = None
     eval_after: dict[str, Any] | None = None
     reflection_error_shown: bool = False
+    peak_rss_mb: dict[str, float] = field(default_factory=dict)  # per phase (load, eval, warmup, rl): MB
     extra: dict[str, Any] = field(default_factory=dict)
 
     # ---- mapping access ---------------------------------------------------------------------------

@@ -123,7 +123,29 @@ def build_summary(st: dict[str, Any], *, cfg: C.Config, run_dir: str, step: int,
         "train_faults": C.train_faults(cfg.env),
         # the wall time by phase: load, evaluations, warm-up, RL steps (rl_share: RL's part of the run)
         "time_split": time_split(st, load_s=load_s, elapsed_s=elapsed_s),
+        # peak resident memory (MB) by phase and of the run (reflrl.memory.PeakMemory)
+        "peak_rss_mb": peak_memory(st),
     }
+
+
+MEMORY_PHASES = (("load", "load"), ("evaluations", "eval"), ("warm-up", "warmup"), ("RL", "rl"))
+
+
+def peak_memory(st: dict[str, Any]) -> dict[str, Any] | None:
+    """``{"load": MB, "eval": MB, "warmup": MB, "rl": MB, "run": MB}`` of the phases that ran (``run``: the
+    largest), or None where none was measured."""
+    p = {k: v for k, v in (st.get("peak_rss_mb") or {}).items() if isinstance(v, (int, float))}
+    return {**p, "run": max(p.values())} if p else None
+
+
+def format_peak_memory(s: dict[str, Any]) -> str | None:
+    """``peak memory (resident): load 0.9 GB, evaluations 3.1 GB, warm-up 2.6 GB, RL 3.4 GB; the run 3.4 GB``;
+    None for a summary without it."""
+    p = s.get("peak_rss_mb")
+    if not p:
+        return None
+    parts = [f"{name} {p[k] / 1000:.2f} GB" for name, k in MEMORY_PHASES if k in p]
+    return "peak memory (resident): " + ", ".join(parts) + f"; the run {p['run'] / 1000:.2f} GB"
 
 
 def format_by_gold_calls(s: dict[str, Any]) -> str | None:
@@ -266,6 +288,9 @@ def format_summary(s: dict[str, Any]) -> str:
     split = format_time_split(s)
     if split:
         lines.append(split)
+    mem = format_peak_memory(s)
+    if mem:
+        lines.append(mem)
     lines += [
         "time: " + ", ".join(f"{k[:-2]} {v:.0f}s" for k, v in s["time_s"].items())
         + ("; evaluations: " + ", ".join(f"{k.replace('_', ' ')} {v:.0f}s" for k, v in ev.items()) if ev else ""),
