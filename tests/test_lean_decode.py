@@ -34,15 +34,20 @@ PACKED = pytest.param(True, marks=needs_onednn, id="packed")
 
 
 @pytest.mark.parametrize("dtype,trainable,atol,pack", [("float32", "all", 1e-5, False), ("bfloat16", "top_layers:1", 2e-2, False),
-                                                       pytest.param("float32", "all", 1e-5, True, marks=needs_onednn, id="float32-packed")])
+                                                       pytest.param("float32", "all", 1e-5, True, marks=needs_onednn, id="float32-packed"),
+                                                       pytest.param("bfloat16", "top_layers:1", 2e-2, True, marks=needs_onednn,
+                                                                    id="bfloat16-packed")])
 def test_step_equals_the_transformers_forward(dtype, trainable, atol, pack):
     model, _ = load_model("tiny-random", dtype=dtype, trainable=trainable, seed=0)
     model.eval()
     assert supports(model)
     mask, cache = _prefilled(model, rows=3, width=7, pad_first=3)
     dec, lean = model.get_decoder(), LeanDecoder(model, FusedWeights(packed=pack))
-    # with packing on, every matrix of the step is a packed one (not a silent fallback to F.linear)
-    assert all(w.is_mkldnn == pack for ws in lean.weights for w in ws if w is not None and w.dim() == 2)
+    # with packing on, every float32 matrix of the step is a packed one (not a silent fallback to F.linear):
+    # all of a float32 model's, the float32 trainable layer's of a bfloat16 one (its frozen ones stay plain)
+    mats = [w for ws in lean.weights for w in ws if w is not None and w.dim() == 2]
+    assert all(w.is_mkldnn == (pack and w.dtype == torch.float32) for w in mats)
+    assert any(w.is_mkldnn for w in mats) == pack
     tok = torch.tensor([5, 17, 40])
     pos = mask.sum(-1)
     ref_cache, lean_cache = copy.deepcopy(cache), copy.deepcopy(cache)
@@ -81,13 +86,17 @@ def test_engine_answers_alike_with_and_without_the_lean_step(pack):
 
 
 @pytest.mark.parametrize("dtype,trainable,atol,pack", [("float32", "all", 1e-4, False), ("bfloat16", "top_layers:1", 5e-2, False),
-                                                       pytest.param("float32", "all", 1e-4, True, marks=needs_onednn, id="float32-packed")])
+                                                       pytest.param("float32", "all", 1e-4, True, marks=needs_onednn, id="float32-packed"),
+                                                       pytest.param("bfloat16", "top_layers:1", 5e-2, True, marks=needs_onednn,
+                                                                    id="bfloat16-packed")])
 def test_sampled_logprobs_match_the_trainers_recomputation(dtype, trainable, atol, pack):
     """The engine's log-probs at temperature 0.7 = the trainer's sequence_logprobs of the same tokens
     (the importance ratio of the clipped loss is 1 up to this tolerance)."""
     model, tok = load_model("tiny-random", dtype=dtype, trainable=trainable, seed=0)
     prompts = [tok.encode("hello there"), tok.encode("a much longer prompt with more tokens in it, ok")]
-    out = TransformersEngine(model, tok, packed=pack).generate(prompts, n=4, max_new_tokens=12, temperature=0.7, seed=3)
+    engine = TransformersEngine(model, tok, packed=pack)
+    assert engine.head()[0].is_mkldnn == pack  # the float32 head is packed in a bfloat16 model too
+    out = engine.generate(prompts, n=4, max_new_tokens=12, temperature=0.7, seed=3)
     ids, am, rm = right_padded(out)
     with torch.no_grad():
         lp = sequence_logprobs(model, ids, am, rm, temperature=0.7)

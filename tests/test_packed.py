@@ -1,6 +1,8 @@
 """rollout.packed_weights: what auto decides from the measurement, its cache, and where packing is off."""
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -32,8 +34,6 @@ def test_explicit_modes_and_what_cannot_be_packed():
     assert not resolve(False, available=True, bench=never).enabled
     no = resolve("true", available=False, bench=never)
     assert not no.enabled and "not available" in no.log_line()
-    bf = resolve("auto", dtype=torch.bfloat16, available=True, bench=never)
-    assert not bf.enabled and "bfloat16" in bf.reason
     with pytest.raises(ValueError, match="rollout.packed_weights='fast'"):
         resolve("fast")
 
@@ -59,3 +59,22 @@ def test_a_packed_product_equals_the_plain_one():
     assert p is not None and p.is_mkldnn
     assert torch.allclose(dense(x, p, b), torch.nn.functional.linear(x, w, b), atol=1e-5)
     assert pack(w.bfloat16()) is None  # only float32 is packed
+
+
+@pytest.mark.skipif(not packed.supported(), reason="this torch build cannot pack weights for oneDNN")
+def test_a_bfloat16_run_packs_its_float32_head_and_trainable_layers():
+    """A model computing in bfloat16 still multiplies by float32 matrices in its decode step (the head, the
+    trainable layers' master weights): with packing on, the run's engines pack those and only those."""
+    from reflrl import config as C
+    from reflrl.train.setup import build_components
+
+    cfg = C.load_config(Path(__file__).resolve().parent.parent / "configs" / "tiny.yaml", ["model.dtype=bfloat16", "model.trainable=top_layers:1",
+                                              "rollout.packed_weights=true"])
+    comp = build_components(cfg, [], env_factory=lambda *_a: ([], None))
+    assert comp.decode_weights.enabled
+    for engine in (comp.engine, comp.eval_engine):
+        assert engine.packed and engine.head()[0].is_mkldnn
+    lean = comp.engine._lean_decoder()
+    mats = [w for ws in lean.weights for w in ws if w is not None and w.dim() == 2]
+    assert {w.is_mkldnn for w in mats} == {True, False}  # the float32 top layer packed, the bfloat16 rest plain
+    assert all(w.is_mkldnn == (w.dtype == torch.float32) for w in mats)

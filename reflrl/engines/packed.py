@@ -14,7 +14,11 @@ update) the two are about equal, so only the decode step uses packed weights.
   gate/up matrices in place of their plain copies, so packing adds only the output projections, the MLP's
   down projection and the output head (about 0.26 GB for SmolLM2-135M).
 * Only float32 weights are packed: bfloat16 needs the CPU's bfloat16 support in oneDNN (refused on AVX2),
-  and its own rates differ from one CPU to the next; those layers keep ``F.linear``.
+  and ``F.linear`` already hands bfloat16 products to oneDNN; those layers keep ``F.linear``. A model
+  computing in bfloat16 still multiplies by float32 matrices in its decode step: the output head (always
+  float32, so that sampled log-probs agree with the trainer's) and the trainable layers' float32 master
+  weights (``model.trainable``). Those are packed: on a 2-core AMD EPYC with AVX512-BF16 that took a
+  decode step of 32 rows from 84 to 58 ms (the head alone from 19 to 5 ms).
 * The two give the same products up to float rounding (the summation order differs; tests check the
   decode step against the transformers forward with packing on).
 * ``auto`` (the default) packs where a sub-second measurement at the decode shapes (:func:`measure`:
@@ -160,11 +164,12 @@ def _store(path: Path, key: str, t: PackedTiming) -> None:
     write_cache_entry(path, key, {"plain_s": t.plain_s, "packed_s": t.packed_s})
 
 
-def resolve(requested: Any = "auto", *, dtype: torch.dtype = torch.float32, cache: Path | None | bool = True,
+def resolve(requested: Any = "auto", *, cache: Path | None | bool = True,
             bench: Callable[[], PackedTiming] | None = None, available: bool | None = None) -> PackedChoice:
-    """``rollout.packed_weights`` (``auto``, true or false) for a model computing in ``dtype``. ``cache``:
-    True = ``<cache>/packed.json``, a path, or False (always measure); ``bench`` / ``available`` are
-    injectable (tests)."""
+    """``rollout.packed_weights`` (``auto``, true or false): whether the decode step packs its float32
+    matrices (all of a float32 model's; the head and any float32 trainable layers of a bfloat16 one).
+    ``cache``: True = ``<cache>/packed.json``, a path, or False (always measure); ``bench`` /
+    ``available`` are injectable (tests)."""
     mode = str(requested).lower()
     if mode not in MODES:
         raise ValueError(f"rollout.packed_weights={requested!r}: expected one of {', '.join(MODES)}")
@@ -173,8 +178,6 @@ def resolve(requested: Any = "auto", *, dtype: torch.dtype = torch.float32, cach
         return PackedChoice(mode, False, "as configured")
     if not ok:
         return PackedChoice(mode, False, "oneDNN weight packing is not available in this torch build")
-    if dtype != torch.float32:
-        return PackedChoice(mode, False, f"{str(dtype).removeprefix('torch.')} weights are not packed")
     if mode == "true":
         return PackedChoice(mode, True, "as configured")
     path = _cache_file() if cache is True else (Path(cache) if cache else None)

@@ -179,8 +179,8 @@ def build_components(cfg: C.Config, train_tasks: Sequence[Any], *, say: Callable
         rollout_engine = eval_engine = engine(model, tok)
     else:
         r = cfg.rollout  # continuous batching (rollout.continuous) within a KV budget
-        packed = resolve_packed(r.packed_weights, dtype=model.get_input_embeddings().weight.dtype,
-                                available=None if next(model.parameters()).device.type == "cpu" else False)
+        on_cpu = next(model.parameters()).device.type == "cpu"
+        packed = resolve_packed(r.packed_weights, available=None if on_cpu else False)
         say(packed.log_line())
         pool = {"continuous": r.continuous, "packed": packed.enabled,
                 "kv_budget_bytes": None if r.kv_budget_mb is None else int(r.kv_budget_mb * 2**20)}
