@@ -1,13 +1,15 @@
 """rollout.packed_weights: what auto decides from the measurement, its cache, and where packing is off."""
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 import torch
 
 from reflrl.engines import packed
 from reflrl.engines.packed import PackedTiming, dense, measure, pack, resolve
+
+from doubles import tiny_cfg
+
+needs_onednn = pytest.mark.skipif(not packed.supported(), reason="this torch build cannot pack weights for oneDNN")
 
 
 def test_auto_packs_where_the_measurement_finds_it_faster_and_caches_it(tmp_path):
@@ -50,7 +52,7 @@ def test_measure_interleaves_and_keeps_each_sides_fastest():
     assert t.plain_s == 1 and t.packed_s == 1
 
 
-@pytest.mark.skipif(not packed.supported(), reason="this torch build cannot pack weights for oneDNN")
+@needs_onednn
 def test_a_packed_product_equals_the_plain_one():
     g = torch.Generator().manual_seed(0)
     w, b = torch.randn(300, 64, generator=g), torch.randn(300, generator=g)
@@ -61,15 +63,14 @@ def test_a_packed_product_equals_the_plain_one():
     assert pack(w.bfloat16()) is None  # only float32 is packed
 
 
-@pytest.mark.skipif(not packed.supported(), reason="this torch build cannot pack weights for oneDNN")
-def test_a_bfloat16_run_packs_its_float32_head_and_trainable_layers():
+@needs_onednn
+def test_a_bfloat16_run_packs_its_float32_head_and_trainable_layers(tmp_path):
     """A model computing in bfloat16 still multiplies by float32 matrices in its decode step (the head, the
     trainable layers' master weights): with packing on, the run's engines pack those and only those."""
-    from reflrl import config as C
     from reflrl.train.setup import build_components
 
-    cfg = C.load_config(Path(__file__).resolve().parent.parent / "configs" / "tiny.yaml", ["model.dtype=bfloat16", "model.trainable=top_layers:1",
-                                              "rollout.packed_weights=true"])
+    cfg = tiny_cfg(tmp_path, **{"model.dtype": "bfloat16", "model.trainable": "top_layers:1",
+                                "rollout.packed_weights": "true"})
     comp = build_components(cfg, [], env_factory=lambda *_a: ([], None))
     assert comp.decode_weights.enabled
     for engine in (comp.engine, comp.eval_engine):
