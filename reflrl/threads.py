@@ -15,6 +15,14 @@ attention) round differently with 1 and 2 threads, and a run's numbers must depe
 So the thread count stays fixed (``train.threads``, default: torch's, one per core) and the wait policy
 does the rest. OpenMP reads it once, when torch loads, so the ``reflrl`` command sets it first thing
 (:func:`configure_openmp`, unless the user chose a policy); importing reflrl sets nothing.
+
+oneDNN (PyTorch's kernels for bfloat16 products and packed float32 weights) keeps every primitive it
+builds, one per product shape, in two caches of 1,024 entries each (oneDNN's own and PyTorch's ideep
+layer), about 0.6 MB of heap per shape between them. Prefills and training micro-batches have a new
+row count almost every time, so over a run the caches fill and hold hundreds of MB that are never
+used again. The ``reflrl`` command caps both at :data:`ONEDNN_CACHE` entries (:func:`configure_onednn`,
+unless the user set them): a decode step's few shapes stay cached, and a shape built again costs about
+a millisecond.
 """
 from __future__ import annotations
 
@@ -37,6 +45,23 @@ def configure_openmp(environ: MutableMapping[str, str] | None = None) -> str | N
         return None
     env["OMP_WAIT_POLICY"] = WAIT_POLICY
     return WAIT_POLICY
+
+
+ONEDNN_CACHE = 128  # primitives kept per cache (module doc)
+_ONEDNN_CACHE_VARS = ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACITY")
+
+
+def configure_onednn(environ: MutableMapping[str, str] | None = None) -> list[str]:
+    """Cap oneDNN's and PyTorch's primitive caches at :data:`ONEDNN_CACHE` entries (module doc), each
+    unless the user set it. Must run before torch is imported (they are read when it loads); returns
+    the variables set (none when torch is already loaded)."""
+    env = os.environ if environ is None else environ
+    if environ is None and "torch" in sys.modules:
+        return []
+    done = [k for k in _ONEDNN_CACHE_VARS if k not in env]
+    for k in done:
+        env[k] = str(ONEDNN_CACHE)
+    return done
 
 
 def fix_threads(threads: int | None) -> None:

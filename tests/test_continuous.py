@@ -227,3 +227,31 @@ def test_lockstep_makes_the_schedule_a_function_of_the_seed(tiny, prompts):
     assert a_rows == b_rows and a == b
     free_rows = {tuple(once(s, False)[0]) for s in (1, 2, 3)}
     assert len(free_rows) > 1  # without the holds the steps' rows follow the pauses
+
+
+def test_a_prefill_with_a_sink_hands_over_each_chunk_and_merges_nothing(tiny):
+    """The pool's admission takes the prefill chunk by chunk (sink): every row exactly once, with the
+    hidden state and keys/values of the merged prefill; no merged cache is built or returned."""
+    model, tok = tiny
+    eng = TransformersEngine(model, tok)
+    prompts = [tok.encode("x"), tok.encode("a much longer prompt with many more tokens in it than the others " * 3),
+               tok.encode("hello there"), tok.encode("a middling prompt, neither short nor long")]
+    width = max(len(p) for p in prompts)
+    got: dict[int, tuple] = {}
+    chunks = []
+
+    def sink(idx, h, cache):
+        chunks.append(list(idx))
+        cw = cache.layers[0].keys.shape[-2]
+        for r, k in enumerate(idx):
+            p = len(prompts[k])
+            got[k] = (h[r].clone(), [lay.keys[r, :, cw - p:].clone() for lay in cache.layers])
+
+    with torch.inference_mode():
+        h, merged = eng._prefill(model.get_decoder(), prompts, width)
+        assert eng._prefill(model.get_decoder(), prompts, width, sink=sink) is None
+    assert len(chunks) > 1 and sorted(k for c in chunks for k in c) == list(range(len(prompts)))
+    for k, p in enumerate(prompts):
+        assert torch.allclose(got[k][0], h[k], atol=1e-5)
+        for mine, lay in zip(got[k][1], merged.layers):
+            assert torch.allclose(mine, lay.keys[k, :, width - len(p): width], atol=1e-5)

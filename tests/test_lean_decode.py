@@ -143,3 +143,54 @@ def test_engines_of_one_model_share_one_copy_of_the_decode_weights():
     assert a._weights() is b._weights()
     other, _ = load_model("tiny-random", dtype="float32", seed=1)
     assert TransformersEngine(other, tok)._weights() is not a._weights()
+
+
+@needs_onednn
+@pytest.mark.parametrize("dtype,trainable,atol", [("float32", "all", 1e-5), ("bfloat16", "top_layers:1", 2e-2)])
+def test_a_prefill_multiplies_by_the_packed_matrices_and_computes_the_same(dtype, trainable, atol, monkeypatch):
+    """Within packed_prefill, the transformers forward of a prompt batch runs its float32 layers' products
+    through the packed copies (counted at oneDNN's op), and its hidden states and keys/values are those of
+    the plain forward; outside it, and with gradients on, nothing is switched."""
+    from reflrl.engines.lean_decode import packed_prefill
+
+    model, _ = load_model("tiny-random", dtype=dtype, trainable=trainable, seed=0)
+    model.eval()
+    g = torch.Generator().manual_seed(2)
+    ids = torch.randint(3, 200, (3, 9), generator=g)
+    mask = torch.ones(3, 9, dtype=torch.long)
+    mask[1, :4] = 0  # a left-padded row
+    pos = (mask.cumsum(-1) - 1).clamp(min=0)
+    dec = model.get_decoder()
+
+    def prefill():
+        cache = growing_cache(model.config)
+        h = dec(input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=cache,
+                use_cache=True).last_hidden_state
+        return h, cache
+
+    calls = []
+    import reflrl.engines.lean_decode as ld
+
+    def counting(x, w, b=None):
+        calls.append(w.is_mkldnn)
+        return packed.dense(x, w, b)
+
+    monkeypatch.setattr(ld, "_dense", counting)
+    fused = FusedWeights(packed=True)
+    float32_layers = sum(layer.self_attn.q_proj.weight.dtype == torch.float32 for layer in dec.layers)
+    with torch.inference_mode():
+        ref_h, ref_cache = prefill()
+        with packed_prefill(model, fused) as switched:
+            got_h, got_cache = prefill()
+        assert switched == float32_layers > 0
+        # per float32 layer: q/k/v once, o, gate/up once, down -- all on packed weights
+        assert len(calls) == 4 * float32_layers and all(calls)
+        again_h, _ = prefill()  # restored: the plain forward again
+        assert len(calls) == 4 * float32_layers
+        assert torch.equal(again_h, ref_h)
+    assert torch.allclose(got_h.float(), ref_h.float(), atol=atol, rtol=0)
+    for a, b in zip(got_cache.layers, ref_cache.layers):
+        assert torch.allclose(a.keys.float(), b.keys.float(), atol=atol, rtol=0)
+        assert torch.allclose(a.values.float(), b.values.float(), atol=atol, rtol=0)
+    with torch.enable_grad(), packed_prefill(model, fused) as switched:
+        assert switched == 0  # the packed copies carry no gradient

@@ -8,7 +8,10 @@ import subprocess
 import sys
 from pathlib import Path
 
-from reflrl.threads import WAIT_POLICY, configure_openmp
+import pytest
+import torch
+
+from reflrl.threads import ONEDNN_CACHE, WAIT_POLICY, configure_onednn, configure_openmp
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -47,3 +50,45 @@ def test_a_run_started_as_the_scripts_start_it_records_its_thread_settings(tmp_p
     assert out.returncode == 0, out.stderr[-2000:]
     s = json.loads((tmp_path / "t" / "summary.json").read_text())
     assert s["omp_wait_policy"] == "PASSIVE" and s["threads"] == 1  # tiny.yaml fixes 1 thread
+
+
+_SHAPES = """
+import ctypes, gc, os, sys
+from reflrl.threads import configure_onednn
+if sys.argv[1] == 'capped':
+    configure_onednn()
+import torch, torch.nn.functional as F
+class MI(ctypes.Structure):
+    _fields_ = [(n, ctypes.c_size_t) for n in ('arena', 'ordblks', 'smblks', 'hblks', 'hblkhd', 'usmblks',
+                                               'fsmblks', 'uordblks', 'fordblks', 'keepcost')]
+libc = ctypes.CDLL('libc.so.6'); libc.mallinfo2.restype = MI
+def used():
+    gc.collect(); return libc.mallinfo2().uordblks
+w = torch.randn(256, 64).bfloat16()
+F.linear(torch.randn(3, 64).bfloat16(), w)
+before = used()
+for m in range(16, 16 + 600):  # a new row count every call, as prefills and micro-batches have
+    F.linear(torch.randn(m, 64).bfloat16(), w)
+print((used() - before) >> 20)
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux") or not torch.backends.mkldnn.is_available(),
+                    reason="measures glibc's heap through mallinfo2 around oneDNN products")
+def test_capped_onednn_caches_keep_the_heap_that_new_product_shapes_leave_bounded():
+    """600 bfloat16 products of 600 row counts: uncapped, oneDNN's caches keep each shape's primitive
+    (hundreds of MB over a run); capped at ONEDNN_CACHE entries the heap stays flat."""
+    env = {k: v for k, v in os.environ.items() if k not in ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACITY")}
+    grown = {mode: int(subprocess.run([sys.executable, "-c", _SHAPES, mode], capture_output=True, text=True,
+                                      env=env, timeout=300, check=True).stdout.split()[-1])
+             for mode in ("capped", "default")}
+    assert grown["default"] >= 50  # MB: what the cap is for (about 0.5 MB per shape here)
+    assert grown["capped"] <= grown["default"] // 3  # at most ONEDNN_CACHE shapes kept of 600
+
+
+def test_configure_onednn_caps_both_caches_unless_the_user_chose():
+    env: dict[str, str] = {}
+    assert configure_onednn(env) == ["ONEDNN_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACITY"]
+    assert env == {"ONEDNN_PRIMITIVE_CACHE_CAPACITY": str(ONEDNN_CACHE), "LRU_CACHE_CAPACITY": str(ONEDNN_CACHE)}
+    mine = {"LRU_CACHE_CAPACITY": "4096"}
+    assert configure_onednn(mine) == ["ONEDNN_PRIMITIVE_CACHE_CAPACITY"] and mine["LRU_CACHE_CAPACITY"] == "4096"

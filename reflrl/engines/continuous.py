@@ -191,40 +191,58 @@ class DecodePool:
             if live and 2 * len(live) <= len(self.slots) and len(self.slots) > 1 and not self.pending:
                 self._layout(live, need_w)  # compact: half the slots idle and nothing to refill them with
             return
-        fresh = []
-        for req, _j in take:
-            if req.state is None and req not in fresh:
-                fresh.append(req)
-        if fresh:
-            self._prefill(fresh)
         if len(take) > free or need_w > self.width:
             self._layout(live, need_w, extra=len(take))
         free_idx = [i for i, s in enumerate(self.slots) if s is None]
+        slots_of: dict[int, list[int]] = {}  # id(request) -> the slots its rows take now
+        for (req, _j), i in zip(take, free_idx):
+            slots_of.setdefault(id(req), []).append(i)
+        fresh: list[Request] = []  # to prefill now; the others were prefilled before and kept their state
+        for req in {id(r): r for r, _ in take}.values():
+            if req.state is None:
+                fresh.append(req)
+            else:
+                keys, values, h = req.state
+                for i in slots_of[id(req)]:
+                    self._place(i, keys, values, h)
+        if fresh:
+            self._prefill(fresh, slots_of)
         for (req, j), i in zip(take, free_idx):
-            keys, values, h = req.state
-            row = _Row(req, j)
-            p = len(req.prompt)
-            for li, lay in enumerate(self.cache.layers):
-                lay.kbuf[i, :, :p] = keys[li]
-                lay.vbuf[i, :, :p] = values[li]
-            self.h[i] = h.to(self.h.dtype)
-            self.slots[i] = row
+            self.slots[i] = _Row(req, j)
             req.placed += 1
             if req.placed == req.n:
                 req.state = None
                 self.pending.remove(req)
         self.stats.samples += len(take)
 
-    def _prefill(self, reqs: list[Request]) -> None:
+    def _place(self, i: int, keys: list[torch.Tensor], values: list[torch.Tensor], h: torch.Tensor) -> None:
+        """A prompt's keys/values [kv_heads, p, head_dim] per layer and last hidden state into slot ``i``."""
+        p = keys[0].shape[-2]
+        for li, lay in enumerate(self.cache.layers):
+            lay.kbuf[i, :, :p] = keys[li]
+            lay.vbuf[i, :, :p] = values[li]
+        self.h[i] = h.to(self.h.dtype)
+
+    def _prefill(self, reqs: list[Request], slots_of: dict[int, list[int]]) -> None:
+        """Prefill ``reqs`` and copy each chunk of the prefill into its rows' slots as soon as it is
+        computed (nothing merged: the buffers and one chunk's cache at a time); a request with rows still
+        waiting for a slot keeps a copy of its state."""
         eng = self.engine
+
+        def sink(idx: list[int], h: torch.Tensor, cache: Any) -> None:
+            cw = cache.layers[0].keys.shape[-2]
+            for r, k in enumerate(idx):
+                req, p = reqs[k], len(reqs[k].prompt)
+                keys = [lay.keys[r, :, cw - p: cw] for lay in cache.layers]
+                values = [lay.values[r, :, cw - p: cw] for lay in cache.layers]
+                placed = slots_of.get(id(req), [])
+                for i in placed:
+                    self._place(i, keys, values, h[r])
+                if req.placed + len(placed) < req.n:
+                    req.state = ([x.clone() for x in keys], [x.clone() for x in values], h[r].clone())
+
         prompts = [r.prompt for r in reqs]
-        width = max(len(p) for p in prompts)
-        h, cache = eng._prefill(eng.model.get_decoder(), prompts, width, capacity=width)
-        for i, r in enumerate(reqs):
-            p = len(r.prompt)
-            keys = [lay.keys[i, :, width - p: width].clone() for lay in cache.layers]
-            values = [lay.values[i, :, width - p: width].clone() for lay in cache.layers]
-            r.state = (keys, values, h[i].clone())
+        eng._prefill(eng.model.get_decoder(), prompts, max(len(p) for p in prompts), sink=sink)
         self.stats.prompts += len(reqs)
         self.stats.prompt_tokens += sum(len(p) for p in prompts)
         self.stats.forward_calls += 1

@@ -29,7 +29,8 @@ forward otherwise (LoRA-wrapped models, other architectures).
 """
 from __future__ import annotations
 
-from typing import Any
+import contextlib
+from typing import Any, Iterator
 
 import torch
 import torch.nn.functional as F
@@ -124,6 +125,66 @@ class FusedWeights:
 
 
 _dense = _packed.dense
+
+
+class _SharedInput:
+    """Linear modules that read the same input (q/k/v, gate/up) served by one product over their
+    concatenated weight: the first call computes it and returns its own columns, the others return
+    theirs from it when they get the same input tensor (as the transformers layers call them), and
+    compute alone otherwise."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, widths: list[int]) -> None:
+        self.weight, self.bias = weight, bias
+        self.bounds = [sum(widths[:i]) for i in range(len(widths) + 1)]
+        self.last: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def forward(self, j: int, module: nn.Module) -> Any:
+        lo, hi = self.bounds[j], self.bounds[j + 1]
+
+        def forward(x: torch.Tensor) -> torch.Tensor:
+            if j == 0:
+                self.last = (x, _dense(x, self.weight, self.bias))
+            elif self.last is None or self.last[0] is not x:
+                return F.linear(x, module.weight, module.bias)
+            out = self.last[1][..., lo:hi]
+            if j == len(self.bounds) - 2:
+                self.last = None
+            return out
+        return forward
+
+
+@contextlib.contextmanager
+def packed_prefill(model: nn.Module, fused: FusedWeights) -> Iterator[int]:
+    """Within the block, the transformers forward of ``model`` multiplies by ``fused``'s packed matrices
+    where a layer has them (float32 layers of a packed cache): a prefill then runs its float32 products
+    through oneDNN too, which on CPUs where PyTorch's BLAS takes a generic path for float32 is 2-2.5x as
+    fast at prefill shapes (:mod:`reflrl.engines.packed`), and no weight is packed twice. For use under
+    ``torch.inference_mode`` (the packed copies carry no gradient). Yields the number of layers switched."""
+    if not fused.packed or torch.is_grad_enabled():
+        yield 0
+        return
+    patched: list[nn.Module] = []
+    try:
+        for li, layer in enumerate(model.get_decoder().layers):
+            at, m = layer.self_attn, layer.mlp
+            wqkv, bqkv, wgu, wo, wd = fused.get(li, layer)
+            if not wqkv.is_mkldnn:
+                continue
+            qkv = _SharedInput(wqkv, bqkv, [at.q_proj.out_features, at.k_proj.out_features, at.v_proj.out_features])
+            gu = _SharedInput(wgu, None, [m.gate_proj.out_features, m.up_proj.out_features])
+            for j, mod in enumerate((at.q_proj, at.k_proj, at.v_proj)):
+                mod.forward = qkv.forward(j, mod)
+                patched.append(mod)
+            for j, mod in enumerate((m.gate_proj, m.up_proj)):
+                mod.forward = gu.forward(j, mod)
+                patched.append(mod)
+            for mod, w in ((at.o_proj, wo), (m.down_proj, wd)):
+                mod.forward = (lambda w, b: lambda x: _dense(x, w, b))(w, mod.bias)
+                patched.append(mod)
+        yield len(patched) // 7
+    finally:
+        for mod in patched:
+            del mod.forward
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -26,7 +26,7 @@ from .base import (FinishReason, GenerateStats, PieceDecoder, RolloutEngine, Sam
                    per_prompt_caps)
 from .fast_decode import (fast_decoding, growable, growing_cache, left_padded_buffers, length_chunks, place_rows,
                           prefix_families, reserve)
-from .lean_decode import FusedWeights, LeanDecoder, supports as lean_supports
+from .lean_decode import FusedWeights, LeanDecoder, packed_prefill, supports as lean_supports
 from .packed import dense
 
 __all__ = ["FinishReason", "GenerateStats", "PieceDecoder", "RolloutEngine", "Sample", "TransformersEngine",
@@ -109,6 +109,9 @@ def sample_next(
         tok = torch.where(bad, zs.argmax(dim=-1), tok)
     return tok, zs[r, tok] - torch.log(total[:, 0])
 
+
+# receives one prefilled chunk: (its rows' indices in the prompts, last hidden states, cache left-padded)
+Sink = Callable[[list[int], torch.Tensor, Any], None]
 
 # per model, the decode step's weight cache for plain (False) and packed (True) weights
 _DECODE_WEIGHTS: weakref.WeakKeyDictionary[nn.Module, dict[bool, FusedWeights]] = weakref.WeakKeyDictionary()
@@ -339,8 +342,22 @@ class TransformersEngine:
         return [s for r in reqs for s in r.samples]
 
     def _prefill(self, decoder: nn.Module, prompts: list[list[int]], width: int,
-                 capacity: int | None = None) -> tuple[torch.Tensor, Any]:
+                 capacity: int | None = None, sink: Sink | None = None) -> tuple[torch.Tensor, Any] | None:
+        """Prompt forward pass: (last hidden state [num, hidden], KV cache left-padded to ``width``);
+        see :meth:`_prefill_chunks`. With packed decode weights, its float32 layers multiply by them
+        (:func:`reflrl.engines.lean_decode.packed_prefill`)."""
+        if self.packed and self.lean and lean_supports(self.model):
+            with packed_prefill(self.model, self._weights()):
+                return self._prefill_chunks(decoder, prompts, width, capacity, sink)
+        return self._prefill_chunks(decoder, prompts, width, capacity, sink)
+
+    def _prefill_chunks(self, decoder: nn.Module, prompts: list[list[int]], width: int,
+                        capacity: int | None = None, sink: Sink | None = None) -> tuple[torch.Tensor, Any] | None:
         """Prompt forward pass: (last hidden state [num, hidden], KV cache left-padded to ``width``).
+        With a ``sink``, each chunk goes to ``sink(rows, h, cache)`` as soon as it is computed (its rows'
+        indices in ``prompts``, their last hidden states, their cache left-padded to the chunk's own
+        width) and nothing is merged or returned: the caller copies what it keeps, and the prefill holds
+        one chunk's cache at a time.
 
         Prompts of very different lengths are prefilled in chunks of similar length
         (:func:`reflrl.engines.fast_decode.length_chunks`, at most 16 rows each), so padding costs little
@@ -384,6 +401,10 @@ class TransformersEngine:
                 h, cache = self._prefill_shared(decoder, chunk_prompts, shared)
             else:
                 h, cache = self._prefill_whole(decoder, chunk_prompts, trunk, depth)
+            if sink is not None:
+                sink(idx, h, cache)
+                del cache
+                continue
             if len(chunks) == 1:
                 return h, cache
             if merged is None:
@@ -392,7 +413,7 @@ class TransformersEngine:
             hs[torch.tensor(idx, device=h.device)] = h
             place_rows(merged, idx, cache)
             del cache  # the chunk's own cache is freed before the next chunk runs
-        return hs, merged
+        return None if sink is not None else (hs, merged)
 
     def _prefill_whole(self, decoder: nn.Module, prompts: list[list[int]], trunk: Any,
                        depth: int) -> tuple[torch.Tensor, Any]:

@@ -222,10 +222,11 @@ class Trainer:
             else:
                 res = evaluate(self.eval_engine, self.tokenizer, self.splits[split], self.messages, self.eval_cfg,
                                batch_size=self.eval_batch).to_dict()
+        release_heap()  # its KV and prefill buffers back to the system (reflrl.memory), before the offload reads
         trunk = getattr(self.eval_engine, "trunk_cache", None)
         if trunk is not None:  # the held-out prompts' trunk states wait on disk until the next evaluation
             trunk.offload(self.log.path)
-        release_heap()  # its KV and prefill buffers back to the system (reflrl.memory)
+            release_heap()  # the states' own memory
         self.state["timers"]["eval_s"] += time.perf_counter() - t0
         return res
 
