@@ -8,7 +8,9 @@ stepping for its longest one. The pool keeps one set of rows busy instead:
 
 * **Requests** (:class:`Request`): one prompt, ``n`` samples, a token cap, sampling settings, a seed. The
   prompt is prefilled once (with the other prompts admitted at the same step, through the engine's prefill:
-  length chunks, the frozen trunk's cache) and its keys/values copied to each of its ``n`` rows.
+  length chunks, the frozen trunk's cache) and its keys/values copied to each of its ``n`` rows, chunk
+  by chunk as the prefill computes them (the buffers are laid out first; no merged copy of the prompts'
+  cache is made, and only a request with rows still waiting for a slot keeps a copy of its state).
 * **Rows** are left-aligned in per-layer KV buffers ``[slots, kv_heads, width, head_dim]``: a row's token
   ``t`` sits in column ``t`` (its rotary position), and every row writes its own column each step
   (:meth:`reflrl.engines.lean_decode.LeanDecoder.step` with a column per row). The attention mask of a

@@ -5,8 +5,11 @@ A decode step multiplies a few rows (the live samples) by every weight matrix of
 weight out on every call, and on some CPUs picks a slow kernel for such skinny products: on a 2-core AMD
 EPYC (AVX2) the output head, [16 rows, 576] x [576, 49,152], ran at 30 GFLOP/s and a 3,072-wide MLP
 product at 37, where oneDNN on weights packed once for its kernel ran them at 100+ (2-3.5x; the same
-oneDNN kernels PyTorch's own compiler uses for frozen CPU weights). On large products (prefill, the
-update) the two are about equal, so only the decode step uses packed weights.
+oneDNN kernels PyTorch's own compiler uses for frozen CPU weights). On large products the two were
+about equal on that machine; on a 2-core AMD EPYC with AVX512-BF16, whose MKL takes a generic path for
+float32, oneDNN ran prefill-sized products at about 500 GFLOP/s against MKL's 210, so prefills multiply
+by the same packed matrices (:func:`reflrl.engines.lean_decode.packed_prefill`); the update keeps
+``F.linear`` (autograd).
 
 * :func:`pack` makes the packed copy of a float32 weight (``torch.ops.mkldnn._reorder_linear_weight``,
   for about :data:`ROWS_HINT` rows); :func:`dense` multiplies by a packed or a plain weight. The decode
