@@ -142,18 +142,23 @@ _LIBC: ctypes.CDLL | None | bool = False
 def release_heap() -> bool:
     """Give the C heap's free memory back to the system (glibc ``malloc_trim``); True when it ran.
     A no-op returning False where the C library has no ``malloc_trim`` (macOS, musl)."""
+    libc = _libc()
+    if libc is None or not hasattr(libc, "malloc_trim"):
+        return False
+    libc.malloc_trim(0)
+    return True
+
+
+def _libc() -> Any:
+    """The C library (ctypes), or None where it cannot be loaded."""
     global _LIBC
     if _LIBC is False:
         name = ctypes.util.find_library("c")
         try:
-            lib = ctypes.CDLL(name) if name else None
-            _LIBC = lib if lib is not None and hasattr(lib, "malloc_trim") else None
+            _LIBC = ctypes.CDLL(name) if name else None
         except OSError:
             _LIBC = None
-    if _LIBC is None:
-        return False
-    _LIBC.malloc_trim(0)  # type: ignore[union-attr]
-    return True
+    return _LIBC
 
 
 _MAPPED = itertools.count()
@@ -182,6 +187,34 @@ def map_to_disk(obj: T, folder: str | Path, what: str, nbytes: int) -> T | None:
     finally:
         with contextlib.suppress(OSError):  # mapped: the data stays readable until it is dropped
             path.unlink()
+
+
+_PAGE = 4096
+_MADV_PAGEOUT = 21  # Linux 5.4+
+
+
+def release_mapped_pages(tensors: Sequence[torch.Tensor]) -> int:
+    """Give back the resident pages of tensors that :func:`map_to_disk` returned, once they have been read:
+    the kernel drops them (``madvise(MADV_PAGEOUT)``) and a later read brings them back from the file, so
+    data read once per phase does not stay counted in the process's memory. The values stay the same
+    (clean file pages are dropped, never zeroed). Only whole pages inside each tensor's storage are
+    advised. Returns the bytes advised; 0 where the system cannot (not Linux, a kernel before 5.4).
+    Meant for mapped tensors only: on ordinary memory it would push the pages to swap, where there is
+    swap."""
+    libc = _libc()
+    if libc is None or not hasattr(libc, "madvise"):
+        return 0
+    done = 0
+    for t in tensors:
+        st = t.untyped_storage()
+        a, n = st.data_ptr(), st.nbytes()
+        lo, hi = -(-a // _PAGE) * _PAGE, (a + n) // _PAGE * _PAGE
+        if hi <= lo:
+            continue
+        if libc.madvise(ctypes.c_void_p(lo), ctypes.c_size_t(hi - lo), _MADV_PAGEOUT) != 0:
+            return done  # not supported here: nothing more to try
+        done += hi - lo
+    return done
 
 
 def offload_optimizer_state(optimizer: torch.optim.Optimizer, folder: str | Path) -> bool:

@@ -14,3 +14,18 @@ def mapped_file(t: torch.Tensor) -> str:
             if lo <= ptr < hi:
                 return parts[5].strip() if len(parts) > 5 else ""
     return ""
+
+
+def mapped_rss(t: torch.Tensor) -> int:
+    """Resident bytes of the mapping that holds ``t``'s data, in this process (/proc/self/smaps, Linux)."""
+    ptr = t.untyped_storage().data_ptr()
+    inside = False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split(maxsplit=1)[0]
+            if "-" in head and not head.endswith(":"):
+                lo, hi = (int(x, 16) for x in head.split("-"))
+                inside = lo <= ptr < hi
+            elif inside and head == "Rss:":
+                return int(line.split()[1]) * 1024
+    return 0

@@ -4,9 +4,12 @@ split gives the unsplit result. Chunked log-probs against full logits, values an
 tests/test_logprobs.py (test_equals_naive_full_logits, test_gradients_match_naive_and_recompute)."""
 from __future__ import annotations
 
+import os
+import sys
+
 import pytest
 import torch
-from mapping import mapped_file
+from mapping import mapped_file, mapped_rss
 
 from reflrl import config as C
 from reflrl import rollout as R
@@ -244,3 +247,21 @@ def test_peak_memory_is_measured_per_phase_and_nested_phases_count_for_both():
     with pm.phase("small"):  # a phase that runs again keeps the larger of its peaks
         touch(100)
     assert peaks["small"] >= base + 90
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="madvise(MADV_PAGEOUT) and /proc/self/smaps are Linux's")
+def test_mapped_pages_read_once_are_given_back_with_their_values_kept(tmp_path):
+    """Tensors map_to_disk returned, read whole, are resident; release_mapped_pages gives their pages back
+    (the mapping's resident size drops) and a later read finds the same values."""
+    from reflrl.memory import map_to_disk, release_mapped_pages
+
+    data = [torch.randn(1024, 1024), torch.randn(512, 1024)]  # 6 MB
+    mapped = map_to_disk([t.clone() for t in data], tmp_path, "test tensors", 6 << 20)
+    assert mapped is not None and ".mapped-" in mapped_file(mapped[0])
+    os.sync()  # the file's pages written back (a run reads them back minutes later; dirty pages stay)
+    assert all(torch.equal(a, b) for a, b in zip(mapped, data))  # read: now resident
+    assert mapped_rss(mapped[0]) >= 6 << 20
+    if not release_mapped_pages(mapped):
+        pytest.skip("this kernel has no MADV_PAGEOUT (before 5.4)")
+    assert mapped_rss(mapped[0]) <= 1 << 20
+    assert all(torch.equal(a, b) for a, b in zip(mapped, data))  # the same values, read back from the file

@@ -87,11 +87,23 @@ def test_offloaded_states_leave_memory_for_a_mapped_file_and_serve_the_same_samp
     for k, (ks, vs, h) in tc.entries.items():  # the same values, now read from the mapping, not the heap
         assert all(".mapped-" in mapped_file(t) for t in (*ks, *vs, h))
         assert all(torch.equal(a, b) for a, b in zip(before[k], (*ks, *vs, h)))
+    import reflrl.engines.trunk_cache as T  # a replayed state's pages are given back (reflrl.memory's test)
+    released = []
+    monkeypatch.setattr(T, "release_mapped_pages", lambda ts: released.append([t.data_ptr() for t in ts]) or 0)
     again = eng.generate(prompts[:3], n=2, max_new_tokens=10, temperature=0.8, seed=3)
     assert tc.hits == 3 and tc.misses == 3  # the offloaded prompts served from the mapping
     assert [s.token_ids for s in again] == [s.token_ids for s in first]
+    assert sorted(map(tuple, released)) == sorted(tuple(t.data_ptr() for t in (*ks, *vs, h))
+                                                  for ks, vs, h in tc.entries.values())
+    files = {k: mapped_file(ks[0]) for k, (ks, _, _) in tc.entries.items()}
     eng.generate(prompts[3:], max_new_tokens=2, temperature=0.0)  # 2 new ones stored in memory
+    released.clear()
+    eng.generate(prompts[3:], max_new_tokens=2, temperature=0.0)  # replayed from memory: nothing to give back
+    assert tc.hits == 5 and released == []
     assert tc.offload(tmp_path) and len(tc.entries) == 5 and list(tmp_path.iterdir()) == []  # again, with both kinds
+    # only the 2 new ones were written: the 3 already on disk keep their mapping
+    assert {k: mapped_file(tc.entries[k][0][0]) for k in files} == files
+    assert all(".mapped-" in mapped_file(ks[0]) for ks, _, _ in tc.entries.values())
 
     import reflrl.diskspace as D  # a disk without room: nothing moves, nothing is lost
     monkeypatch.setattr(D.shutil, "disk_usage", lambda p: type("U", (), {"free": 0})())

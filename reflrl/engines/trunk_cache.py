@@ -16,7 +16,9 @@ them changed (an in-place update, a loaded checkpoint), so it can never serve st
 Between evaluations (a warm-up, an RL phase) nothing reads the states, so :meth:`TrunkCache.offload`
 moves them to a file in a given folder and maps it back (``torch.load(mmap=True)``): the process keeps
 no copy in memory until the next evaluation reads a prompt's states again from the page cache (or the
-disk). The file is unlinked once mapped, so nothing is left behind.
+disk). The file is unlinked once mapped, so nothing is left behind. A prompt's states read back are
+given up again at once (:func:`reflrl.memory.release_mapped_pages`: an evaluation reads each prompt's
+states once), and the next offload writes only the states stored since the last one.
 """
 from __future__ import annotations
 
@@ -26,6 +28,8 @@ from typing import Any, Iterator
 
 import torch
 from torch import nn
+
+from reflrl.memory import map_to_disk, release_mapped_pages
 
 
 def frozen_depth(model: nn.Module) -> int:
@@ -78,6 +82,7 @@ class TrunkCache:
         self.nbytes = 0
         self.hits = self.misses = 0
         self._stamp: tuple | None = None
+        self._mapped: set[tuple[int, ...]] = set()  # prompts whose states are on disk, mapped (offload)
 
     # ------------------------------------------------------------------ validity
     def depth(self) -> int:
@@ -96,6 +101,7 @@ class TrunkCache:
         stamp = self._current_stamp(depth) if depth else (0,)
         if stamp != self._stamp:
             self.entries.clear()
+            self._mapped.clear()
             self.nbytes = 0
             self._stamp = stamp
         return depth
@@ -105,14 +111,15 @@ class TrunkCache:
         until a prefill reads them again (see the module doc); the same tensors' values, the same
         entries. False (nothing moved) when there is nothing to move or the folder's disk has no room
         for it."""
-        if not self.entries:
+        fresh = {k: e for k, e in self.entries.items() if k not in self._mapped}  # those on disk stay there
+        if not fresh:
             return False
-        from reflrl.memory import map_to_disk
-
-        mapped = map_to_disk(self.entries, folder, "the held-out prompts' trunk states", self.nbytes)
+        mapped = map_to_disk(fresh, folder, "the held-out prompts' trunk states", sum(map(self._size, fresh.values())))
         if mapped is None:
             return False
-        self.entries = mapped
+        for k, e in mapped.items():
+            self.entries[k] = e  # (the order, least recently used first, is kept)
+        self._mapped.update(mapped)
         return True
 
     # ------------------------------------------------------------------ entries
@@ -141,7 +148,9 @@ class TrunkCache:
             self.entries[key] = entry
             self.nbytes += size
             while self.max_bytes is not None and self.nbytes > self.max_bytes:
-                self.nbytes -= self._size(self.entries.pop(next(iter(self.entries))))  # least recently used
+                old = next(iter(self.entries))  # least recently used
+                self.nbytes -= self._size(self.entries.pop(old))
+                self._mapped.discard(old)
 
     def batch(self, prompts: list[list[int]], width: int, depth: int
               ) -> tuple[list[torch.Tensor], list[torch.Tensor], torch.Tensor]:
@@ -160,6 +169,8 @@ class TrunkCache:
                 keys[i][r, :, start:] = ks[i]
                 values[i][r, :, start:] = vs[i]
             hidden[r, start:] = h
+            if key in self._mapped:  # read from the page cache: its pages go back until the next evaluation
+                release_mapped_pages([*ks, *vs, h])
         return keys, values, hidden
 
     @contextlib.contextmanager
