@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from reflrl.threads import ONEDNN_CACHE, WAIT_POLICY, configure_onednn, configure_openmp
+from reflrl.threads import (MALLOC_ARENAS, ONEDNN_CACHE, WAIT_POLICY, configure_onednn, configure_openmp,
+                            limit_malloc_arenas)
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -24,7 +25,8 @@ def test_configure_openmp_sets_passive_unless_the_user_chose():
 
 
 def _run(code: str, **env_over: str) -> str:
-    env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("OMP_WAIT_POLICY", "ONEDNN_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACITY")}
     env.update(env_over)
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
@@ -37,6 +39,9 @@ def test_the_reflrl_command_sets_it_before_torch_loads_and_a_plain_import_does_n
     assert _run(cmd).endswith("PASSIVE False")  # set, and torch not yet loaded (so OpenMP will read it)
     assert _run(cmd, OMP_WAIT_POLICY="ACTIVE").endswith("ACTIVE False")  # the user's choice wins
     assert _run("import os, reflrl, reflrl.train; print(os.environ.get('OMP_WAIT_POLICY'))") == "None"
+    caps = ("import os; from reflrl.cli import main; main(['faults', 'list']); "
+            "print(os.environ.get('ONEDNN_PRIMITIVE_CACHE_CAPACITY'), os.environ.get('LRU_CACHE_CAPACITY'))")
+    assert _run(caps) == f"{ONEDNN_CACHE} {ONEDNN_CACHE}"  # the command caps oneDNN's caches too
 
 
 def test_a_run_started_as_the_scripts_start_it_records_its_thread_settings(tmp_path):
@@ -92,3 +97,32 @@ def test_configure_onednn_caps_both_caches_unless_the_user_chose():
     assert env == {"ONEDNN_PRIMITIVE_CACHE_CAPACITY": str(ONEDNN_CACHE), "LRU_CACHE_CAPACITY": str(ONEDNN_CACHE)}
     mine = {"LRU_CACHE_CAPACITY": "4096"}
     assert configure_onednn(mine) == ["ONEDNN_PRIMITIVE_CACHE_CAPACITY"] and mine["LRU_CACHE_CAPACITY"] == "4096"
+
+
+_ARENAS = """
+import ctypes, sys, tempfile, threading
+from reflrl.threads import limit_malloc_arenas
+print(limit_malloc_arenas() if sys.argv[1] == 'limited' else 'default')
+bar = threading.Barrier(6)
+def work():
+    keep = [bytearray(200000) for _ in range(5)]  # from this thread's heap arena
+    bar.wait()  # all six hold theirs at once
+threads = [threading.Thread(target=work) for _ in range(6)]
+for t in threads: t.start()
+for t in threads: t.join()
+libc = ctypes.CDLL('libc.so.6'); libc.fopen.restype = ctypes.c_void_p
+path = tempfile.mktemp()
+f = libc.fopen(path.encode(), b'w'); libc.malloc_info(0, ctypes.c_void_p(f)); libc.fclose(ctypes.c_void_p(f))
+print(open(path).read().count('<heap nr='))
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's arenas, counted by malloc_info")
+def test_limited_malloc_arenas_keep_six_allocating_threads_in_two_heaps():
+    env = {k: v for k, v in os.environ.items() if k not in ("MALLOC_ARENA_MAX", "GLIBC_TUNABLES")}
+    out = {mode: subprocess.run([sys.executable, "-c", _ARENAS, mode], capture_output=True, text=True, env=env,
+                                timeout=120, check=True).stdout.split() for mode in ("limited", "default")}
+    assert out["limited"] == ["True", str(MALLOC_ARENAS)]
+    assert int(out["default"][1]) > MALLOC_ARENAS  # what the limit is for: one arena per allocating thread
+    assert limit_malloc_arenas({"MALLOC_ARENA_MAX": "8"}) is False  # the user's choice stays
+    assert limit_malloc_arenas({"GLIBC_TUNABLES": "glibc.malloc.arena_max=4"}) is False
