@@ -49,10 +49,16 @@ import time
 from pathlib import Path
 from typing import Any, NamedTuple
 
-import torch
-
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+
+from reflrl.threads import configure_onednn, configure_openmp, limit_malloc_arenas  # noqa: E402
+
+configure_openmp()  # the process settings of the reflrl command, before torch loads (reflrl.threads)
+configure_onednn()
+limit_malloc_arenas()
+
+import torch  # noqa: E402
 
 K_DIM, N_DIM = 576, 1536  # SmolLM2-135M's hidden and MLP widths: the decode matmuls' shape
 ROWS = (1, 2, 4, 8, 16, 32, 64, 128, 512, 2048)
