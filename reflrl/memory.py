@@ -36,7 +36,9 @@ import contextlib
 import ctypes
 import ctypes.util
 import itertools
+import mmap
 import os
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Sequence, TypeVar
@@ -189,8 +191,8 @@ def map_to_disk(obj: T, folder: str | Path, what: str, nbytes: int) -> T | None:
             path.unlink()
 
 
-_PAGE = 4096
-_MADV_PAGEOUT = 21  # Linux 5.4+
+_PAGE = mmap.PAGESIZE
+_MADV_PAGEOUT = 21  # Linux 5.4+ (linux/mman.h)
 
 
 def release_mapped_pages(tensors: Sequence[torch.Tensor]) -> int:
@@ -202,7 +204,7 @@ def release_mapped_pages(tensors: Sequence[torch.Tensor]) -> int:
     Meant for mapped tensors only: on ordinary memory it would push the pages to swap, where there is
     swap."""
     libc = _libc()
-    if libc is None or not hasattr(libc, "madvise"):
+    if not sys.platform.startswith("linux") or libc is None or not hasattr(libc, "madvise"):
         return 0
     done = 0
     for t in tensors:
