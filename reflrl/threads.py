@@ -18,7 +18,7 @@ does the rest. OpenMP reads it once, when torch loads, so the ``reflrl`` command
 
 oneDNN (PyTorch's kernels for bfloat16 products and packed float32 weights) keeps every primitive it
 builds, one per product shape, in two caches of 1,024 entries each (oneDNN's own and PyTorch's ideep
-layer), about 0.6 MB of heap per shape between them. Prefills and training micro-batches have a new
+layer), about 0.5 MB of heap per shape between them. Prefills and training micro-batches have a new
 row count almost every time, so over a run the caches fill and hold hundreds of MB that are never
 used again. The ``reflrl`` command caps both at :data:`ONEDNN_CACHE` entries (:func:`configure_onednn`,
 unless the user set them): a decode step's few shapes stay cached, and a shape built again costs about
