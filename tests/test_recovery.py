@@ -122,6 +122,33 @@ def test_round_batcher_serves_one_call_per_round():
     assert res == [["g1"], ["g1", "g2", "g3"], ["g1", "g2"]]
 
 
+def test_round_batcher_orders_a_round_by_key_not_by_arrival():
+    """Repairs that wait on tools reach the batcher in an order the machine's timing decides; the batch
+    goes to the sampler in key order (the rollout repaired), so the same seed batches the same way."""
+    seen = []
+
+    def sample(batch):
+        seen.append(list(batch))
+        return [Generation(str(r)) for r in batch]
+
+    async def run(delays):
+        b = RC.RoundBatcher(len(delays), sample)
+
+        async def client(key, delay):
+            try:
+                await asyncio.sleep(delay)  # a tool call of its own duration
+                return (await b.generate(f"q{key}", key=key)).text
+            finally:
+                b.done()
+
+        return await asyncio.gather(*(client(k, d) for k, d in enumerate(delays)))
+
+    first = asyncio.run(run([0.03, 0.0, 0.02, 0.01]))  # arrival order 1, 3, 2, 0
+    second = asyncio.run(run([0.0, 0.03, 0.01, 0.02]))  # arrival order 0, 2, 3, 1
+    assert seen == [["q0", "q1", "q2", "q3"]] * 2
+    assert first == second == ["q0", "q1", "q2", "q3"]  # each repair still gets its own answer
+
+
 # ----------------------------------------------------------------------------- eq. 2 in the update
 def _ids(tok, messages):
     return list(R.render_prompt(tok, messages))

@@ -364,7 +364,7 @@ async def arecover(trajs: list[R.Trajectory], *, cfg: C.Config, engine: Any, tok
         async def sample_one(prompt: list[dict] | list[int], cap_: int) -> Generation:
             """One answer: under q* (messages) or, in a retry's episode that went on, after its tokens."""
             if not pooled:
-                return await batcher.generate((prompt, cap_))
+                return await batcher.generate((prompt, cap_), key=k)  # a batch in rollout order, whatever the timing
             requests[0] += 1
             asked[0] += 1
             with gen_timer:
