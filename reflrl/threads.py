@@ -93,6 +93,15 @@ def limit_malloc_arenas(environ: MutableMapping[str, str] | None = None) -> bool
     return bool(mallopt(_M_ARENA_MAX, MALLOC_ARENAS))
 
 
+def configure_process() -> None:
+    """The process settings the ``reflrl`` command makes before torch loads (module doc): OpenMP's wait
+    policy, oneDNN's cache caps, glibc's heap arenas, each unless the user chose. Scripts that mirror a run
+    call it first too."""
+    configure_openmp()
+    configure_onednn()
+    limit_malloc_arenas()
+
+
 def fix_threads(threads: int | None) -> None:
     """Set torch's CPU thread count for the whole process to ``threads`` (``train.threads``); None or 0
     leaves torch's default (one per core). A run, and every script that mirrors one, calls this once

@@ -52,11 +52,9 @@ from typing import Any, NamedTuple
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from reflrl.threads import configure_onednn, configure_openmp, limit_malloc_arenas  # noqa: E402
+from reflrl.threads import configure_process  # noqa: E402
 
-configure_openmp()  # the process settings of the reflrl command, before torch loads (reflrl.threads)
-configure_onednn()
-limit_malloc_arenas()
+configure_process()  # the process settings of the reflrl command, before torch loads (reflrl.threads)
 
 import torch  # noqa: E402
 

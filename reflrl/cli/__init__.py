@@ -290,11 +290,11 @@ _COMMANDS = {
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``reflrl`` console script; returns the exit status."""
-    from reflrl.threads import configure_onednn, configure_openmp, limit_malloc_arenas
+    from reflrl.threads import configure_process
 
-    configure_openmp()  # before anything loads torch: waiting OpenMP threads sleep (reflrl.threads)
-    configure_onednn()  # and oneDNN keeps a bounded number of product shapes
-    limit_malloc_arenas()  # before any thread starts: the threads share few heap arenas
+    # before anything loads torch or starts a thread: waiting OpenMP threads sleep, oneDNN keeps a bounded
+    # number of product shapes, the threads share few heap arenas (reflrl.threads)
+    configure_process()
     argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
     try:

@@ -138,7 +138,8 @@ class _SharedInput:
         self.bounds = [sum(widths[:i]) for i in range(len(widths) + 1)]
         self.last: tuple[torch.Tensor, torch.Tensor] | None = None
 
-    def forward(self, j: int, module: nn.Module) -> Any:
+    def forward_of(self, j: int, module: nn.Module) -> Any:
+        """The forward of the ``j``-th module of the group (``module``)."""
         lo, hi = self.bounds[j], self.bounds[j + 1]
 
         def forward(x: torch.Tensor) -> torch.Tensor:
@@ -173,10 +174,10 @@ def packed_prefill(model: nn.Module, fused: FusedWeights) -> Iterator[int]:
             qkv = _SharedInput(wqkv, bqkv, [at.q_proj.out_features, at.k_proj.out_features, at.v_proj.out_features])
             gu = _SharedInput(wgu, None, [m.gate_proj.out_features, m.up_proj.out_features])
             for j, mod in enumerate((at.q_proj, at.k_proj, at.v_proj)):
-                mod.forward = qkv.forward(j, mod)
+                mod.forward = qkv.forward_of(j, mod)
                 patched.append(mod)
             for j, mod in enumerate((m.gate_proj, m.up_proj)):
-                mod.forward = gu.forward(j, mod)
+                mod.forward = gu.forward_of(j, mod)
                 patched.append(mod)
             for mod, w in ((at.o_proj, wo), (m.down_proj, wd)):
                 mod.forward = (lambda w, b: lambda x: _dense(x, w, b))(w, mod.bias)
