@@ -5,9 +5,10 @@ What a training step of a decoder holds (SmolLM2-135M, ``top_layers:12``, float3
 * weights: 135 M parameters (0.54 GB in float32, 0.33 GB with the frozen part in bfloat16);
 * gradients and AdamW state of the trainable parameters: 3 x 4 bytes each (42.5 M: 0.51 GB);
 * activations autograd keeps for the backward pass: per token, per trainable decoder layer, about
-  ``7 hidden + 5 intermediate`` values (norms, projections, rotary q/k, the SiLU-gated MLP), 46.5 KB
-  for SmolLM2 in float32, so 0.56 MB per token over 12 layers; frozen layers keep nothing. This is the
-  part that grows with the batch: a warm-up batch of 4 x 430 tokens holds about 1 GB;
+  ``7 hidden + 3 intermediate`` values (norms, projections, rotary q/k, the SiLU-gated MLP's gate and
+  up: :func:`reflrl.trainable.lean_mlp_activations` recomputes the rest in the backward pass; 5
+  without it), 34.6 KB for SmolLM2 in float32, so 0.41 MB per token over 12 layers; frozen layers keep
+  nothing. This is the part that grows with the batch;
 * logits: only at the trained positions, in chunks of rows (:func:`reflrl.logprobs.token_logprobs_from_hidden`),
   so at most one chunk of ``chunk x vocabulary`` float32 values at a time.
 
@@ -82,10 +83,11 @@ class ActivationCost:
         head_dim = int(getattr(cfg, "head_dim", None) or h // heads)
         vocab = int(cfg.vocab_size)
         layers, size = _trainable_layers(model)
+        lean = _lean_mlps(model, layers)  # keep 3 intermediate values per token, not 5
         eager = getattr(cfg, "_attn_implementation", "sdpa") == "eager"
         f = _BACKWARD_FACTOR
         return cls(
-            per_token=int(f * layers * (7 * h + 5 * inter) * size),
+            per_token=int(f * (layers * (7 * h + 5 * inter) - lean * 2 * inter) * size),
             per_key=int(f * layers * 2 * kv * head_dim * size),
             per_score=int(f * layers * 2 * heads * size) if eager else 0,
             logits=int(3 * chunk_rows * vocab * 4),
@@ -112,6 +114,17 @@ def _trainable_layers(model: nn.Module) -> tuple[int, int]:
     if first is None:  # no layer trains (only a head or nothing): count one layer's worth
         return (1 if trainable else 0), size
     return len(blocks) - first, size
+
+
+def _lean_mlps(model: nn.Module, layers: int) -> int:
+    """How many of the top ``layers`` decoder layers run :func:`reflrl.trainable.lean_mlp_activations`'
+    MLP (two intermediate-size values per token fewer kept for the backward pass)."""
+    try:
+        blocks = list(model.get_decoder().layers)
+    except AttributeError:
+        return 0
+    blocks = blocks[len(blocks) - layers:] if layers else []
+    return sum(getattr(getattr(b, "mlp", None), "_lean_plain", None) is not None for b in blocks)
 
 
 def split_to_budget(items: Sequence[T], cost: Callable[[Sequence[T]], int], budget: int | None,

@@ -65,7 +65,7 @@ from .errors import ConfigError
 from .memory import release_heap
 from .paths import cache_root
 from .trainable import (LORA_TARGETS, apply_lora, apply_trainable, count_parameters,  # noqa: F401  (re-exported)
-                        parse_trainable, trainable_parameters)
+                        lean_mlp_activations, parse_trainable, trainable_parameters)
 
 EMBEDDED_NAME = "smollm2-135m-instruct"
 TINY_NAME = "tiny-random"
@@ -442,6 +442,7 @@ def load_model(
         model = apply_lora(model, r=lora_r, alpha=lora_alpha, dropout=lora_dropout)
     else:
         apply_trainable(model, trainable, dtype=torch_dtype, trainable_dtype=t_dtype)
+        lean_mlp_activations(model)  # the trained MLPs keep less for the backward pass, same gradients
     model.train()
     release_heap()  # the float32 copy a bfloat16 model was cast from, the conversion's buffers
     return model, tokenizer

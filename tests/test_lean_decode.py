@@ -194,3 +194,33 @@ def test_a_prefill_multiplies_by_the_packed_matrices_and_computes_the_same(dtype
         assert torch.allclose(a.values.float(), b.values.float(), atol=atol, rtol=0)
     with torch.enable_grad(), packed_prefill(model, fused) as switched:
         assert switched == 0  # the packed copies carry no gradient
+
+
+@pytest.mark.parametrize("pack", [False, PACKED])
+def test_copies_of_the_trained_layers_are_dropped_before_an_update_and_rebuilt_at_the_next_use(pack):
+    """``on_weights_changing`` frees the decode step's copies of the layers (and head) that train, keeps
+    the frozen ones, and the next generation rebuilds them: the same answers as before."""
+    model, tok = load_model("tiny-random", dtype="float32", trainable="top_layers:1", seed=0)
+    eng = TransformersEngine(model, tok, packed=pack)
+    prompts = [tok.encode("hello there"), tok.encode("a much longer prompt with more tokens in it, ok")]
+    before = eng.generate(prompts, n=1, max_new_tokens=6, temperature=0.0)
+    fused, n = eng._weights(), len(model.get_decoder().layers)
+    frozen = fused.layers[0]
+    assert set(fused.layers) == set(range(n)) and fused._head is not None
+    eng.on_weights_changing(model)
+    assert set(fused.layers) == set(range(n - 1))  # the top layer trains: its copies are gone
+    assert fused.layers[0] is frozen and fused._head is not None  # the frozen layers' and the head's stay
+    again = eng.generate(prompts, n=1, max_new_tokens=6, temperature=0.0)
+    assert set(fused.layers) == set(range(n))
+    assert [s.token_ids for s in again] == [s.token_ids for s in before]
+    assert [s.logprobs for s in again] == [s.logprobs for s in before]
+
+
+def test_a_trained_head_is_dropped_too():
+    model, tok = load_model("tiny-random", dtype="float32", trainable="all", seed=0)
+    eng = TransformersEngine(model, tok)
+    eng.generate([tok.encode("hello there")], n=1, max_new_tokens=3, temperature=0.0)
+    fused = eng._weights()
+    assert fused.layers and fused._head is not None
+    assert fused.drop_trainable(model) > 0
+    assert not fused.layers and fused._head is None

@@ -265,3 +265,58 @@ def test_mapped_pages_read_once_are_given_back_with_their_values_kept(tmp_path):
         pytest.skip("this kernel has no MADV_PAGEOUT (before 5.4)")
     assert mapped_rss(mapped[0]) <= 1 << 20
     assert all(torch.equal(a, b) for a, b in zip(mapped, data))  # the same values, read back from the file
+
+
+def _saved_bytes(model, ids):
+    """Bytes of the tensors autograd keeps for the backward pass of a forward over ``ids`` (parameters
+    not counted), and the loss."""
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    seen = {}
+
+    def pack(t):
+        s = t.untyped_storage()
+        seen[s.data_ptr()] = s.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        loss = model(input_ids=ids).logits.float().log_softmax(-1)[:, -5:, :50].mean()
+    return sum(v for k, v in seen.items() if k not in params), loss
+
+
+def _plain_mlps(model):
+    for layer in model.get_decoder().layers:
+        if getattr(layer.mlp, "_lean_plain", None) is not None:
+            del layer.mlp.forward  # back to the class's forward
+            layer.mlp._lean_plain = None
+
+
+@pytest.mark.parametrize("dtype,trainable,trained", [("float32", "all", 2), ("bfloat16", "top_layers:1", 1)])
+def test_trained_mlps_keep_gate_and_up_only_with_autograds_gradients(dtype, trainable, trained):
+    """A trained MLP keeps two intermediate-size tensors per token fewer than autograd's own (its SiLU and
+    the gated product are recomputed in the backward pass) and gives the same gradients, bit for bit;
+    sampling (no gradients) and frozen layers run the module's own forward."""
+    lean, _ = load_model("tiny-random", dtype=dtype, trainable=trainable, seed=0)
+    plain, _ = load_model("tiny-random", dtype=dtype, trainable=trainable, seed=0)
+    _plain_mlps(plain)
+    layers = lean.get_decoder().layers
+    assert sum(getattr(layer.mlp, "_lean_plain", None) is not None for layer in layers) == trained
+    ids = torch.randint(0, 1000, (3, 17), generator=torch.Generator().manual_seed(0))
+    kept_lean, loss_lean = _saved_bytes(lean, ids)
+    kept_plain, loss_plain = _saved_bytes(plain, ids)
+    size = next(p for p in lean.parameters() if p.requires_grad).element_size()
+    assert kept_plain - kept_lean == 2 * lean.config.intermediate_size * ids.numel() * trained * size
+    assert torch.equal(loss_lean, loss_plain)
+    loss_lean.backward()
+    loss_plain.backward()
+    assert _grads(lean).keys() == _grads(plain).keys()
+    for k, g in _grads(lean).items():
+        assert torch.equal(g, _grads(plain)[k]), k
+    with torch.no_grad():
+        assert torch.equal(lean(input_ids=ids).logits, plain(input_ids=ids).logits)
+    cost_lean, cost_plain = ActivationCost.of(lean), ActivationCost.of(plain)
+    assert cost_plain.per_token > cost_lean.per_token
+
+
+def test_lora_mlps_keep_their_forward():
+    model, _ = load_model("tiny-random", dtype="float32", trainable="lora", seed=0)
+    assert not any(getattr(m, "_lean_plain", None) is not None for m in model.modules())

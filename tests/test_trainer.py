@@ -547,3 +547,62 @@ def test_sft_anchor_adds_the_demonstrations_loss_to_the_update(tmp_path):
         assert m["update_skipped"] == 1.0 or m["sft_loss"] > 0
     finally:
         tr.close()
+
+
+def test_engines_hear_of_an_update_before_its_optimiser_steps_and_after(tmp_path):
+    """``on_weights_changing(model)`` reaches the engine before the update's optimiser steps (the weights
+    are still the sampled ones: the engine may free what it derived from them) and ``on_weights_updated``
+    after them, once each per update."""
+    cfg = tiny_cfg(tmp_path, **{"train.steps": 1, "train.save_every": 0})
+    events = []
+
+    class Recording(ScriptedEngine):
+        def on_weights_changing(self, model):
+            events.append(("changing", trainable(model)))
+
+        def on_weights_updated(self, model):
+            events.append(("updated", trainable(model)))
+
+    sp = splits_from_config(cfg.data)
+    tasks = sp["train"] + sp["val"] + sp["test"]
+    tr = T.Trainer(cfg, tmp_path / "run", progress=False, quiet=True,
+                   engine=lambda model, tok: Recording(tok, answer_by_task(tasks)))
+    try:
+        before = trainable(tr.model)
+        m = tr.train_step()
+        after = trainable(tr.model)
+    finally:
+        tr.close()
+    assert m["update_skipped"] == 0.0
+    assert [e[0] for e in events] == ["changing", "updated"]
+    assert all(torch.equal(events[0][1][k], before[k]) for k in before)
+    assert all(torch.equal(events[1][1][k], after[k]) for k in after)
+    assert any(not torch.equal(before[k], after[k]) for k in before)
+
+
+def test_adamws_moments_wait_on_disk_between_rl_steps(tmp_path, monkeypatch):
+    """After an RL step that updated, the optimiser's moments live in a mapped (unlinked) file, not in the
+    process's heap: the rollouts and forward/backward passes of the next step never read them. A run
+    with the moments kept in memory reaches the same weights."""
+    from mapping import mapped_file
+
+    import reflrl.train.loop as L
+
+    def two_steps(folder):
+        tr = scripted_trainer(tiny_cfg(folder, **{"train.steps": 2, "train.save_every": 0}), folder / "run")
+        try:
+            m = tr.train_step()
+            moments = [s[k] for s in tr.optimizer.state.values() for k in ("exp_avg", "exp_avg_sq")]
+            where = [mapped_file(t) for t in moments]
+            tr.train_step()
+            return m, where, trainable(tr.model)
+        finally:
+            tr.close()
+
+    m, where, weights = two_steps(tmp_path / "a")
+    assert m["update_skipped"] == 0.0 and where and all(".mapped-" in w for w in where)
+    monkeypatch.setattr(L, "offload_optimizer_state", lambda opt, folder: False)  # kept in memory
+    _, where_kept, weights_kept = two_steps(tmp_path / "b")
+    assert not any(".mapped-" in w for w in where_kept)
+    assert weights.keys() == weights_kept.keys()
+    assert all(torch.equal(v, weights_kept[k]) for k, v in weights.items())

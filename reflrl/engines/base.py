@@ -67,7 +67,8 @@ class RolloutEngine(Protocol):
 
     # Optional: ``on_weights_updated(model)``, called by the trainer after each optimiser step (an engine
     # holding its own copy of the weights, as vLLM does, copies them in; one that samples from the trained
-    # model itself needs none).
+    # model itself needs none), and ``on_weights_changing(model)``, called before the optimiser steps of
+    # an update or a warm-up (an engine can drop what it derived from the trained weights).
 
 
 def per_prompt_caps(max_new_tokens: int | Sequence[int], n_prompts: int) -> list[int]:

@@ -114,6 +114,25 @@ class FusedWeights:
             hit = self.layers[li] = (stamp, wqkv, bqkv, wgu, wo, wd)
         return hit[1:]
 
+    def drop_trainable(self, model: nn.Module) -> int:
+        """Forget the copies of ``model``'s layers (and head) that have a parameter with ``requires_grad``:
+        an optimiser step is about to change them, so they would be rebuilt at the next use anyway, and
+        meanwhile their memory (the packed float32 copies of the trained layers) is free for the update.
+        Returns the bytes dropped."""
+        def size(t: Any) -> int:
+            return t.numel() * t.element_size() if isinstance(t, torch.Tensor) else 0
+
+        freed = 0
+        layers = model.get_decoder().layers
+        for li in [li for li in self.layers if li < len(layers)]:
+            if any(p.requires_grad for p in layers[li].parameters()):
+                freed += sum(size(t) for t in self.layers.pop(li)[1:])
+        head = model.get_output_embeddings()
+        if self._head is not None and head is not None and any(p.requires_grad for p in head.parameters()):
+            freed += size(self._head[1]) + size(self._head[2])
+            self._head = None
+        return freed
+
     def head(self, weight: torch.Tensor, bias: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The output head in float32 (packed where ``packed``), and its bias: the logits are
         ``packed.dense(h.float(), *head)``."""

@@ -258,6 +258,13 @@ class TransformersEngine:
             per_model[self.packed] = FusedWeights(packed=self.packed)
         return per_model[self.packed]
 
+    def on_weights_changing(self, model: nn.Module) -> None:
+        """Before optimiser steps on ``model`` (an update, a warm-up): the decode step's copies of the
+        trained parameters are dropped now rather than rebuilt after (:meth:`FusedWeights.drop_trainable`),
+        so the update's activations can use their memory."""
+        for fused in _DECODE_WEIGHTS.get(model, {}).values():
+            fused.drop_trainable(model)
+
     def head(self) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The output head's weight and bias as the decode step multiplies by them
         (``packed.dense(h.float(), *head)``: float32, packed where ``packed``)."""

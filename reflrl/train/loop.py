@@ -200,6 +200,15 @@ class Trainer:
         if hook is not None:
             hook(self.model)
 
+    def weights_changing(self) -> None:
+        """Before the optimiser steps of an update or a warm-up: the engine hook ``on_weights_changing(model)``
+        of each engine that has one (the decode step's copies of the trained weights are freed for the
+        update, not rebuilt until the next generation)."""
+        for engine in {id(e): e for e in (self.rollout_engine, self.eval_engine) if e is not None}.values():
+            hook = getattr(engine, "on_weights_changing", None)
+            if hook is not None:
+                hook(self.model)
+
     def _remaining_after(self) -> float | None:
         """Estimated seconds after the current phase (progress ETA): during RL, the final evaluation."""
         return self._eval_estimate_s() if self.state.get("phase") == "rl" else None
@@ -215,7 +224,8 @@ class Trainer:
         from reflrl.heldout import evaluate
 
         t0 = time.perf_counter()
-        offload_optimizer_state(self.optimizer, self.log.path)  # AdamW's moments wait on disk meanwhile
+        if offload_optimizer_state(self.optimizer, self.log.path):  # AdamW's moments wait on disk meanwhile
+            release_heap()  # the memory they held, back to the system before the evaluation's peak
         with self.memory.phase("eval"):
             if self.cfg.env.faults:
                 res = self.evaluate_episodes(split)
@@ -296,6 +306,7 @@ class Trainer:
             before = (None, "not measured: train.eval_before=false")
         n_evals = 1 + int(bool(w.eval_after or tr.eval_every))  # still to come, each about the first one's cost
         with self.memory.phase("warmup"):
+            self.weights_changing()
             out = run_warmup(self.cfg, model=self.model, tokenizer=self.tokenizer, train_tasks=self.train_tasks,
                              messages=self.messages, fmt=answer_format(self.cfg), format_rate_before=before,
                              over_budget=self._over_budget, reserve_s=n_evals * self._eval_estimate_s(),
@@ -332,8 +343,13 @@ class Trainer:
 
     def train_step(self) -> dict[str, Any]:
         """One RL step: :func:`reflrl.train.step.train_step` (collect -> recover -> select -> advantages ->
-        batch -> loss -> optimiser step -> account); returns its metrics."""
-        return S.train_step(self)
+        batch -> loss -> optimiser step -> account); returns its metrics. AdamW's moments then wait on
+        disk until the next optimiser step reads them (:func:`reflrl.memory.offload_optimizer_state`): the
+        rollouts and the forward/backward passes between two steps never read them."""
+        m = S.train_step(self)
+        if m.get("update_skipped") == 0.0 and offload_optimizer_state(self.optimizer, self.log.path):
+            release_heap()  # the memory they held in the heap (their first step), back to the system
+        return m
 
     def dpo_step(self, kept: list[list[R.Trajectory]]) -> tuple[int, dict[str, Any]]:
         """DPO's own update (the ``dpo`` variant, Tool-ReRL's baseline): one step of DPO on the (repaired,

@@ -207,6 +207,7 @@ def train_step(tr: Any) -> dict[str, Any]:
         batch = make_batch([r.traj for r in trained], [r.advantage for r in trained], tr.pad_id)
         imp = ({"level": cfg.reflection.level, "log_cap": cfg.reflection.log_cap}
                if tr.variant.importance else None)  # eq. 2's weight on repaired rows (tool_rerl, cot_is, ...)
+        tr.weights_changing()  # the engine hook: its copies of the trained weights make room for the update
         m.update(policy_update(tr.model, tr.optimizer, batch, a, temperature=cfg.rollout.temperature,
                                ref_model=tr.ref_model, importance=imp, value_head=tr.value_head,
                                demos=tr.demo_batch() if a.sft_coef > 0 else None))
