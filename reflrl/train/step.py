@@ -287,6 +287,7 @@ def policy_update(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batc
                     loss = loss + extra.to(loss.device)
                     meter.add_aux(am)
             meter.add(epoch, loss, lm, lp, mb)
+        release_heap()  # the activations' freed memory back before the step reads AdamW's moments in from disk
         gn = torch.nn.utils.clip_grad_norm_(params, a.grad_clip if a.grad_clip > 0 else float("inf"))
         optimizer.step()
         meter.end_epoch(gn)
