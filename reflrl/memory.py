@@ -29,7 +29,9 @@ What a phase does not read need not stay resident during it. :func:`map_to_disk`
 and maps them back (``torch.load(mmap=True)``, the file unlinked at once): the values stay readable and
 writable, and their pages come back from the page cache only when read. The evaluations use it for the
 AdamW state (:func:`offload_optimizer_state`: 8 bytes per trainable parameter that an evaluation never
-reads) and for the frozen trunk's prompt states between evaluations (:mod:`reflrl.engines.trunk_cache`).
+reads), the RL phase too between two optimiser steps (the rollouts and the forward/backward passes never
+read it; the heap is trimmed after the backward passes, so the step reads it back into freed memory), and
+the evaluations for the frozen trunk's prompt states between evaluations (:mod:`reflrl.engines.trunk_cache`).
 """
 from __future__ import annotations
 
