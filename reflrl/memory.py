@@ -126,7 +126,7 @@ def _lean_mlps(model: nn.Module, layers: int) -> int:
     except AttributeError:
         return 0
     blocks = blocks[len(blocks) - layers:] if layers else []
-    return sum(getattr(getattr(b, "mlp", None), "_lean_plain", None) is not None for b in blocks)
+    return sum(bool(getattr(getattr(b, "mlp", None), "lean_activations", False)) for b in blocks)
 
 
 def split_to_budget(items: Sequence[T], cost: Callable[[Sequence[T]], int], budget: int | None,

@@ -2,6 +2,7 @@
 mixed precision of a frozen bottom and a float32 top (see :mod:`reflrl.models` for the settings)."""
 from __future__ import annotations
 
+import types
 from typing import Any
 
 import torch
@@ -159,8 +160,6 @@ def count_parameters(model: nn.Module) -> dict[str, int]:
     return {"total": total, "trainable": trainable}
 
 
-
-
 class _SiluGatedDown(torch.autograd.Function):
     """``down(silu(gate) * up)`` that keeps only ``gate`` and ``up`` for its backward pass: the SiLU and
     the product (two intermediate-size tensors per token that autograd would keep) are computed again
@@ -189,12 +188,12 @@ class _SiluGatedDown(torch.autograd.Function):
 _SILU = {"SiLU", "SiLUActivation"}  # torch's and transformers' SiLU modules
 
 
-def _lean_mlp_forward(mlp: nn.Module, plain: Any):
-    def forward(x: torch.Tensor) -> torch.Tensor:
-        if not torch.is_grad_enabled() or not mlp.down_proj.weight.requires_grad:
-            return plain(x)  # sampling, frozen layers: the module's own forward
-        return _SiluGatedDown.apply(mlp.gate_proj(x), mlp.up_proj(x), mlp.down_proj.weight)
-    return forward
+def _lean_mlp_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """The forward :func:`lean_mlp_activations` binds to an MLP (a method of the module, so a deep copy of
+    the model, e.g. a KL reference, computes with its own weights)."""
+    if not torch.is_grad_enabled() or not self.down_proj.weight.requires_grad:
+        return type(self).forward(self, x)  # sampling, a frozen layer: the module's own forward
+    return _SiluGatedDown.apply(self.gate_proj(x), self.up_proj(x), self.down_proj.weight)
 
 
 def lean_mlp_activations(model: nn.Module) -> int:
@@ -211,8 +210,8 @@ def lean_mlp_activations(model: nn.Module) -> int:
             continue
         if type(getattr(mlp, "act_fn", None)).__name__ not in _SILU or not parts[2].weight.requires_grad:
             continue
-        if getattr(mlp, "_lean_plain", None) is None:
-            mlp._lean_plain = mlp.forward
-            mlp.forward = _lean_mlp_forward(mlp, mlp._lean_plain)
+        if not getattr(mlp, "lean_activations", False):
+            mlp.lean_activations = True
+            mlp.forward = types.MethodType(_lean_mlp_forward, mlp)
             changed += 1
     return changed

@@ -285,9 +285,9 @@ def _saved_bytes(model, ids):
 
 def _plain_mlps(model):
     for layer in model.get_decoder().layers:
-        if getattr(layer.mlp, "_lean_plain", None) is not None:
+        if getattr(layer.mlp, "lean_activations", False):
             del layer.mlp.forward  # back to the class's forward
-            layer.mlp._lean_plain = None
+            layer.mlp.lean_activations = False
 
 
 @pytest.mark.parametrize("dtype,trainable,trained", [("float32", "all", 2), ("bfloat16", "top_layers:1", 1)])
@@ -299,7 +299,7 @@ def test_trained_mlps_keep_gate_and_up_only_with_autograds_gradients(dtype, trai
     plain, _ = load_model("tiny-random", dtype=dtype, trainable=trainable, seed=0)
     _plain_mlps(plain)
     layers = lean.get_decoder().layers
-    assert sum(getattr(layer.mlp, "_lean_plain", None) is not None for layer in layers) == trained
+    assert sum(getattr(layer.mlp, "lean_activations", False) for layer in layers) == trained
     ids = torch.randint(0, 1000, (3, 17), generator=torch.Generator().manual_seed(0))
     kept_lean, loss_lean = _saved_bytes(lean, ids)
     kept_plain, loss_plain = _saved_bytes(plain, ids)
@@ -317,6 +317,24 @@ def test_trained_mlps_keep_gate_and_up_only_with_autograds_gradients(dtype, trai
     assert cost_plain.per_token > cost_lean.per_token
 
 
+def test_a_copy_of_a_model_with_lean_mlps_computes_with_its_own_weights():
+    """A deep copy (the KL reference is one) keeps the lean forward bound to its own modules: changing the
+    original's weights changes nothing in the copy, with or without gradients."""
+    import copy
+
+    model, _ = load_model("tiny-random", dtype="float32", trainable="all", seed=0)
+    ref = copy.deepcopy(model)
+    ids = torch.randint(0, 1000, (2, 9), generator=torch.Generator().manual_seed(0))
+    before = ref(input_ids=ids).logits.detach()
+    with torch.no_grad():
+        for layer in model.get_decoder().layers:
+            layer.mlp.down_proj.weight.mul_(3.0)
+    assert torch.equal(ref(input_ids=ids).logits.detach(), before)
+    with torch.no_grad():
+        assert torch.equal(ref(input_ids=ids).logits, before)
+    assert not torch.equal(model(input_ids=ids).logits.detach(), before)
+
+
 def test_lora_mlps_keep_their_forward():
     model, _ = load_model("tiny-random", dtype="float32", trainable="lora", seed=0)
-    assert not any(getattr(m, "_lean_plain", None) is not None for m in model.modules())
+    assert not any(getattr(m, "lean_activations", False) for m in model.modules())
