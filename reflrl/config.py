@@ -156,7 +156,7 @@ class AlgoConfig:
     grad_clip: float = _f(1.0, "max global grad norm (0 = no clipping)")
     epochs_per_batch: int = _f(1, "optimisation passes over each rollout batch (1 = on-policy)")
     micro_batch_size: int = _f(8, "sequences per forward/backward (gradient accumulation over the batch)")
-    activation_budget_mb: float | None = _f(768.0, "memory (MB) that one training forward/backward may hold in activations and log-prob logits, estimated from the model's shape (reflrl.memory): an RL micro-batch or a warm-up batch over it is split into smaller ones with gradient accumulation (the same update up to float rounding); a single sequence over it runs alone; null = no limit (only micro_batch_size)")
+    activation_budget_mb: float | None = _f(640.0, "memory (MB) that one training forward/backward may hold in activations and log-prob logits, estimated from the model's shape (reflrl.memory): an RL micro-batch or a warm-up batch over it is split into smaller ones with gradient accumulation (the same update up to float rounding); a single sequence over it runs alone; null = no limit (only micro_batch_size)")
     downsample_m: int = _f(0, "max-variance down-sampling (efficiency paper, arXiv:2606.00135, sec. 4.2): train on m of n rollouts; 0 = off")
     prefilter_k: int = _f(1, "online pre-rollout filter (efficiency paper, arXiv:2606.00135, sec. 4.1): skip prompts all-correct for k epochs; 0 = off")
 
