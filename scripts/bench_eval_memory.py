@@ -46,29 +46,33 @@ def main(argv: list[str] | None = None) -> int:
     import reflrl.train.loop as L
     from reflrl import config as C
 
-    if args.keep_optimizer_state:
+    real = L.offload_optimizer_state
+    if args.keep_optimizer_state:  # restored below: the script may run inside another program (the tests)
         L.offload_optimizer_state = lambda *a, **k: False
-    cfg = C.load_config(None, ["warmup.enabled=false", f"env.faults={args.faults}", *args.set])
-    with tempfile.TemporaryDirectory() as tmp:
-        tr = L.Trainer(cfg, Path(tmp) / "run", progress=False, quiet=True)
-        tr._load(Path(args.checkpoint))
-        opt = sum(v.numel() * v.element_size() for s in tr.optimizer.state.values() for v in s.values()
-                  if torch.is_tensor(v))
-        print(f"CPU capability {torch.backends.cpu.get_cpu_capability()}; loaded: resident {rss_gb():.2f} GB, "
-              f"AdamW state {opt / 1e6:.1f} MB", flush=True)
-        peak = [0.0]
+    try:
+        cfg = C.load_config(None, ["warmup.enabled=false", f"env.faults={args.faults}", *args.set])
+        with tempfile.TemporaryDirectory() as tmp:
+            tr = L.Trainer(cfg, Path(tmp) / "run", progress=False, quiet=True)
+            tr._load(Path(args.checkpoint))
+            opt = sum(v.numel() * v.element_size() for s in tr.optimizer.state.values() for v in s.values()
+                      if torch.is_tensor(v))
+            print(f"CPU capability {torch.backends.cpu.get_cpu_capability()}; loaded: resident {rss_gb():.2f} GB, "
+                  f"AdamW state {opt / 1e6:.1f} MB", flush=True)
+            peak = [0.0]
 
-        def sample() -> None:
-            while True:
-                peak[0] = max(peak[0], rss_gb())
-                time.sleep(0.05)
+            def sample() -> None:
+                while True:
+                    peak[0] = max(peak[0], rss_gb())
+                    time.sleep(0.05)
 
-        threading.Thread(target=sample, daemon=True).start()
-        t0 = time.perf_counter()
-        res = tr.evaluate()
-        mode = "kept in memory" if args.keep_optimizer_state else "on disk"
-        print(f"evaluation with the optimiser state {mode}: {time.perf_counter() - t0:.0f} s, accuracy "
-              f"{res['accuracy']:.3f}, peak resident {max(peak[0], rss_gb()):.2f} GB, after {rss_gb():.2f} GB")
+            threading.Thread(target=sample, daemon=True).start()
+            t0 = time.perf_counter()
+            res = tr.evaluate()
+            mode = "kept in memory" if args.keep_optimizer_state else "on disk"
+            print(f"evaluation with the optimiser state {mode}: {time.perf_counter() - t0:.0f} s, accuracy "
+                  f"{res['accuracy']:.3f}, peak resident {max(peak[0], rss_gb()):.2f} GB, after {rss_gb():.2f} GB")
+    finally:
+        L.offload_optimizer_state = real
     return 0
 
 
