@@ -18,8 +18,9 @@ from it -- measured in one run, every figure a ratio of two timings taken here a
    split (48 tasks), warm-up (SFT) steps. Each is printed beside its floor, with where an RL step's time
    goes: prefill, decode, tools, critic, reflection (its prefill and decode), log-probs (the update's
    forward), backward, optimiser and the rest (Python, batching, accounting). With continuous batching
-   (``--set rollout.continuous=true``) the rollouts, the turns after faults and the reflection retries
-   share one decode loop: their prefill and decode are counted together, under prefill and decode.
+   (``rollout.continuous``, the default) the rollouts, the turns after faults and the reflection retries
+   share one decode loop: their prefill and decode are counted together, under prefill and decode
+   (``--set rollout.continuous=false``: fixed batches, the reflection retries counted apart).
 4. Decode throughput at batch 32 (64 new tokens after 200-token prompts) against what the measured
    matmul rate and bandwidth allow.
 5. --peer: TRL's GRPOTrainer (where installed) on the same batch (the step's prompts, n rollouts,
