@@ -255,3 +255,48 @@ def test_a_prefill_with_a_sink_hands_over_each_chunk_and_merges_nothing(tiny):
         assert torch.allclose(got[k][0], h[k], atol=1e-5)
         for mine, lay in zip(got[k][1], merged.layers):
             assert torch.allclose(mine, lay.keys[k, :, width - len(p): width], atol=1e-5)
+
+
+def test_a_relayout_frees_each_old_layer_as_soon_as_its_rows_are_copied(tiny, prompts, monkeypatch):
+    """Growing the pool's buffers never holds two whole KV caches: when layer i's new buffers are made, the
+    old buffers of layers before it are gone (and with no row to keep, all of them); the rows are copied."""
+    import weakref
+
+    from reflrl.engines import continuous as CB
+
+    eng = pooled(tiny, max_batch_size=4)
+    pool = CB.DecodePool(eng, 4)
+    pool._setup()
+    pool._layout([], width=8, extra=2)
+    for lay in pool.cache.layers:  # recognisable rows: slot 0 holds 1s, slot 1 holds 2s
+        for buf in (lay.kbuf, lay.vbuf):
+            buf[0], buf[1] = 1.0, 2.0
+    del lay, buf  # the test keeps no reference to the old buffers
+    req = CB.Request(list(prompts[0]), 1, 4, 1.0, 1.0, frozenset(), 0)
+    live = [CB._Row(req, 0)]
+    pool.slots = [None, live[0]]  # slot 1 is live, slot 0 is free
+
+    seen: list[list[bool]] = []
+    real = CB._Layer
+
+    class Watched(real):
+        def __init__(self, kbuf, vbuf):
+            seen.append([r() is not None for r in old])
+            super().__init__(kbuf, vbuf)
+
+    old = [weakref.ref(lay.kbuf) for lay in pool.cache.layers]
+    monkeypatch.setattr(CB, "_Layer", Watched)
+    pool._layout(live, width=12, extra=1)
+    n = len(old)
+    assert [sum(s) for s in seen] == [n - 1 - i for i in range(n)]  # layer i's old buffers gone before it is kept
+    for lay in pool.cache.layers:  # the live row (old slot 1) is now slot 0, its 8 columns kept, the rest zero
+        assert lay.kbuf.shape[0] == 2 and lay.kbuf.shape[2] == 12
+        assert torch.all(lay.kbuf[0, :, :8] == 2.0) and torch.all(lay.kbuf[0, :, 8:] == 0)
+        assert torch.all(lay.vbuf[1] == 0)
+
+    del lay
+    seen.clear()
+    old = [weakref.ref(lay.kbuf) for lay in pool.cache.layers]
+    pool.slots = [None, None]
+    pool._layout([], width=16, extra=2)  # nothing to keep: the old cache goes before the first new layer
+    assert seen and all(sum(s) == 0 for s in seen)

@@ -250,7 +250,9 @@ class DecodePool:
         self.stats.forward_calls += 1
 
     def _layout(self, live: list[_Row], width: int, extra: int = 0) -> None:
-        """New buffers of ``len(live) + extra`` slots x ``width`` columns holding the live rows (first)."""
+        """New buffers of ``len(live) + extra`` slots x ``width`` columns holding the live rows (first).
+        Layer by layer: each layer's old buffers are dropped as soon as its rows are copied, so a layout
+        holds the new buffers and one layer's old ones at most, never two whole caches."""
         old = [i for i, s in enumerate(self.slots) if s is not None]
         rows = len(live) + extra
         model = self.engine.model
@@ -259,6 +261,8 @@ class DecodePool:
         hd = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         dev = self.engine.device
         idx = torch.tensor(old, dtype=torch.long, device=dev)
+        if not old:
+            self.cache = None  # no row to keep: the old buffers go before the new ones are made
         layers = []
         for li, layer in enumerate(model.get_decoder().layers):
             dt = layer.self_attn.k_proj.weight.dtype
@@ -268,6 +272,8 @@ class DecodePool:
                 w = min(width, self.width)
                 kb[: len(old), :, :w] = self.cache.layers[li].kbuf[idx, :, :w]
                 vb[: len(old), :, :w] = self.cache.layers[li].vbuf[idx, :, :w]
+            if self.cache is not None:
+                self.cache.layers[li] = None  # its rows are copied: the old layer's memory goes now
             layers.append(_Layer(kb, vb))
         hidden = model.config.get_text_config(decoder=True).hidden_size if hasattr(
             model.config, "get_text_config") else model.config.hidden_size
