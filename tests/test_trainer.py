@@ -606,3 +606,29 @@ def test_adamws_moments_wait_on_disk_between_rl_steps(tmp_path, monkeypatch):
     assert not any(".mapped-" in w for w in where_kept)
     assert weights.keys() == weights_kept.keys()
     assert all(torch.equal(v, weights_kept[k]) for k, v in weights.items())
+
+
+def test_the_heap_is_trimmed_before_every_evaluation(tmp_path, monkeypatch):
+    """An evaluation starts on a trimmed heap even where the optimiser has no state to move to disk (the
+    evaluation after a warm-up, the one before training): what the phase before freed is not counted
+    again under the evaluation's peak."""
+    import reflrl.heldout as H
+    import reflrl.train.loop as L
+
+    events: list[str] = []
+    monkeypatch.setattr(L, "release_heap", lambda: events.append("trim") or True)
+    tr = scripted_trainer(tiny_cfg(tmp_path), tmp_path / "run")
+    try:
+        assert not any(tr.optimizer.state.values())  # nothing for the optimiser's offload to move
+        result = {"accuracy": 0.0}
+        monkeypatch.setattr(tr, "evaluate_episodes", lambda split="test": events.append("eval") or result)
+
+        class Res:
+            def to_dict(self):
+                return result
+
+        monkeypatch.setattr(H, "evaluate", lambda *a, **k: events.append("eval") or Res())
+        tr.evaluate()
+    finally:
+        tr.close()
+    assert events[:2] == ["trim", "eval"]

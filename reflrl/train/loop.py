@@ -224,8 +224,8 @@ class Trainer:
         from reflrl.heldout import evaluate
 
         t0 = time.perf_counter()
-        if offload_optimizer_state(self.optimizer, self.log.path):  # AdamW's moments wait on disk meanwhile
-            release_heap()  # the memory they held, back to the system before the evaluation's peak
+        offload_optimizer_state(self.optimizer, self.log.path)  # AdamW's moments wait on disk meanwhile
+        release_heap()  # theirs and what the phase before freed (a warm-up, a checkpoint), back before the peak
         with self.memory.phase("eval"):
             if self.cfg.env.faults:
                 res = self.evaluate_episodes(split)
