@@ -145,15 +145,15 @@ def test_pool_restores_train_mode_and_falls_back_without_the_lean_step(tiny, pro
 
 
 def test_rollout_continuous_runs_a_training_step_through_the_pool(tmp_path):
-    """rollout.continuous=true: the run's engines decode through the pool (within rollout.kv_budget_mb),
-    a step's rollouts and reflection retries are served by the shared loop (every hold given back), and
-    the held-out evaluation by a pool."""
+    """rollout.continuous (the default, not set here): the run's engines decode through the pool (within
+    rollout.kv_budget_mb), a step's rollouts and reflection retries are served by the shared loop (every
+    hold given back), and the held-out evaluation by a pool."""
     from reflrl import train as T
 
     from doubles import tiny_cfg
 
-    cfg = tiny_cfg(tmp_path, **{"rollout.continuous": "true", "rollout.kv_budget_mb": 8,
-                                "reflection.variant": "tool_rerl", "train.save_every": 0})
+    cfg = tiny_cfg(tmp_path, **{"rollout.kv_budget_mb": 8, "reflection.variant": "tool_rerl",
+                                "train.save_every": 0})
     tr = T.Trainer(cfg, tmp_path / "run", progress=False, quiet=True)
     try:
         assert tr.engine.continuous and tr.eval_engine.continuous
