@@ -31,7 +31,7 @@ writable, and their pages come back from the page cache only when read. The eval
 AdamW state (:func:`offload_optimizer_state`: 8 bytes per trainable parameter that an evaluation never
 reads), the RL phase too between two optimiser steps (the rollouts and the forward/backward passes never
 read it; the heap is trimmed after the backward passes, so the step reads it back into freed memory); the
-frozen trunk's prompt states wait on disk between evaluations the same way (:mod:`reflrl.engines.trunk_cache`).
+frozen trunk's prompt states go to disk the same way as soon as they are stored (:mod:`reflrl.engines.trunk_cache`).
 """
 from __future__ import annotations
 

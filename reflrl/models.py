@@ -234,13 +234,44 @@ def _embedded_tokenizer() -> Any:
 # building the raw models
 
 
+@contextlib.contextmanager
+def _gguf_read_once():
+    """Within the block, a GGUF file's header is parsed once and gguf's tensor-name map built once per
+    architecture: transformers parses the header for the tokenizer, the config and the weights (about 3.5 s
+    each for SmolLM2's, whose vocabulary and merges are read element by element) and builds the name map
+    for every tensor (about 5 s in all). The same reader and map, so the same model; restored after."""
+    import functools
+
+    import gguf
+
+    real_reader, real_map = gguf.GGUFReader, gguf.get_tensor_name_map
+    readers: dict[tuple[str, str], Any] = {}
+
+    def reader(path: Any, mode: str = "r") -> Any:
+        key = (str(path), mode)
+        if key not in readers:
+            readers[key] = real_reader(path, mode)
+        return readers[key]
+
+    gguf.GGUFReader, gguf.get_tensor_name_map = reader, functools.lru_cache(maxsize=None)(real_map)
+    try:
+        yield
+    finally:
+        gguf.GGUFReader, gguf.get_tensor_name_map = real_reader, real_map
+
+
 def _convert_embedded() -> Path:
     """Dequantize the embedded GGUF once and save it (float32) + tokenizer under the cache."""
-    from transformers import AutoModelForCausalLM
-
     folder = embedded_cache_dir()
     if folder.is_dir():
         return folder
+    with _gguf_read_once():
+        return _convert_gguf(folder)
+
+
+def _convert_gguf(folder: Path) -> Path:
+    from transformers import AutoModelForCausalLM
+
     gguf = embedded_gguf_path()
     check_disk_space(folder.parent, _gguf_float32_bytes(gguf) + (32 << 20),  # + tokenizer, config
                      f"the embedded model, converted once to float32 ({folder})",

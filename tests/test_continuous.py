@@ -151,9 +151,10 @@ def test_rollout_continuous_runs_a_training_step_through_the_pool(tmp_path):
     from reflrl import train as T
 
     from doubles import tiny_cfg
+    from mapping import mapped_file
 
     cfg = tiny_cfg(tmp_path, **{"rollout.kv_budget_mb": 8, "reflection.variant": "tool_rerl",
-                                "train.save_every": 0})
+                                "train.save_every": 0, "model.trainable": "top_layers:1"})
     tr = T.Trainer(cfg, tmp_path / "run", progress=False, quiet=True)
     try:
         assert tr.engine.continuous and tr.eval_engine.continuous
@@ -165,6 +166,10 @@ def test_rollout_continuous_runs_a_training_step_through_the_pool(tmp_path):
         assert tr.engine.pool().held == 0 and not tr.engine.pool().busy
         res = tr.evaluate("test")
         assert res["n"] == len(tr.splits["test"]) == tr.eval_engine.last_stats.samples
+        # the held-out prompts' trunk states went to the run folder as they were stored: none in memory
+        trunk = tr.eval_engine.trunk_cache
+        assert trunk.spill == tr.log.path and trunk.misses > 0 and trunk.entries
+        assert all(".mapped-" in mapped_file(t) for ks, vs, h in trunk.entries.values() for t in (*ks, *vs, h))
     finally:
         tr.close()
 
@@ -280,11 +285,11 @@ def test_a_relayout_frees_each_old_layer_as_soon_as_its_rows_are_copied(tiny, pr
     real = CB._Layer
 
     class Watched(real):
-        def __init__(self, kbuf, vbuf):
+        def __init__(self, *buffers):
             seen.append([r() is not None for r in old])
-            super().__init__(kbuf, vbuf)
+            super().__init__(*buffers)
 
-    old = [weakref.ref(lay.kbuf) for lay in pool.cache.layers]
+    old = [weakref.ref(lay.kflat) for lay in pool.cache.layers]
     monkeypatch.setattr(CB, "_Layer", Watched)
     pool._layout(live, width=12, extra=1)
     n = len(old)
@@ -296,7 +301,63 @@ def test_a_relayout_frees_each_old_layer_as_soon_as_its_rows_are_copied(tiny, pr
 
     del lay
     seen.clear()
-    old = [weakref.ref(lay.kbuf) for lay in pool.cache.layers]
+    old = [weakref.ref(lay.kflat) for lay in pool.cache.layers]
     pool.slots = [None, None]
     pool._layout([], width=16, extra=2)  # nothing to keep: the old cache goes before the first new layer
     assert seen and all(sum(s) == 0 for s in seen)
+
+
+def test_a_relayout_that_fits_moves_the_rows_inside_the_same_buffers(tiny, prompts):
+    """The buffers grow to twice their size (at most the KV budget), and a later relayout that fits in
+    them moves the live rows inside them: no new buffers, each live row's columns where its new slot
+    reads them (the budget test below checks that samples through such layouts are unchanged)."""
+    from reflrl.engines import continuous as CB
+
+    model, _ = tiny
+    bpt = kv_bytes_per_token(model)
+    pool = CB.DecodePool(pooled(tiny, max_batch_size=4), 4, kv_budget_bytes=64 * bpt)  # 64 tokens
+    pool._setup()
+    pool._layout([], width=8, extra=2)  # 16 tokens: what the first layout needs
+    per_token = pool.cache.layers[0].kbuf[0, :, 0].numel()
+    assert pool.cache.layers[0].kflat.numel() == 16 * per_token
+    req = CB.Request(list(prompts[0]), 1, 4, 1.0, 1.0, frozenset(), 0)
+    a, b = CB._Row(req, 0), CB._Row(req, 0)
+    for lay in pool.cache.layers:  # slot 0 holds 1s, slot 1 holds 2s
+        for buf in (lay.kbuf, lay.vbuf):
+            buf[0], buf[1] = 1.0, 2.0
+    pool.slots = [a, b]
+    pool._layout([a, b], width=12, extra=1)  # 36 tokens: more than twice 16, less than the budget
+    assert pool.cache.layers[0].kflat.numel() == 36 * per_token
+    ptrs = [lay.kflat.data_ptr() for lay in pool.cache.layers]
+    pool.slots = [None, b, None]  # slot 0's row finished: slot 1's moves to slot 0, 2 slots x 16 columns
+    pool._layout([b], width=16, extra=1)
+    assert [lay.kflat.data_ptr() for lay in pool.cache.layers] == ptrs  # the same buffers
+    for lay in pool.cache.layers:
+        assert lay.kbuf.shape[0] == 2 and lay.kbuf.shape[2] == 16 and lay.kbuf.data_ptr() == lay.kflat.data_ptr()
+        assert torch.all(lay.kbuf[0, :, :8] == 2.0) and torch.all(lay.vbuf[0, :, :8] == 2.0)
+    pool.slots = [None, None]
+    pool._layout([], width=40, extra=1)  # 40 tokens: twice 36 is over the budget, so the budget
+    assert pool.cache.layers[0].kflat.numel() == 64 * per_token
+
+
+def test_the_heap_is_given_back_after_each_admission_that_prefilled_and_never_on_a_plain_step(tiny, prompts,
+                                                                                            monkeypatch):
+    """A prefill's activations and a relayout's old buffers are freed into the C heap; the pool trims it
+    right after such an admission (their pages would otherwise stay resident under the next
+    allocations), and not after the decode steps between them."""
+    from reflrl.engines import continuous as CB
+
+    trims: list[int] = []
+    monkeypatch.setattr(CB, "release_heap", lambda: trims.append(1) or True)
+    eng = pooled(tiny, max_batch_size=2)
+    real, admits = CB.DecodePool._admit, []
+
+    def watched(self):
+        before = (self.stats.prompts, len(self.slots), self.width)
+        real(self)
+        admits.append(before != (self.stats.prompts, len(self.slots), self.width))
+
+    monkeypatch.setattr(CB.DecodePool, "_admit", watched)
+    eng.generate(prompts, max_new_tokens=[3, 9, 5, 12], temperature=0.0)
+    assert len(admits) > sum(admits) > 1  # some admissions prefilled, most steps did not
+    assert len(trims) == sum(admits)

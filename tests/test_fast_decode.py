@@ -105,6 +105,10 @@ def test_length_chunks_cover_every_row_once_and_limit_padding():
         assert sum(lengths[i] for i in c) >= (1 - 0.15) * width * len(c)
     assert len(chunks) == 3  # ~500, ~300, ~125
     assert all(len(c) <= 2 for c in length_chunks(lengths, max_rows=2))
+    capped = length_chunks(lengths, max_tokens=1000)  # rows x the chunk's longest <= 1000, a longer row alone
+    assert sorted(i for c in capped for i in c) == list(range(len(lengths)))
+    assert all(len(c) * max(lengths[i] for i in c) <= 1000 for c in capped)
+    assert len(length_chunks([1500, 1490, 20], max_tokens=1000)) == 3
 
 
 def test_chunked_prefill_matches_one_padded_prefill(tiny, monkeypatch):
@@ -115,7 +119,7 @@ def test_chunked_prefill_matches_one_padded_prefill(tiny, monkeypatch):
     a = eng.generate(prompts, n=2, max_new_tokens=10, temperature=0.0)
     assert eng.last_stats.forward_calls > 10  # several prefill chunks ran
     import reflrl.engines.transformers_engine as E
-    monkeypatch.setattr(E, "length_chunks", lambda lengths: [list(range(len(lengths)))])
+    monkeypatch.setattr(E, "length_chunks", lambda lengths, **kw: [list(range(len(lengths)))])
     b = eng.generate(prompts, n=2, max_new_tokens=10, temperature=0.0)
     assert [s.token_ids for s in a] == [s.token_ids for s in b]
     for x, y in zip(a, b):
@@ -208,3 +212,30 @@ def test_rows_with_a_shared_start_prefill_it_once_with_the_same_answers(monkeypa
     assert [s.token_ids for s in shared] == [s.token_ids for s in whole]
     for x, y in zip(shared, whole):
         assert x.logprobs == pytest.approx(y.logprobs, abs=1e-5)
+
+
+def test_a_prefill_chunk_pads_to_at_most_its_token_cap_with_the_same_answers(tiny, monkeypatch):
+    """Prompts run whole are prefilled in chunks of at most PREFILL_CHUNK_TOKENS padded tokens (what a
+    chunk holds at once: its cache, one layer's activations and attention scores), with the answers of
+    one chunk."""
+    import reflrl.engines.transformers_engine as E
+
+    model, tok = tiny
+    prompts = [tok.encode("word " * (30 + i)) for i in range(6)]
+    eng = TransformersEngine(model, tok)
+    whole = eng.generate(prompts, max_new_tokens=8, temperature=0.0)
+    real, shapes = E.TransformersEngine._prefill_whole, []
+
+    def spy(self, decoder, chunk, *args, **kwargs):
+        shapes.append((len(chunk), max(len(p) for p in chunk)))
+        return real(self, decoder, chunk, *args, **kwargs)
+
+    monkeypatch.setattr(E.TransformersEngine, "_prefill_whole", spy)
+    eng.generate(prompts, max_new_tokens=8, temperature=0.0)
+    assert shapes == [(6, max(len(p) for p in prompts))]  # the default cap holds them in one chunk
+    cap = 2 * max(len(p) for p in prompts) + 5
+    monkeypatch.setattr(E, "PREFILL_CHUNK_TOKENS", cap)
+    shapes.clear()
+    capped = eng.generate(prompts, max_new_tokens=8, temperature=0.0)
+    assert len(shapes) == 3 and all(rows * width <= cap for rows, width in shapes)
+    assert [s.token_ids for s in capped] == [s.token_ids for s in whole]

@@ -207,3 +207,26 @@ def test_top_layers_keep_float32_values_not_bf16_rounded():
     c = mixed.model.layers[0].mlp.up_proj.weight
     assert c.dtype == torch.bfloat16
     assert torch.equal(full.model.layers[0].mlp.up_proj.weight.to(torch.bfloat16), c)
+
+
+@pytest.mark.slow
+def test_a_conversion_reads_the_gguf_header_once_and_restores_the_reader(monkeypatch):
+    """transformers reads a GGUF's header for the tokenizer, the config and the weights; within
+    _gguf_read_once the file is parsed once (the same fields for every reader) and gguf's own reader
+    and name map come back after the block."""
+    import gguf
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+    path = str(M.embedded_gguf_path())
+    parsed = []
+    real = gguf.GGUFReader
+    monkeypatch.setattr(gguf, "GGUFReader", lambda p, mode="r": parsed.append(p) or real(p, mode))
+    counting, name_map = gguf.GGUFReader, gguf.get_tensor_name_map
+    plain = load_gguf_checkpoint(path, return_tensors=False)
+    assert len(parsed) == 1
+    with M._gguf_read_once():
+        once = [load_gguf_checkpoint(path, return_tensors=False) for _ in range(3)]
+        assert gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, 2) is gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, 2)
+    assert len(parsed) == 2  # one parse for the three reads in the block
+    assert gguf.GGUFReader is counting and gguf.get_tensor_name_map is name_map
+    assert all(o["config"] == plain["config"] and o["tokenizer"] == plain["tokenizer"] for o in once)

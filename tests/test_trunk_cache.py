@@ -112,3 +112,22 @@ def test_offloaded_states_leave_memory_for_a_mapped_file_and_serve_the_same_samp
     assert in_heap and not tc.offload(tmp_path) and list(tmp_path.iterdir()) == []
     assert len(tc.entries) == 6 and ".mapped-" not in mapped_file(tc.entries[in_heap[0]][0][0])
     assert TrunkCache(model).offload(tmp_path) is False  # nothing to move
+
+
+def test_a_spilling_cache_holds_no_state_in_memory_after_any_prefill(tmp_path):
+    model, tok = load_model("tiny-random", dtype="float32", trainable="top_layers:1", seed=0)
+    prompts = _prompts(tok)
+    plain = TransformersEngine(model, tok).generate(prompts[:3], n=2, max_new_tokens=8, temperature=0.8, seed=4)
+    eng = TransformersEngine(model, tok, trunk_cache=TrunkCache(model, spill=tmp_path))
+    tc = eng.trunk_cache
+    first = eng.generate(prompts[:3], n=2, max_new_tokens=8, temperature=0.8, seed=4)
+    assert len(tc.entries) == 3 and list(tmp_path.iterdir()) == []
+    assert all(".mapped-" in mapped_file(t) for ks, vs, h in tc.entries.values() for t in (*ks, *vs, h))
+    again = eng.generate(prompts[:3], n=2, max_new_tokens=8, temperature=0.8, seed=4)  # replayed from disk
+    more = eng.generate(prompts[3:], n=2, max_new_tokens=8, temperature=0.8, seed=4)  # 2 new ones
+    assert tc.hits == 3 and tc.misses == 5 and len(tc.entries) == 5 and list(tmp_path.iterdir()) == []
+    assert all(".mapped-" in mapped_file(t) for ks, vs, h in tc.entries.values() for t in (*ks, *vs, h))
+    assert tc.offload(tmp_path) is False  # nothing left in memory to move
+    assert [s.token_ids for s in first] == [s.token_ids for s in again] == [s.token_ids for s in plain]
+    more_plain = TransformersEngine(model, tok).generate(prompts[3:], n=2, max_new_tokens=8, temperature=0.8, seed=4)
+    assert [s.token_ids for s in more] == [s.token_ids for s in more_plain]

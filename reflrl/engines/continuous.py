@@ -49,6 +49,7 @@ from typing import Any, Callable
 import torch
 
 from reflrl.envs.seeding import derive_seed
+from reflrl.memory import release_heap
 
 from .base import FinishReason, GenerateStats, PieceDecoder, Sample, generation_lock
 from .packed import dense
@@ -108,10 +109,13 @@ class _Row:
 
 
 class _Layer:
-    __slots__ = ("kbuf", "vbuf")
+    """One layer's keys and values: ``kbuf``/``vbuf`` [slots, kv_heads, width, head_dim] are views of the
+    front of ``kflat``/``vflat``, flat buffers that outlive a relayout when it fits in them."""
 
-    def __init__(self, kbuf: torch.Tensor, vbuf: torch.Tensor):
-        self.kbuf, self.vbuf = kbuf, vbuf
+    __slots__ = ("kbuf", "vbuf", "kflat", "vflat")
+
+    def __init__(self, kbuf: torch.Tensor, vbuf: torch.Tensor, kflat: torch.Tensor, vflat: torch.Tensor):
+        self.kbuf, self.vbuf, self.kflat, self.vflat = kbuf, vbuf, kflat, vflat
 
 
 class _Cache:
@@ -250,9 +254,17 @@ class DecodePool:
         self.stats.forward_calls += 1
 
     def _layout(self, live: list[_Row], width: int, extra: int = 0) -> None:
-        """New buffers of ``len(live) + extra`` slots x ``width`` columns holding the live rows (first).
-        Layer by layer: each layer's old buffers are dropped as soon as its rows are copied, so a layout
-        holds the new buffers and one layer's old ones at most, never two whole caches."""
+        """Buffers of ``len(live) + extra`` slots x ``width`` columns holding the live rows (first).
+
+        Each layer's buffers are views of flat buffers that a later layout reuses when it fits in them
+        (rows x width at most their capacity): the live rows are moved inside them, through a copy of
+        those rows alone, and nothing else is allocated, so a pool whose shape changes step after step
+        (an evaluation's rows widen as its episodes grow) keeps one set of buffers instead of leaving the
+        heap a trail of freed ones of every earlier size. When they must grow, they grow to the KV
+        budget at once (or twice their size, when that is less; without a budget, to what the layout
+        needs), layer by layer: each layer's old buffers are dropped as soon as its rows are copied, so a
+        growth holds the new buffers and one layer's old ones at most, never two whole caches. Columns
+        past a row's length hold whatever was there (zeros or an earlier row's keys): the mask hides them."""
         old = [i for i, s in enumerate(self.slots) if s is not None]
         rows = len(live) + extra
         model = self.engine.model
@@ -261,20 +273,35 @@ class DecodePool:
         hd = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         dev = self.engine.device
         idx = torch.tensor(old, dtype=torch.long, device=dev)
-        if not old:
-            self.cache = None  # no row to keep: the old buffers go before the new ones are made
+        need = rows * width * hkv * hd  # elements per buffer
+        have = self.cache.layers[0].kflat.numel() if self.cache is not None else 0
+        if have < need:  # they grow (every layer holds the same number of elements)
+            size = need if self.kv_budget_bytes is None else min(
+                self.kv_budget_bytes // self._bpt * hkv * hd, max(need, 2 * have))
+            if not old:
+                self.cache = None  # no row to keep: the old buffers go before the new ones are made
+        w = min(width, self.width)
+        moved = old != list(range(len(old))) or width != self.width  # otherwise slot i keeps its place
         layers = []
         for li, layer in enumerate(model.get_decoder().layers):
-            dt = layer.self_attn.k_proj.weight.dtype
-            kb = torch.zeros((rows, hkv, width, hd), dtype=dt, device=dev)
-            vb = torch.zeros_like(kb)
-            if old:
-                w = min(width, self.width)
-                kb[: len(old), :, :w] = self.cache.layers[li].kbuf[idx, :, :w]
-                vb[: len(old), :, :w] = self.cache.layers[li].vbuf[idx, :, :w]
+            prev = self.cache.layers[li] if self.cache is not None else None
+            if have >= need:  # in place: the live rows alone are copied out (indexing copies) and back
+                kflat, vflat = prev.kflat, prev.vflat
+                keep = (prev.kbuf[idx, :, :w], prev.vbuf[idx, :, :w]) if old and moved else None
+            else:
+                dt = layer.self_attn.k_proj.weight.dtype
+                kflat = torch.zeros(size, dtype=dt, device=dev)
+                vflat = torch.zeros_like(kflat)
+                keep = (prev.kbuf[idx, :, :w], prev.vbuf[idx, :, :w]) if old else None
+            kb = kflat[:need].view(rows, hkv, width, hd)
+            vb = vflat[:need].view(rows, hkv, width, hd)
+            if keep is not None:
+                kb[: len(old), :, :w] = keep[0]
+                vb[: len(old), :, :w] = keep[1]
+            del keep, prev
             if self.cache is not None:
-                self.cache.layers[li] = None  # its rows are copied: the old layer's memory goes now
-            layers.append(_Layer(kb, vb))
+                self.cache.layers[li] = None  # its rows are copied: an old layer's memory goes now
+            layers.append(_Layer(kb, vb, kflat, vflat))
         hidden = model.config.get_text_config(decoder=True).hidden_size if hasattr(
             model.config, "get_text_config") else model.config.hidden_size
         h = torch.zeros((rows, hidden), dtype=self.h.dtype if self.h is not None else self._h_dtype(), device=dev)
@@ -290,10 +317,16 @@ class DecodePool:
     def iterate(self) -> list[Request]:
         """Admit pending requests, sample one token for every live row, retire finished rows, run one
         decode step for the rest. Returns the requests answered at this step (``req.samples`` complete).
+        An admission that prefilled or laid the buffers out again gives the C heap's free memory back
+        (:func:`reflrl.memory.release_heap`, a few ms): what the prefill and the old buffers used would
+        otherwise stay resident, fragmented, under the next allocations.
         Its time is counted in ``stats``: admission (prefill, the rows' copies) in ``prefill_s``, the head,
         sampling and decode step in ``decode_s``."""
         t0 = time.perf_counter()
+        shape, prompts = (len(self.slots), self.width), self.stats.prompts
         self._admit()
+        if self.stats.prompts != prompts or (len(self.slots), self.width) != shape:
+            release_heap()  # the prefill's activations, a relayout's old buffers: back to the system now
         t1 = time.perf_counter()
         self.stats.prefill_s += t1 - t0
         try:

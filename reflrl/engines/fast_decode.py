@@ -172,10 +172,12 @@ def fast_decoding(model: torch.nn.Module) -> Iterator[bool]:
         cfg._attn_implementation = before
 
 
-def length_chunks(lengths: list[int], max_waste: float = 0.15, max_rows: int = 16) -> list[list[int]]:
+def length_chunks(lengths: list[int], max_waste: float = 0.15, max_rows: int = 16,
+                  max_tokens: int | None = None) -> list[list[int]]:
     """Split row indices into prefill chunks of similar length: rows sorted by length, a chunk
-    closes when left padding would exceed ``max_waste`` of its tokens or it holds ``max_rows``.
-    Returns lists of original indices (every index exactly once)."""
+    closes when left padding would exceed ``max_waste`` of its tokens, when it holds ``max_rows``, or
+    when another row would take its padded size (rows x its longest) over ``max_tokens`` (a single row
+    longer than that is a chunk alone). Returns lists of original indices (every index exactly once)."""
     order = sorted(range(len(lengths)), key=lambda i: lengths[i], reverse=True)
     chunks: list[list[int]] = []
     cur: list[int] = []
@@ -183,7 +185,8 @@ def length_chunks(lengths: list[int], max_waste: float = 0.15, max_rows: int = 1
         if cur:
             width = lengths[cur[0]]  # the longest in the chunk (sorted descending)
             real = sum(lengths[j] for j in cur) + lengths[i]
-            if len(cur) >= max_rows or 1 - real / (width * (len(cur) + 1)) > max_waste:
+            if (len(cur) >= max_rows or 1 - real / (width * (len(cur) + 1)) > max_waste
+                    or (max_tokens is not None and width * (len(cur) + 1) > max_tokens)):
                 chunks.append(cur)
                 cur = []
         cur.append(i)

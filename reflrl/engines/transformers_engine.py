@@ -116,6 +116,10 @@ Sink = Callable[[list[int], torch.Tensor, Any], None]
 # per model, the decode step's weight cache for plain (False) and packed (True) weights
 _DECODE_WEIGHTS: weakref.WeakKeyDictionary[nn.Module, dict[bool, FusedWeights]] = weakref.WeakKeyDictionary()
 SHARED_PREFIX_MIN = 64  # prompts sharing at least this many leading tokens prefill them once (_prefill)
+# a prefill chunk of prompts run whole pads to at most this many tokens (rows x its longest prompt): what it
+# holds at once (its KV cache, the activations and attention scores of one layer) stays small beside the
+# decode's KV budget, and a chunk this size already multiplies at the matmul rate of a whole batch
+PREFILL_CHUNK_TOKENS = 4096
 
 
 class TransformersEngine:
@@ -367,7 +371,8 @@ class TransformersEngine:
         one chunk's cache at a time.
 
         Prompts of very different lengths are prefilled in chunks of similar length
-        (:func:`reflrl.engines.fast_decode.length_chunks`, at most 16 rows each), so padding costs little
+        (:func:`reflrl.engines.fast_decode.length_chunks`, at most 16 rows and :data:`PREFILL_CHUNK_TOKENS`
+        padded tokens each), so padding costs little
         compute; each chunk's cache is copied into the call's one as soon as it is computed and then freed,
         so a prefill holds the call's cache and one chunk's at most (never every chunk's at once). The
         merged cache is the same as one left-padded prefill except in masked positions; it has room for
@@ -400,7 +405,8 @@ class TransformersEngine:
                         alone += rows
             alone.sort()
         if alone:
-            chunks += [(sorted(alone[j] for j in c), 0) for c in length_chunks([len(prompts[i]) for i in alone])]
+            chunks += [(sorted(alone[j] for j in c), 0)
+                       for c in length_chunks([len(prompts[i]) for i in alone], max_tokens=PREFILL_CHUNK_TOKENS)]
         merged, hs = None, torch.empty(0)
         for idx, shared in chunks:
             chunk_prompts = [prompts[i] for i in idx]

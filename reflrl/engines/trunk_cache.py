@@ -19,6 +19,11 @@ no copy in memory until the next evaluation reads a prompt's states again from t
 disk). The file is unlinked once mapped, so nothing is left behind. A prompt's states read back are
 given up again at once (:func:`reflrl.memory.release_mapped_pages`: an evaluation reads each prompt's
 states once), and the next offload writes only the states stored since the last one.
+
+With a ``spill`` folder the states never wait in memory at all: each prefill's new states are written
+there and mapped back as soon as they are stored, so an evaluation holds none of them beside its KV
+cache (hundreds of MB for 48 prompts of SmolLM2-135M); the page cache keeps them close for the next
+evaluation.
 """
 from __future__ import annotations
 
@@ -73,11 +78,15 @@ class TrunkCache:
     of a policy that has changed since are not, and go). Each prompt costs about
     ``(2 x depth x kv_heads x head_dim + hidden) x prompt_len`` numbers (about 11 MB for a 380-token
     prompt of SmolLM2-135M in float32 with 18 frozen layers). None: no limit.
+
+    spill: a folder where each prefill's new states go at once (:meth:`offload`), None: they stay in
+    memory until :meth:`offload` is called (or for good when it never is).
     """
 
-    def __init__(self, model: nn.Module, max_bytes: int | None = 512 << 20):
+    def __init__(self, model: nn.Module, max_bytes: int | None = 512 << 20, spill: str | Path | None = None):
         self.model = model
         self.max_bytes = None if max_bytes is None else int(max_bytes)
+        self.spill = spill
         self.entries: dict[tuple[int, ...], tuple[list[torch.Tensor], list[torch.Tensor], torch.Tensor]] = {}
         self.nbytes = 0
         self.hits = self.misses = 0
@@ -151,6 +160,8 @@ class TrunkCache:
                 old = next(iter(self.entries))  # least recently used
                 self.nbytes -= self._size(self.entries.pop(old))
                 self._mapped.discard(old)
+        if self.spill is not None:
+            self.offload(self.spill)  # the new states to disk now (a full disk: they stay in memory)
 
     def batch(self, prompts: list[list[int]], width: int, depth: int
               ) -> tuple[list[torch.Tensor], list[torch.Tensor], torch.Tensor]:

@@ -155,6 +155,9 @@ class Trainer:
 
         # ---- run folder and state -------------------------------------------------------
         self.log = RunLog(run_dir, None, resume=resume)
+        trunk = getattr(self.eval_engine, "trunk_cache", None)
+        if trunk is not None and trunk.spill is None:  # the held-out prompts' trunk states wait on disk
+            trunk.spill = self.log.path
         if not resume:
             C.save_config(cfg, self.log.path / "config.yaml", header="resolved config of this run "
                           "(reflrl train --resume RUN_DIR reads it back)")
@@ -232,11 +235,7 @@ class Trainer:
             else:
                 res = evaluate(self.eval_engine, self.tokenizer, self.splits[split], self.messages, self.eval_cfg,
                                batch_size=self.eval_batch).to_dict()
-        release_heap()  # its KV and prefill buffers back to the system (reflrl.memory), before the offload reads
-        trunk = getattr(self.eval_engine, "trunk_cache", None)
-        if trunk is not None:  # the held-out prompts' trunk states wait on disk until the next evaluation
-            trunk.offload(self.log.path)
-            release_heap()  # the states' own memory
+        release_heap()  # its KV and prefill buffers back to the system (reflrl.memory)
         self.state["timers"]["eval_s"] += time.perf_counter() - t0
         return res
 
