@@ -19,7 +19,8 @@ one up to float rounding. A single sequence over the budget still runs, alone (i
 
 glibc keeps freed memory in its heaps for reuse; after a step of large, short-lived activations that
 is hundreds of MB of resident memory nobody uses. :func:`release_heap` returns it to the system
-(``malloc_trim``); callers run it after an optimiser step, a rollout phase and an evaluation.
+(``malloc_trim``); callers run it after each micro-batch of an update, an optimiser step, a rollout
+phase, an evaluation, and a decode pool's admissions that prefilled or laid out its buffers again.
 
 How much a run holds is measured per phase (:class:`PeakMemory`): the kernel's high-water mark of the
 process's resident memory (``VmHWM``) is reset when a phase starts and read when it ends, so the summary

@@ -22,7 +22,8 @@ stepping for its longest one. The pool keeps one set of rows busy instead:
 * **KV budget** (``kv_budget_bytes``): the buffers hold at most that many bytes (slots x width x bytes per
   token, width = the longest prompt + cap among the rows). A request that does not fit waits for rows to
   finish; one that could not fit even alone is a ValueError naming it. Never an out-of-memory error from
-  the pool's own buffers.
+  the pool's own buffers. They grow to the budget in at most a few steps and later layouts reuse them
+  (:meth:`DecodePool._layout`), so an evaluation whose rows widen turn after turn keeps one set.
 * **Seeds**: each row draws its sampling numbers from its own generator, seeded with
   ``derive_seed(request seed, sample index)``, so its tokens depend on its seed and logits, not on which
   other rows share the step or when it arrived (batch composition changes only float rounding).

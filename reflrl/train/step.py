@@ -287,7 +287,10 @@ def policy_update(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batc
                     loss = loss + extra.to(loss.device)
                     meter.add_aux(am)
             meter.add(epoch, loss, lm, lp, mb)
-        release_heap()  # the activations' freed memory back before the step reads AdamW's moments in from disk
+            del lp, loss
+            # this micro-batch's activations, freed into the heap, go back before the next micro-batch's
+            # (and, after the last, before the step reads AdamW's moments in from disk)
+            release_heap()
         gn = torch.nn.utils.clip_grad_norm_(params, a.grad_clip if a.grad_clip > 0 else float("inf"))
         optimizer.step()
         meter.end_epoch(gn)
