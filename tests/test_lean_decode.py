@@ -224,3 +224,46 @@ def test_a_trained_head_is_dropped_too():
     assert fused.layers and fused._head is not None
     assert fused.drop_trainable(model) > 0
     assert not fused.layers and fused._head is None
+
+
+@needs_onednn
+def test_a_training_forward_runs_its_frozen_float32_layers_on_the_packed_matrices(monkeypatch):
+    """Within the engine's training_forwards, a training forward and backward of a float32 model
+    multiplies its frozen layers (and only those) by the decode step's packed copies: the same loss and
+    gradients as the plain forward, nothing packed for the trained layers, and a generation inside the
+    block (a probe during the warm-up) leaves the switch as it found it."""
+    import reflrl.engines.lean_decode as ld
+
+    model, tok = load_model("tiny-random", dtype="float32", trainable="top_layers:1", seed=0)
+    eng = TransformersEngine(model, tok, packed=True)
+    ids = torch.tensor([tok.encode("hello there, call the tool please"), tok.encode("and another one, ok now then")])
+
+    def step():
+        model.zero_grad(set_to_none=True)
+        out = model(input_ids=ids, labels=ids)
+        out.loss.backward()
+        return out.loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    calls = []
+    monkeypatch.setattr(ld, "_dense", lambda x, w, b=None: calls.append(w.is_mkldnn) or packed.dense(x, w, b))
+    ref_loss, ref_grads = step()
+    assert calls == []
+    with eng.training_forwards(model):
+        loss, grads = step()
+        assert len(calls) == 4 and all(calls)  # layer 0 (frozen): q/k/v, o, gate/up, down; layer 1 trains
+        assert 1 not in eng._weights().layers  # the trained layer was never packed for it
+        eng.generate([ids[0].tolist()], max_new_tokens=3, temperature=0.0)  # nested switch, restored after
+        calls.clear()
+        step()
+        assert len(calls) == 4 and all(calls)
+    assert torch.allclose(loss, ref_loss, atol=1e-6, rtol=0)
+    assert ref_grads.keys() == grads.keys() and not any(n.startswith("model.layers.0.") for n in grads)
+    assert all(torch.allclose(grads[n], ref_grads[n], atol=1e-5, rtol=0) for n in grads)
+    calls.clear()
+    step()
+    assert calls == []  # restored: the plain forward
+    assert not [m for m in model.modules() if isinstance(m, torch.nn.Linear) and "forward" in m.__dict__]
+    plain = TransformersEngine(model, tok)  # an engine without packed weights lends nothing
+    with plain.training_forwards(model):
+        step()
+    assert calls == []

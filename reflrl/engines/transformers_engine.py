@@ -12,6 +12,7 @@ OpenAI-compatible server) implement the same protocol.
 """
 from __future__ import annotations
 
+import contextlib
 import time
 import weakref
 from typing import Any, Callable, Sequence
@@ -26,7 +27,7 @@ from .base import (FinishReason, GenerateStats, PieceDecoder, RolloutEngine, Sam
                    per_prompt_caps)
 from .fast_decode import (fast_decoding, growable, growing_cache, left_padded_buffers, length_chunks, place_rows,
                           prefix_families, reserve)
-from .lean_decode import FusedWeights, LeanDecoder, packed_prefill, supports as lean_supports
+from .lean_decode import FusedWeights, LeanDecoder, packed_frozen_layers, packed_prefill, supports as lean_supports
 from .packed import dense
 
 __all__ = ["FinishReason", "GenerateStats", "PieceDecoder", "RolloutEngine", "Sample", "TransformersEngine",
@@ -261,6 +262,14 @@ class TransformersEngine:
         if self.packed not in per_model:
             per_model[self.packed] = FusedWeights(packed=self.packed)
         return per_model[self.packed]
+
+    def training_forwards(self, model: nn.Module) -> contextlib.AbstractContextManager:
+        """The trainer's forward passes through ``model`` (a warm-up, an update) within this context multiply
+        by the decode step's packed copies of its frozen float32 layers
+        (:func:`reflrl.engines.lean_decode.packed_frozen_layers`); a plain context where nothing is packed."""
+        if model is self.model and self.packed and self.lean and lean_supports(self.model):
+            return packed_frozen_layers(self.model, self._weights())
+        return contextlib.nullcontext()
 
     def on_weights_changing(self, model: nn.Module) -> None:
         """Before optimiser steps on ``model`` (an update, a warm-up): the decode step's copies of the

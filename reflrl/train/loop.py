@@ -31,6 +31,7 @@ budget is only a guard (reflrl.budget).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import copy
 import dataclasses
 import random
@@ -203,6 +204,13 @@ class Trainer:
         if hook is not None:
             hook(self.model)
 
+    def training_forwards(self) -> Any:
+        """A context for the training forward passes (warm-up, update): the rollout engine's hook
+        ``training_forwards(model)`` where it has one (the transformers engine lends its packed copies of
+        the frozen float32 layers), else a plain context."""
+        hook = getattr(self.rollout_engine, "training_forwards", None)
+        return hook(self.model) if hook is not None else contextlib.nullcontext()
+
     def weights_changing(self) -> None:
         """Before the optimiser steps of an update or a warm-up: the engine hook ``on_weights_changing(model)``
         of each engine that has one (the decode step's copies of the trained weights are freed for the
@@ -304,7 +312,7 @@ class Trainer:
         else:  # train.eval_before=false (validated: warmup.enabled is then true or false)
             before = (None, "not measured: train.eval_before=false")
         n_evals = 1 + int(bool(w.eval_after or tr.eval_every))  # still to come, each about the first one's cost
-        with self.memory.phase("warmup"):
+        with self.memory.phase("warmup"), self.training_forwards():
             self.weights_changing()
             out = run_warmup(self.cfg, model=self.model, tokenizer=self.tokenizer, train_tasks=self.train_tasks,
                              messages=self.messages, fmt=answer_format(self.cfg), format_rate_before=before,

@@ -208,9 +208,10 @@ def train_step(tr: Any) -> dict[str, Any]:
         imp = ({"level": cfg.reflection.level, "log_cap": cfg.reflection.log_cap}
                if tr.variant.importance else None)  # eq. 2's weight on repaired rows (tool_rerl, cot_is, ...)
         tr.weights_changing()  # the engine hook: its copies of the trained weights make room for the update
-        m.update(policy_update(tr.model, tr.optimizer, batch, a, temperature=cfg.rollout.temperature,
-                               ref_model=tr.ref_model, importance=imp, value_head=tr.value_head,
-                               demos=tr.demo_batch() if a.sft_coef > 0 else None))
+        with tr.training_forwards():  # the frozen float32 layers multiply by the decode step's packed copies
+            m.update(policy_update(tr.model, tr.optimizer, batch, a, temperature=cfg.rollout.temperature,
+                                   ref_model=tr.ref_model, importance=imp, value_head=tr.value_head,
+                                   demos=tr.demo_batch() if a.sft_coef > 0 else None))
         tr.weights_updated()  # the engine hook: the next rollouts sample the updated policy
     m["update_skipped"] = float("loss" not in m)
     update_s = time.perf_counter() - t_up
