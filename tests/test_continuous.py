@@ -361,3 +361,86 @@ def test_the_heap_is_given_back_after_each_admission_that_prefilled_and_never_on
     eng.generate(prompts, max_new_tokens=[3, 9, 5, 12], temperature=0.0)
     assert len(admits) > sum(admits) > 1  # some admissions prefilled, most steps did not
     assert len(trims) == sum(admits)
+
+
+def _span_cost(spans, overhead):
+    return sum((e - a) * w + overhead for a, e, w in spans)
+
+
+def test_attention_spans_read_the_fewest_columns_and_cover_every_live_slot():
+    """Exact against every partition of up to 7 slots: each live slot in one span as wide as its need at
+    least, idle slots alone never read, and no cheaper choice exists."""
+    import itertools
+    import random
+
+    from reflrl.engines.continuous import attention_spans
+
+    rng = random.Random(0)
+    for _ in range(300):
+        n = rng.randint(1, 7)
+        needs = [rng.choice([0, 0, 1, 5, 40, 300, 900]) for _ in range(n)]
+        over = rng.choice([0, 16, 256])
+        spans = attention_spans(needs, over)
+        covered = [i for a, e, _ in spans for i in range(a, e)]
+        assert sorted(covered) == covered and len(set(covered)) == len(covered)
+        assert {i for i in range(n) if needs[i]} <= set(covered)
+        assert all(w == max(needs[a:e]) > 0 for a, e, w in spans)
+        best = float("inf")  # brute force: every way to cut the slots, each piece a span or (all idle) skipped
+        for cuts in itertools.product([0, 1], repeat=max(0, n - 1)):
+            bounds = [0] + [i + 1 for i, c in enumerate(cuts) if c] + [n]
+            cost = sum((e - a) * max(needs[a:e]) + over for a, e in zip(bounds, bounds[1:]) if max(needs[a:e]) > 0)
+            best = min(best, cost)
+        assert _span_cost(spans, over) == best, (needs, over, spans)
+    # one long row among short ones reads alone; equal rows share one span
+    assert attention_spans([900, 20, 20, 20], 16) == [(0, 1, 900), (1, 4, 20)]
+    assert attention_spans([300] * 5, 0) == [(0, 5, 300)]
+    assert attention_spans([0, 0], 0) == []
+
+
+def test_rows_of_different_lengths_attend_in_spans_with_the_trainers_logprobs(tiny, prompts, monkeypatch):
+    """With spans free to split (no overhead), rows of different lengths read only their span's columns:
+    the pool still samples the log-probs the trainer recomputes, and greedy decoding is the batch path's."""
+    from reflrl.engines import continuous as CB
+
+    model, _ = tiny
+    monkeypatch.setattr(CB, "SPAN_OVERHEAD", 0)
+    seen = []
+    orig = CB.attention_spans
+    monkeypatch.setattr(CB, "attention_spans", lambda needs: seen.append(orig(needs)) or seen[-1])
+    ps = [prompts[1] * 3, prompts[2], prompts[0], prompts[3] * 2]
+    out = pooled(tiny, max_batch_size=3).generate(ps, n=2, max_new_tokens=[4, 9, 6, 7], temperature=1.0, seed=2)
+    assert any(len(s) > 1 and len({w for _, _, w in s}) > 1 for s in seen)  # narrower spans beside wide ones
+    ids, am, rm = right_padded(out)
+    with torch.no_grad():
+        lp = sequence_logprobs(model, ids, am, rm, temperature=1.0)
+    for i, s in enumerate(out):
+        p = len(s.prompt_ids)
+        assert torch.allclose(lp[i, p: p + len(s.token_ids)], torch.tensor(s.logprobs), atol=1e-4)
+    caps = [5, 9, 7, 3]
+    old = TransformersEngine(*tiny).generate(ps, n=2, max_new_tokens=caps, temperature=0.0)
+    new = pooled(tiny, max_batch_size=3).generate(ps, n=2, max_new_tokens=caps, temperature=0.0)
+    assert [s.token_ids for s in old] == [s.token_ids for s in new]
+    assert all(close(a.logprobs, b.logprobs) for a, b in zip(old, new))
+
+
+def test_a_relayout_puts_the_longest_rows_first(tiny, prompts):
+    """Rows of like lengths side by side: a layout orders the live rows by length, longest first, each
+    row's keys and values moving with it."""
+    from reflrl.engines import continuous as CB
+
+    pool = CB.DecodePool(pooled(tiny, max_batch_size=4), 4)
+    pool._setup()
+    pool._layout([], width=16, extra=3)
+    req = CB.Request(list(prompts[0]), 1, 4, 1.0, 1.0, frozenset(), 0)
+    rows = [CB._Row(req, 0) for _ in range(3)]
+    for r, n in zip(rows, (3, 9, 5)):
+        r.length = n
+    for lay in pool.cache.layers:
+        for i in range(3):
+            lay.kbuf[i], lay.vbuf[i] = float(i + 1), float(-(i + 1))
+    pool.slots = list(rows)
+    pool._layout(rows, width=16, extra=1)
+    assert [s.length for s in pool.slots[:3]] == [9, 5, 3] and pool.slots[3] is None
+    for lay in pool.cache.layers:  # the row of length 9 was in slot 1 (2s), 5 in slot 2 (3s), 3 in slot 0 (1s)
+        assert [float(lay.kbuf[i, 0, 0, 0]) for i in range(3)] == [2.0, 3.0, 1.0]
+        assert [float(lay.vbuf[i, 0, 0, 0]) for i in range(3)] == [-2.0, -3.0, -1.0]

@@ -15,7 +15,8 @@ stepping for its longest one. The pool keeps one set of rows busy instead:
   ``t`` sits in column ``t`` (its rotary position), and every row writes its own column each step
   (:meth:`reflrl.engines.lean_decode.LeanDecoder.step` with a column per row). The attention mask of a
   row covers exactly its own columns, so a row refilled into a slot that held a longer sequence never
-  sees what was left there.
+  sees what was left there. The decode step's attention reads each span of neighbouring slots only as far
+  as its longest row (:func:`attention_spans`), and a layout puts the live rows longest first.
 * **Refill**: after each step's sampling, finished rows leave and pending requests are prefilled into the
   free slots before the next decode step; the rows of a request finish independently, the request is
   answered when its last row finishes.
@@ -94,6 +95,43 @@ class Request:
     def __post_init__(self) -> None:
         self.samples = [None] * self.n
         self.left = self.n
+
+
+SPAN_OVERHEAD = 256  # one more attention call costs about as much as reading this many rows x columns more
+
+
+def attention_spans(needs: list[int], overhead: int | None = None) -> list[tuple[int, int, int]]:
+    """Contiguous spans ``(first, end, width)`` of slots that the decode step's attention runs over apart
+    (:meth:`reflrl.engines.lean_decode.LeanDecoder.step`): ``needs[i]`` = the columns slot ``i`` reads
+    (0: idle, in no span). Chosen to read the fewest rows x columns, each span costing ``overhead`` more
+    (an exact dynamic programme over the slots, O(slots^2)): one long row no longer widens every row's
+    attention, and idle slots are read by none. ``overhead`` defaults to :data:`SPAN_OVERHEAD`."""
+    overhead = SPAN_OVERHEAD if overhead is None else overhead
+    n = len(needs)
+    inf = float("inf")
+    best = [0.0] + [inf] * n  # best[j]: the cost of covering slots [0, j)
+    cut = [0] * (n + 1)  # where the last span of best[j] starts (-1: slot j-1 idle, left out)
+    for j in range(1, n + 1):
+        if needs[j - 1] == 0:
+            best[j], cut[j] = best[j - 1], -1
+        top = 0
+        for a in range(j - 1, -1, -1):
+            top = max(top, needs[a])
+            if top == 0:
+                break  # a span that ends on idle slots alone: never better than leaving them out
+            c = best[a] + (j - a) * top + overhead
+            if c <= best[j]:  # on a tie, the longer span (fewer calls)
+                best[j], cut[j] = c, a
+    spans: list[tuple[int, int, int]] = []
+    j = n
+    while j > 0:
+        a = cut[j]
+        if a < 0:
+            j -= 1
+            continue
+        spans.append((a, j, max(needs[a:j])))
+        j = a
+    return spans[::-1]
 
 
 class _Row:
@@ -255,7 +293,8 @@ class DecodePool:
         self.stats.forward_calls += 1
 
     def _layout(self, live: list[_Row], width: int, extra: int = 0) -> None:
-        """Buffers of ``len(live) + extra`` slots x ``width`` columns holding the live rows (first).
+        """Buffers of ``len(live) + extra`` slots x ``width`` columns holding the live rows (first, longest
+        first: rows of like lengths side by side make the decode step's attention spans narrow).
 
         Each layer's buffers are views of flat buffers that a later layout reuses when it fits in them
         (rows x width at most their capacity): the live rows are moved inside them, through a copy of
@@ -266,7 +305,7 @@ class DecodePool:
         needs), layer by layer: each layer's old buffers are dropped as soon as its rows are copied, so a
         growth holds the new buffers and one layer's old ones at most, never two whole caches. Columns
         past a row's length hold whatever was there (zeros or an earlier row's keys): the mask hides them."""
-        old = [i for i, s in enumerate(self.slots) if s is not None]
+        old = sorted((i for i, s in enumerate(self.slots) if s is not None), key=lambda i: -self.slots[i].length)
         rows = len(live) + extra
         model = self.engine.model
         cfg = model.config.get_text_config(decoder=True) if hasattr(model.config, "get_text_config") else model.config
@@ -393,7 +432,11 @@ class DecodePool:
         pos_t = torch.tensor(pos, dtype=torch.long, device=dev)
         width = max(pos) + 1
         mask = torch.arange(width, device=dev)[None, :] <= pos_t[:, None]
-        self.h = self._lean.step(torch.tensor(tok, dtype=torch.long, device=dev), pos_t, pos_t, mask, self.cache)
+        needs = [0] * n
+        for i in going:
+            needs[i] = pos[i] + 1
+        self.h = self._lean.step(torch.tensor(tok, dtype=torch.long, device=dev), pos_t, pos_t, mask, self.cache,
+                                 spans=attention_spans(needs))
         for i in going:
             self.slots[i].length += 1
         self.stats.forward_calls += 1

@@ -11,7 +11,8 @@ third of the operations:
 * the attention mask is kept as a boolean [rows, columns] tensor and extended by one column a step;
 * the rotary angles of the step's positions come from a table built once per call;
 * one-token grouped-query attention reads keys/values in place (:func:`fast_decode.gqa_decode_attention`'s
-  layout trick);
+  layout trick; in float32 as two batched matmuls, :func:`_attend`), and with the continuous pool each
+  span of rows reads only as many columns as its longest row;
 * q/k/v and the MLP's gate/up run as one matmul each, over concatenated weights (:class:`FusedWeights`,
   rebuilt only for layers whose parameters changed), and q and k are rotated together;
 * finished rows stay in the batch until few remain (the engine decides): at small batch a step costs
@@ -248,6 +249,20 @@ def packed_frozen_layers(model: nn.Module, fused: FusedWeights) -> Iterator[int]
         yield n
 
 
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
+    """One-token attention of ``q`` [B, Hkv, G, D] over ``k``/``v`` [B, Hkv, L, D] (views of the KV
+    buffers), ``mask`` [B, 1, 1, L] bool. In float32 two batched matmuls with the keys as the large
+    operand (keys x queries, then probabilities x values) read the cache faster than SDPA's fused kernel
+    (which bfloat16 keeps: a bfloat16 matmul would round the scores)."""
+    if q.dtype != torch.float32:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+    b, h, g, d = q.shape
+    n = k.shape[2]
+    s = torch.bmm(k.reshape(b * h, n, d), q.reshape(b * h, g, d).transpose(1, 2))  # [B*Hkv, L, G]
+    s = s.view(b, h, n, g).transpose(2, 3).mul_(scale).masked_fill_(~mask, float("-inf")).softmax(-1)
+    return torch.bmm(s.reshape(b * h, g, n), v.reshape(b * h, n, d)).view(b, h, g, d)
+
+
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
     return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
@@ -277,14 +292,20 @@ class LeanDecoder:
         self.weights = [self.fused.get(li, layer) for li, layer in enumerate(self.layers)]
 
     def step(self, tok: torch.Tensor, pos: torch.Tensor, col: int | torch.Tensor, mask: torch.Tensor,
-             cache: Any) -> torch.Tensor:
+             cache: Any, spans: list[tuple[int, int, int]] | None = None) -> torch.Tensor:
         """One token per row: ``tok`` [B] ids at positions ``pos`` [B], written to cache column ``col``;
         ``mask`` [B, col + 1] bool (True = attend; the new column included). Returns the final normed
         hidden state [B, hidden] (what ``decoder(...).last_hidden_state[:, -1]`` returns).
 
         ``col`` may also be a [B] long tensor, one column per row (rows of different lengths, each
         left-aligned in its buffer row, as :mod:`.continuous` keeps them); attention then reads the
-        first ``mask.shape[1]`` columns, and the mask hides what each row must not see."""
+        first ``mask.shape[1]`` columns, and the mask hides what each row must not see.
+
+        ``spans`` (with a column per row): attention runs over each span ``(first, end, width)`` of rows
+        apart, reading only its first ``width`` columns (rows of one length need not read the columns of
+        a longer one: the decode step's attention is bound by the keys/values it reads). Rows outside
+        every span (idle slots) get a zero attention output. The masked-out columns a span leaves out add
+        nothing to a row's attention, so each row's result is the one the full width gives."""
         b = tok.shape[0]
         per_row = isinstance(col, torch.Tensor)
         width = mask.shape[-1] if per_row else col + 1
@@ -320,9 +341,14 @@ class LeanDecoder:
             else:
                 lay.kbuf[:, :, col] = qk[:, nh:, 0]
                 lay.vbuf[:, :, col] = qkv[:, nh + nkv:, 0]
-            keys, values = lay.kbuf[:, :, :width], lay.vbuf[:, :, :width]
-            o = F.scaled_dot_product_attention(qk[:, :nh].reshape(b, nkv, g, hd), keys, values, attn_mask=attn_mask,
-                                               scale=self.scaling)  # [B, Hkv, G, D]
+            q = qk[:, :nh].reshape(b, nkv, g, hd)
+            if spans is None:
+                o = _attend(q, lay.kbuf[:, :, :width], lay.vbuf[:, :, :width], attn_mask, self.scaling)
+            else:
+                o = q.new_zeros(q.shape)
+                for a, e, w in spans:
+                    o[a:e] = _attend(q[a:e], lay.kbuf[a:e, :, :w], lay.vbuf[a:e, :, :w], attn_mask[a:e, ..., :w],
+                                     self.scaling)
             h = h + _dense(o.reshape(b, nh * hd), wo, at.o_proj.bias)
             x = _rms(h, layer.post_attention_layernorm)
             gate, up = _dense(x, wgu).chunk(2, dim=-1)
