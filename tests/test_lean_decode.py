@@ -268,21 +268,3 @@ def test_a_training_forward_runs_its_frozen_float32_layers_on_the_packed_matrice
         step()
     assert calls == []
 
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_one_token_attention_over_buffer_views_is_sdpas(dtype):
-    """The decode step's attention (float32: two batched matmuls) gives SDPA's result on views of wider
-    buffers, rows masked to different lengths."""
-    from reflrl.engines.lean_decode import _attend
-
-    g = torch.Generator().manual_seed(0)
-    q = torch.randn(5, 3, 3, 16, generator=g).to(dtype)
-    kb, vb = (torch.randn(5, 3, 40, 16, generator=g).to(dtype) for _ in range(2))
-    lens = torch.tensor([30, 1, 17, 30, 8])
-    mask = (torch.arange(30)[None, :] < lens[:, None])[:, None, None, :]
-    k, v = kb[:, :, :30], vb[:, :, :30]
-    want = torch.nn.functional.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=mask,
-                                                            scale=0.25)
-    got = _attend(q, k, v, mask, 0.25)
-    assert got.dtype == dtype and got.shape == q.shape
-    assert torch.allclose(got.float(), want, atol=1e-5 if dtype == torch.float32 else 2e-2)

@@ -97,7 +97,7 @@ class Request:
         self.left = self.n
 
 
-SPAN_OVERHEAD = 256  # one more attention call costs about as much as reading this many rows x columns more
+SPAN_OVERHEAD = 512  # one more attention call costs about as much as reading this many rows x columns more
 
 
 def attention_spans(needs: list[int], overhead: int | None = None) -> list[tuple[int, int, int]]:

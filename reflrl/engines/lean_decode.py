@@ -11,8 +11,8 @@ third of the operations:
 * the attention mask is kept as a boolean [rows, columns] tensor and extended by one column a step;
 * the rotary angles of the step's positions come from a table built once per call;
 * one-token grouped-query attention reads keys/values in place (:func:`fast_decode.gqa_decode_attention`'s
-  layout trick; in float32 as two batched matmuls, :func:`_attend`), and with the continuous pool each
-  span of rows reads only as many columns as its longest row;
+  layout trick), and with the continuous pool each span of rows reads only as many columns as its
+  longest row;
 * q/k/v and the MLP's gate/up run as one matmul each, over concatenated weights (:class:`FusedWeights`,
   rebuilt only for layers whose parameters changed), and q and k are rotated together;
 * finished rows stay in the batch until few remain (the engine decides): at small batch a step costs
@@ -249,20 +249,6 @@ def packed_frozen_layers(model: nn.Module, fused: FusedWeights) -> Iterator[int]
         yield n
 
 
-def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
-    """One-token attention of ``q`` [B, Hkv, G, D] over ``k``/``v`` [B, Hkv, L, D] (views of the KV
-    buffers), ``mask`` [B, 1, 1, L] bool. In float32 two batched matmuls with the keys as the large
-    operand (keys x queries, then probabilities x values) read the cache faster than SDPA's fused kernel
-    (which bfloat16 keeps: a bfloat16 matmul would round the scores)."""
-    if q.dtype != torch.float32:
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
-    b, h, g, d = q.shape
-    n = k.shape[2]
-    s = torch.bmm(k.reshape(b * h, n, d), q.reshape(b * h, g, d).transpose(1, 2))  # [B*Hkv, L, G]
-    s = s.view(b, h, n, g).transpose(2, 3).mul_(scale).masked_fill_(~mask, float("-inf")).softmax(-1)
-    return torch.bmm(s.reshape(b * h, g, n), v.reshape(b * h, n, d)).view(b, h, g, d)
-
-
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
     return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
@@ -343,12 +329,13 @@ class LeanDecoder:
                 lay.vbuf[:, :, col] = qkv[:, nh + nkv:, 0]
             q = qk[:, :nh].reshape(b, nkv, g, hd)
             if spans is None:
-                o = _attend(q, lay.kbuf[:, :, :width], lay.vbuf[:, :, :width], attn_mask, self.scaling)
+                o = F.scaled_dot_product_attention(q, lay.kbuf[:, :, :width], lay.vbuf[:, :, :width],
+                                                   attn_mask=attn_mask, scale=self.scaling)  # [B, Hkv, G, D]
             else:
                 o = q.new_zeros(q.shape)
                 for a, e, w in spans:
-                    o[a:e] = _attend(q[a:e], lay.kbuf[a:e, :, :w], lay.vbuf[a:e, :, :w], attn_mask[a:e, ..., :w],
-                                     self.scaling)
+                    o[a:e] = F.scaled_dot_product_attention(q[a:e], lay.kbuf[a:e, :, :w], lay.vbuf[a:e, :, :w],
+                                                            attn_mask=attn_mask[a:e, ..., :w], scale=self.scaling)
             h = h + _dense(o.reshape(b, nh * hd), wo, at.o_proj.bias)
             x = _rms(h, layer.post_attention_layernorm)
             gate, up = _dense(x, wgu).chunk(2, dim=-1)
