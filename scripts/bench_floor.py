@@ -5,12 +5,16 @@ from it -- measured in one run, every figure a ratio of two timings taken here a
         [--threads 2] [--rl-steps 2] [--warmup-steps 3] [--peer] [--old-engine] [--set KEY=VALUE ...]
         [--json FILE]
 
-1. The machine: matmul rate at the model's shapes (K=576, N=1536) for M = 1 .. 2048 rows, in the run's
-   precision, the faster of the plain and the oneDNN-packed weight; memory bandwidth (a 256 MB copy);
+1. The machine: matmul rate at the model's shapes (K=576, N=1536) for M = 1 .. 2048 rows, in each
+   precision the model's layers take (the run's, and float32: a bfloat16 model trains its top layers in
+   float32), the faster of the plain and the oneDNN-packed weight; memory bandwidth (a 256 MB copy);
    before and after the timed work (3.-5.).
-2. Floors computed from those rates and each phase's own token counts:
+2. Floors computed from those rates and each phase's own token counts, every layer's (and the output
+   head's) FLOPs at the rate of its own precision:
    - prefill: the prompt tokens' FLOPs (2 x linear parameters + attention) at the large-M matmul rate;
-   - decode: per decode step with b live rows, max(weight bytes / bandwidth, FLOPs(b) / rate(b));
+   - decode: per decode step with b live rows over a context of c tokens, max((weight bytes + b x c x
+     the KV cache's bytes per token) / bandwidth, FLOPs(b, c) / rate(b)): the step reads every weight
+     and every live row's keys and values once;
    - update and warm-up: a bare forward+backward of the model on the SAME token batches (captured while
      the real step ran), plus one AdamW step over the trainable parameters.
 3. The default recipe's pieces, timed: RL steps (from --checkpoint, e.g. the warm-up checkpoint of a
@@ -117,28 +121,41 @@ def rate_at(rates: dict[int, float], m: int) -> float:
 
 
 class Floors:
-    """Floors of a model on this machine (see the module doc)."""
+    """Floors of a model on this machine (see the module doc). ``rates``: matmul FLOP/s by rows M for each
+    precision the model's decoder layers and output head take."""
 
-    def __init__(self, model: torch.nn.Module, rates: dict[int, float], bw: float):
+    def __init__(self, model: torch.nn.Module, rates: dict[torch.dtype, dict[int, float]], bw: float):
+        from reflrl.engines.continuous import kv_bytes_per_token
+
         cfg = model.config
         self.rates, self.bw = rates, bw
-        emb = model.get_input_embeddings().weight
         head = model.get_output_embeddings().weight
-        layer_params = sum(p.numel() for p in model.get_decoder().layers.parameters())
-        self.linear = layer_params  # FLOPs per token / 2, without the output head
-        self.head = head.numel()
-        self.layers, self.hidden = cfg.num_hidden_layers, cfg.hidden_size
-        tied = head.data_ptr() == emb.data_ptr()
-        self.weight_bytes = sum(p.numel() * p.element_size() for p in model.get_decoder().layers.parameters()) + \
-            head.numel() * head.element_size() + (0 if tied else 0)
+        layers = model.get_decoder().layers
+        self.groups: dict[torch.dtype, list[int]] = {}  # precision -> [linear parameters, layers]
+        for layer in layers:
+            g = self.groups.setdefault(layer.self_attn.q_proj.weight.dtype, [0, 0])
+            g[0] += sum(p.numel() for p in layer.parameters())  # FLOPs per token / 2
+            g[1] += 1
+        self.head, self.head_dtype = head.numel(), head.dtype
+        self.hidden = cfg.hidden_size
+        self.weight_bytes = sum(p.numel() * p.element_size() for p in layers.parameters()) + \
+            head.numel() * head.element_size()
+        self.kv_per_token = kv_bytes_per_token(model)
+        missing = {d for d in (*self.groups, self.head_dtype) if d not in rates}
+        if missing:
+            raise ValueError(f"Floors: no matmul rates measured for {sorted(map(str, missing))}")
 
     def prefill(self, tokens: int, mean_len: float) -> float:
-        flops = tokens * (2 * self.linear + 4 * self.layers * self.hidden * mean_len) + 2 * self.head * 1
-        return flops / rate_at(self.rates, 2048)
+        t = sum(tokens * (2 * lin + 4 * n * self.hidden * mean_len) / rate_at(self.rates[d], 2048)
+                for d, (lin, n) in self.groups.items())
+        return t + 2 * self.head / rate_at(self.rates[self.head_dtype], 1)
 
     def decode_step(self, rows: int, ctx: float) -> float:
-        flops = rows * (2 * (self.linear + self.head) + 4 * self.layers * self.hidden * ctx)
-        return max(self.weight_bytes / self.bw, flops / rate_at(self.rates, rows))
+        read = self.weight_bytes + rows * ctx * self.kv_per_token
+        t = sum(rows * (2 * lin + 4 * n * self.hidden * ctx) / rate_at(self.rates[d], rows)
+                for d, (lin, n) in self.groups.items())
+        t += rows * 2 * self.head / rate_at(self.rates[self.head_dtype], rows)
+        return max(read / self.bw, t)
 
     def decode(self, live_rows: list[int], ctx: float) -> float:
         return sum(self.decode_step(b, ctx) for b in live_rows)
@@ -375,18 +392,25 @@ LOAD_ALLOW_PER_CORE, LOAD_ALLOW_MIN = 0.25, 0.5  # runnable tasks beyond the ben
 
 
 class FloorMeasure(NamedTuple):
-    """The machine's floor figures at one moment: matmul FLOP/s by rows M, memory bandwidth in bytes/s."""
+    """The machine's floor figures at one moment: matmul FLOP/s by precision ("bfloat16", "float32") and
+    rows M, memory bandwidth in bytes/s."""
 
-    rates: dict[int, float]
+    rates: dict[str, dict[int, float]]
     bw: float
 
     def best(self, other: "FloorMeasure") -> "FloorMeasure":
         """Each figure's faster reading of the two (the floor is what the machine can do)."""
-        return FloorMeasure({m: max(r, other.rates.get(m, r)) for m, r in self.rates.items()}, max(self.bw, other.bw))
+        return FloorMeasure({d: {m: max(r, other.rates.get(d, {}).get(m, r)) for m, r in rs.items()}
+                             for d, rs in self.rates.items()}, max(self.bw, other.bw))
+
+    def by_dtype(self) -> dict[torch.dtype, dict[int, float]]:
+        return {getattr(torch, d): rs for d, rs in self.rates.items()}
 
 
 def measure_floor(dtype: torch.dtype) -> FloorMeasure:
-    return FloorMeasure(matmul_rates(dtype), bandwidth())
+    """The run's precision and float32 (what a bfloat16 model's trainable layers take)."""
+    dts = [dtype] + ([torch.float32] if dtype != torch.float32 else [])
+    return FloorMeasure({str(d).removeprefix("torch."): matmul_rates(d) for d in dts}, bandwidth())
 
 
 def loadavg() -> float:
@@ -423,8 +447,8 @@ def floor_verdict(before: FloorMeasure, after: FloorMeasure, loadavg: tuple[floa
     by any of these; run the benchmark alone.
     """
     problems = []
-    pairs = [(f"matmul M={m}", before.rates[m] / 1e9, after.rates[m] / 1e9, "GFLOP/s")
-             for m in before.rates if m in after.rates]
+    pairs = [(f"{d} matmul M={m}", rs[m] / 1e9, after.rates[d][m] / 1e9, "GFLOP/s")
+             for d, rs in before.rates.items() if d in after.rates for m in rs if m in after.rates[d]]
     pairs.append(("memory bandwidth", before.bw / 1e9, after.bw / 1e9, "GB/s"))
     worst = []
     for name, a, b, unit in pairs:
@@ -450,10 +474,14 @@ def floor_verdict(before: FloorMeasure, after: FloorMeasure, loadavg: tuple[floa
                   f"{load_before:.2f} before and {load_after:.2f} after on {ncpu} cores")
 
 
-def floor_line(when: str, fm: FloorMeasure, dtype_name: str) -> str:
-    return (f"floor {when}: matmul GFLOP/s (M x 576 x 1536, {dtype_name}): " +
-            ", ".join(f"M={m} {r / 1e9:.0f}" for m, r in fm.rates.items()) +
-            f"; memory bandwidth {fm.bw / 1e9:.1f} GB/s (read + write)")
+def _gflops(rates: dict[str, dict[int, float]]) -> dict[str, dict[int, float]]:
+    return {d: {m: r / 1e9 for m, r in rs.items()} for d, rs in rates.items()}
+
+
+def floor_line(when: str, fm: FloorMeasure) -> str:
+    return (f"floor {when}: matmul GFLOP/s (M x 576 x 1536) " +
+            "; ".join(f"{d}: " + ", ".join(f"M={m} {r / 1e9:.0f}" for m, r in rs.items()) for d, rs in fm.rates.items())
+            + f"; memory bandwidth {fm.bw / 1e9:.1f} GB/s (read + write)")
 
 
 # ------------------------------------------------------------------------------------------- main
@@ -505,10 +533,7 @@ def main(argv: list[str] | None = None) -> int:
 
     # 1. the machine, before the timed work
     before = measure_floor(dtype)
-    print(floor_line("before", before, choice.dtype), flush=True)
-    if dtype != torch.float32:
-        rates32 = matmul_rates(torch.float32)
-        print("matmul GFLOP/s float32: " + ", ".join(f"M={m} {r / 1e9:.0f}" for m, r in rates32.items()))
+    print(floor_line("before", before), flush=True)
 
     # 2-5. the timed work
     timed = run_timed(args)
@@ -516,17 +541,17 @@ def main(argv: list[str] | None = None) -> int:
     # 1 again: the machine after it, and whether the figures can be trusted
     after = measure_floor(dtype)
     load_after = loadavg()
-    print(floor_line("after", after, choice.dtype), flush=True)
+    print(floor_line("after", after), flush=True)
     ok, reason = floor_verdict(before, after, (load_before, load_after), ncpu, args.threads)
     res["floor_check"] = {"ok": ok, "reason": reason, "load_before": load_before, "load_after": load_after,
                           "cores": ncpu, **{f"{w}_{k}": v for w, fm in (("before", before), ("after", after))
-                                            for k, v in (("matmul_gflops", {m: r / 1e9 for m, r in fm.rates.items()}),
+                                            for k, v in (("matmul_gflops", _gflops(fm.rates)),
                                                          ("bandwidth_gbs", fm.bw / 1e9))}}
     if ok:
         print(f"floor check: {reason}", flush=True)
         best = before.best(after)
-        res.update(matmul_gflops={m: r / 1e9 for m, r in best.rates.items()}, bandwidth_gbs=best.bw / 1e9)
-        report_ratios(Floors(timed.model, best.rates, best.bw), timed, res)
+        res.update(matmul_gflops=_gflops(best.rates), bandwidth_gbs=best.bw / 1e9)
+        report_ratios(Floors(timed.model, best.by_dtype(), best.bw), timed, res)
     else:
         print(f"NO RATIOS: {reason}. Run it again on a quiet machine.", flush=True)
     if args.json:
@@ -675,7 +700,8 @@ def old_engine_steps(cfg: Any, steps: int) -> list[dict[str, Any]]:
 
 def report_ratios(fl: Floors, timed: Timed, res: dict[str, Any]) -> None:
     """Print each timed piece beside its floor (only once the floor check passed) and fill ``res``."""
-    print(f"{fl.weight_bytes / 2**20:.0f} MiB of weights read per decode step; decode-step floor "
+    print(f"{fl.weight_bytes / 2**20:.0f} MiB of weights and {fl.kv_per_token / 2**10:.1f} KiB of keys and values per "
+          f"row and context token read per decode step; decode-step floor "
           f"{1000 * fl.decode_step(1, 300):.1f} ms (1 row) .. {1000 * fl.decode_step(32, 300):.1f} ms (32 rows)",
           flush=True)
     steps = []

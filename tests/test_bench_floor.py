@@ -14,7 +14,7 @@ QUIET = {1: 2 * GF, 8: 15 * GF, 32: 60 * GF, 2048: 250 * GF}
 
 
 def _fm(bf, rates=QUIET, bw=20e9):
-    return bf.FloorMeasure(dict(rates), bw)
+    return bf.FloorMeasure({"float32": dict(rates)}, bw)
 
 
 def test_agreeing_figures_and_a_quiet_load_pass():
@@ -30,7 +30,7 @@ def test_a_floor_that_moved_is_refused_naming_both_readings():
     busy = _fm(bf, {1: 0.1 * GF, 8: 3 * GF, 32: 7 * GF, 2048: 7 * GF})
     ok, reason = bf.floor_verdict(busy, _fm(bf), (0.2, 2.0), ncpu=2, threads=2)
     assert not ok
-    assert "matmul M=2048 7.0 before, 250.0 after GFLOP/s (97% apart)" in reason
+    assert "float32 matmul M=2048 7.0 before, 250.0 after GFLOP/s (97% apart)" in reason
     ok, reason = bf.floor_verdict(_fm(bf), _fm(bf, bw=12e9), (0.2, 2.0), ncpu=2, threads=2)
     assert not ok and "memory bandwidth 20.0 before, 12.0 after GB/s (40% apart)" in reason
 
@@ -44,6 +44,38 @@ def test_a_high_load_average_is_refused(load, ncpu, threads, where):
     bf = load_script("bench_floor")
     ok, reason = bf.floor_verdict(_fm(bf), _fm(bf), load, ncpu=ncpu, threads=threads)
     assert not ok and where in reason and "busy" in reason
+
+
+def test_the_decode_floor_reads_the_kv_cache_and_prices_each_layer_at_its_precision():
+    """A bfloat16 model whose top layer trains in float32: the floor needs both precisions' rates, a step
+    over long contexts is bound by the weights AND the keys/values it reads, and a slower float32 rate
+    raises the floor by the float32 layers' (and head's) FLOPs alone."""
+    import torch
+    from reflrl.engines.continuous import kv_bytes_per_token
+    from reflrl.models import load_model
+
+    bf = load_script("bench_floor")
+    model, _ = load_model("tiny-random", dtype="bfloat16", trainable="top_layers:1", seed=0)
+    flat = {1: 1e9, 2048: 1e9}
+    with pytest.raises(ValueError, match="float32"):
+        bf.Floors(model, {torch.bfloat16: flat}, 1e9)
+    fast = {1: 1e30, 2048: 1e30}  # matmuls free: the bandwidth decides
+    fl = bf.Floors(model, {torch.bfloat16: fast, torch.float32: fast}, 1e9)
+    kv = kv_bytes_per_token(model)
+    assert fl.kv_per_token == kv > 0
+    assert fl.decode_step(8, 100) == pytest.approx((fl.weight_bytes + 8 * 100 * kv) / 1e9)
+    assert fl.decode_step(8, 1000) > fl.decode_step(8, 100) > fl.decode_step(1, 100)
+    # bandwidth free: the FLOPs decide; float32 twice as slow adds the float32 share once more
+    both = bf.Floors(model, {torch.bfloat16: flat, torch.float32: flat}, 1e30)
+    slow32 = bf.Floors(model, {torch.bfloat16: flat, torch.float32: {m: r / 2 for m, r in flat.items()}}, 1e30)
+    layers = model.get_decoder().layers
+    top = layers[-1]
+    assert top.self_attn.q_proj.weight.dtype == torch.float32 and layers[0].self_attn.q_proj.weight.dtype == torch.bfloat16
+    h = model.config.hidden_size
+    f32_flops = 4 * (2 * sum(p.numel() for p in top.parameters()) + 4 * h * 50)  # 4 rows, context 50
+    f32_flops += 4 * 2 * model.get_output_embeddings().weight.numel() * (
+        model.get_output_embeddings().weight.dtype == torch.float32)
+    assert slow32.decode_step(4, 50) - both.decode_step(4, 50) == pytest.approx(f32_flops / 1e9)
 
 
 def _fake_run(bf, monkeypatch, floors, loads):
@@ -92,7 +124,7 @@ def test_main_on_a_quiet_machine_prints_the_ratios(tmp_path, monkeypatch, capsys
     assert "rollouts and retries per minute: 240.0, the old engine 120.0 on the same RL steps (2.0s against 3.0s) -> 2.00x" in out
     res = json.loads((tmp_path / "f.json").read_text())
     assert res["floor_check"]["ok"] is True and res["rl_steps"][0]["ratio"] > 0
-    assert res["matmul_gflops"]["2048"] == pytest.approx(250.0)  # the faster of the two readings
+    assert res["matmul_gflops"]["float32"]["2048"] == pytest.approx(250.0)  # the faster of the two readings
 
 
 def test_the_tap_captures_the_warm_ups_batches_as_train_sft_runs_them(monkeypatch):
