@@ -267,4 +267,3 @@ def test_a_training_forward_runs_its_frozen_float32_layers_on_the_packed_matrice
     with plain.training_forwards(model):
         step()
     assert calls == []
-

@@ -291,7 +291,7 @@ class LeanDecoder:
         apart, reading only its first ``width`` columns (rows of one length need not read the columns of
         a longer one: the decode step's attention is bound by the keys/values it reads). Rows outside
         every span (idle slots) get a zero attention output. The masked-out columns a span leaves out add
-        nothing to a row's attention, so each row's result is the one the full width gives."""
+        nothing to a row's attention, so each row's result is the full width's up to float rounding."""
         b = tok.shape[0]
         per_row = isinstance(col, torch.Tensor)
         width = mask.shape[-1] if per_row else col + 1
