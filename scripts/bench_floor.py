@@ -68,30 +68,32 @@ ROWS = (1, 2, 4, 8, 16, 32, 64, 128, 512, 2048)
 
 
 # ------------------------------------------------------------------------------------------ machine
-def matmul_rates(dtype: torch.dtype, reps: int = 20) -> dict[int, float]:
-    """FLOP/s of [M, 576] @ [576, 1536] for each M in ROWS (median of ``reps``): the faster of
-    ``F.linear`` and a weight packed for oneDNN (:mod:`reflrl.engines.packed`, where it can be packed),
-    so the floor is what this machine's best kernel allows, whichever the run uses."""
+def matmul_rates(dtype: torch.dtype, reps: int = 20, rounds: int = 3) -> dict[int, float]:
+    """FLOP/s of [M, 576] @ [576, 1536] for each M in ROWS: the faster of ``F.linear`` and a weight packed
+    for oneDNN (:mod:`reflrl.engines.packed`, where it can be packed), so the floor is what this machine's
+    best kernel allows, whichever the run uses. Each M is timed in ``rounds`` rounds over all M (the
+    median of ``reps`` calls in each) and its best round taken: a process's first round still compiles
+    and warms oneDNN's kernels, and a reading taken once moves by a third from run to run at small M."""
     from reflrl.engines.packed import dense, pack
 
-    out = {}
+    best: dict[int, float] = {m: float("inf") for m in ROWS}
     w = torch.randn(N_DIM, K_DIM).to(dtype)
     weights = [w] + [p for p in (pack(w),) if p is not None]
-    for m in ROWS:
-        x = torch.randn(m, K_DIM).to(dtype)
-        best = float("inf")
-        for wk in weights:
-            for _ in range(3):
-                dense(x, wk)
-            n = max(3, reps if m <= 128 else 5)
-            ts = []
-            for _ in range(n):
-                t = time.perf_counter()
-                dense(x, wk)
-                ts.append(time.perf_counter() - t)
-            best = min(best, statistics.median(ts))
-        out[m] = 2 * m * K_DIM * N_DIM / best
-    return out
+    xs = {m: torch.randn(m, K_DIM).to(dtype) for m in ROWS}
+    for _ in range(rounds):
+        for m in ROWS:
+            x = xs[m]
+            for wk in weights:
+                for _ in range(3):
+                    dense(x, wk)
+                n = max(3, reps if m <= 128 else 5)
+                ts = []
+                for _ in range(n):
+                    t = time.perf_counter()
+                    dense(x, wk)
+                    ts.append(time.perf_counter() - t)
+                best[m] = min(best[m], statistics.median(ts))
+    return {m: 2 * m * K_DIM * N_DIM / t for m, t in best.items()}
 
 
 def bandwidth(mb: int = 256) -> float:
