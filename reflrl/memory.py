@@ -235,6 +235,40 @@ def release_mapped_pages(tensors: Sequence[torch.Tensor]) -> int:
     return done
 
 
+def _file_mappings() -> list[tuple[int, int]]:
+    """(start, end) of this process's mappings of files (not the heap, anonymous memory or the stack)."""
+    out = []
+    try:
+        with open("/proc/self/maps") as f:
+            for line in f:
+                parts = line.split(maxsplit=5)
+                if len(parts) == 6 and parts[5].startswith("/"):
+                    lo, hi = parts[0].split("-")
+                    out.append((int(lo, 16), int(hi, 16)))
+    except OSError:
+        return []
+    return out
+
+
+def release_file_pages(tensors: Sequence[torch.Tensor]) -> int:
+    """:func:`release_mapped_pages` for those of ``tensors`` whose memory is a mapping of a file (a float32
+    model's weights as ``from_pretrained`` maps them from its safetensors file), the others left alone:
+    their resident pages are dropped and a later read brings them back from the file, the values the
+    same. For weights that something else now stands in for (the decode step's packed copies of frozen
+    layers): they stop counting in the process's memory until something reads them again. Returns the
+    bytes advised; 0 where nothing is file-backed or the system cannot."""
+    spans = _file_mappings()
+    if not spans or not tensors:
+        return 0
+    mapped = []
+    for t in tensors:
+        st = t.untyped_storage()
+        a, n = st.data_ptr(), st.nbytes()
+        if n and any(lo <= a and a + n <= hi for lo, hi in spans):
+            mapped.append(t)
+    return release_mapped_pages(mapped) if mapped else 0
+
+
 def offload_optimizer_state(optimizer: torch.optim.Optimizer, folder: str | Path) -> bool:
     """Move ``optimizer``'s state tensors (AdamW's moments) to a mapped file under ``folder``
     (:func:`map_to_disk`) while something that never reads them runs, such as an evaluation: the next

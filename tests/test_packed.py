@@ -1,6 +1,9 @@
 """rollout.packed_weights: what auto decides from the measurement, its cache, and where packing is off."""
 from __future__ import annotations
 
+import os
+import sys
+
 import pytest
 import torch
 
@@ -79,3 +82,57 @@ def test_a_bfloat16_run_packs_its_float32_head_and_trainable_layers(tmp_path):
     mats = [w for ws in lean.weights for w in ws if w is not None and w.dim() == 2]
     assert {w.is_mkldnn for w in mats} == {True, False}  # the float32 top layer packed, the bfloat16 rest plain
     assert all(w.is_mkldnn == (w.dtype == torch.float32) for w in mats)
+
+
+@needs_onednn
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/proc/self/smaps and madvise(MADV_PAGEOUT) are Linux's")
+def test_frozen_float32_weights_mapped_from_a_file_give_their_pages_back_once_packed(tmp_path):
+    """A float32 model loaded from safetensors has its weights mapped from the file. Once the decode step
+    packs a frozen layer, every forward through the engine multiplies by the packed copies: the plain
+    weights' pages leave the process's memory (the file mapping's resident size drops by their size), the
+    trained layer's stay, the samples are those of an engine on the same weights in ordinary memory, and
+    after a checkpoint's save reads them back, ``release_unused_weights`` gives them back again."""
+    from transformers import LlamaForCausalLM
+
+    from mapping import mapped_file, mapped_rss
+    from reflrl.engines.transformers_engine import TransformersEngine
+    from reflrl.models import TINY_NAME, load_tokenizer, tiny_config
+
+    tok = load_tokenizer(TINY_NAME)
+    torch.manual_seed(0)
+    cfg = tiny_config(len(tok), tok, hidden_size=256, intermediate_size=1024, num_hidden_layers=3,
+                      num_attention_heads=4, num_key_value_heads=2)
+    LlamaForCausalLM(cfg).save_pretrained(tmp_path / "m")
+    os.sync()  # its pages written back: a dirty page of the file stays resident until it is
+    model = LlamaForCausalLM.from_pretrained(tmp_path / "m", dtype=torch.float32)
+    heap = LlamaForCausalLM.from_pretrained(tmp_path / "m", dtype=torch.float32)
+    for p in heap.parameters():
+        p.data = p.data.clone()  # the same weights in ordinary memory
+    if not mapped_file(model.model.layers[0].mlp.down_proj.weight).endswith("model.safetensors"):
+        pytest.skip("this transformers version copies safetensors weights instead of mapping them")
+    for m in (model, heap):
+        m.requires_grad_(False)
+        m.model.layers[2].requires_grad_(True)  # top_layers:1
+    frozen = [mod.weight for layer in model.model.layers[:2] for mod in layer.modules()
+              if isinstance(mod, torch.nn.Linear)]
+    trained = model.model.layers[2].mlp.down_proj.weight
+    before = [w.clone() for w in frozen]
+    with torch.no_grad():
+        sum(float(p.sum()) for p in model.parameters())  # every weight read: all resident
+    full = mapped_rss(trained)
+    prompts = [[1, 2, 3, 4, 5], [7, 8, 9]]
+    got = TransformersEngine(model, tok, packed=True, continuous=True).generate(
+        prompts, n=2, max_new_tokens=12, stop_ids=[], seed=3)
+    want = TransformersEngine(heap, tok, packed=True, continuous=True).generate(
+        prompts, n=2, max_new_tokens=12, stop_ids=[], seed=3)
+    assert [s.token_ids for s in got] == [s.token_ids for s in want]
+    freed = sum(w.numel() * 4 for w in frozen)
+    assert mapped_rss(trained) <= full - freed + len(frozen) * 2 * 4096  # whole pages inside each weight left
+    assert mapped_rss(trained) >= trained.numel() * 4  # the trained layer's weights were not given back
+    engine = TransformersEngine(model, tok, packed=True, continuous=True)
+    engine.generate(prompts, n=1, max_new_tokens=4, stop_ids=[], seed=3)
+    model.save_pretrained(tmp_path / "ckpt")  # reads every weight back from the file
+    assert mapped_rss(trained) >= full - 2 * 4096
+    assert engine.release_unused_weights(model) >= freed - len(frozen) * 2 * 4096
+    assert mapped_rss(trained) <= full - freed + len(frozen) * 2 * 4096
+    assert all(torch.equal(a, b) for a, b in zip(frozen, before))  # the same values, read from the file

@@ -278,6 +278,12 @@ class TransformersEngine:
         for fused in _DECODE_WEIGHTS.get(model, {}).values():
             fused.drop_trainable(model)
 
+    def release_unused_weights(self, model: nn.Module) -> int:
+        """Give back the pages of ``model``'s plain weights that the decode step's packed copies stand in for
+        (its frozen float32 layers, where they are mapped from a file: :meth:`FusedWeights.release_frozen`),
+        after something else read them (a checkpoint saved). Returns the bytes advised."""
+        return sum(f.release_frozen(model) for f in _DECODE_WEIGHTS.get(model, {}).values())
+
     def head(self) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The output head's weight and bias as the decode step multiplies by them
         (``packed.dense(h.float(), *head)``: float32, packed where ``packed``)."""

@@ -211,6 +211,17 @@ class Trainer:
         hook = getattr(self.rollout_engine, "training_forwards", None)
         return hook(self.model) if hook is not None else contextlib.nullcontext()
 
+    def release_memory(self) -> None:
+        """Before a phase's peak (an evaluation, an RL step's generation): the C heap's free memory back to
+        the system (:func:`reflrl.memory.release_heap`), and the engine hook ``release_unused_weights(model)``
+        of each engine that has one (the plain weights that its packed copies stand in for, read again by
+        a checkpoint's save)."""
+        release_heap()
+        for engine in {id(e): e for e in (self.rollout_engine, self.eval_engine) if e is not None}.values():
+            hook = getattr(engine, "release_unused_weights", None)
+            if hook is not None:
+                hook(self.model)
+
     def weights_changing(self) -> None:
         """Before the optimiser steps of an update or a warm-up: the engine hook ``on_weights_changing(model)``
         of each engine that has one (the decode step's copies of the trained weights are freed for the
@@ -236,7 +247,7 @@ class Trainer:
 
         t0 = time.perf_counter()
         offload_optimizer_state(self.optimizer, self.log.path)  # AdamW's moments wait on disk meanwhile
-        release_heap()  # theirs and what the phase before freed (a warm-up, a checkpoint), back before the peak
+        self.release_memory()  # theirs and what the phase before freed or read (a warm-up, a checkpoint)
         with self.memory.phase("eval"):
             if self.cfg.env.faults:
                 res = self.evaluate_episodes(split)

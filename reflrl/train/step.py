@@ -170,6 +170,7 @@ def train_step(tr: Any) -> dict[str, Any]:
     B, ctl = cfg.rollout.batch_prompts, tr.sampling
     t_step, timings, epoch_before = time.perf_counter(), {}, tr.sampler.epoch
     got, want = StepRollouts(), B
+    tr.release_memory()  # what the step before freed or read (a checkpoint) back before the generation's peak
     while want > 0:  # sampling rounds: one, or more when a sampler refills the batch (DAPO)
         # 1. collect: n rollouts for each of the next prompts of the seeded data order
         idx = tr.sampler.next(want)
