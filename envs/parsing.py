@@ -39,6 +39,7 @@ import json
 import keyword
 import math
 import re
+import warnings
 from typing import Any, Callable
 
 from .types import ParseResult, ToolCall
@@ -53,6 +54,16 @@ _CLOSE = "</tool_call>"
 _THINK_RE = re.compile(r"\A\s*<think>.*?</think>", re.S)
 _FENCE_RE = re.compile(r"\A```[A-Za-z0-9_+-]*[ \t]*\n(.*?)\n?```\s*\Z", re.S)
 
+
+
+def parse_expression(text: str) -> ast.Expression:
+    """``ast.parse(text, mode="eval")`` without Python's SyntaxWarnings: text a model wrote such as
+    ``f(x=1and 2)`` parses with a warning ("invalid decimal literal") that would reach the user's console
+    once per answer. Raises what ``ast.parse`` raises (SyntaxError, ValueError, RecursionError, ...).
+    Parsing never evaluates anything."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", SyntaxWarning)
+        return ast.parse(text, mode="eval")
 
 def _reject_constant(name: str) -> Any:
     raise ValueError(f"{name} is not valid JSON")
@@ -245,7 +256,7 @@ def parse_pythonic(text: str) -> ParseResult:
     if not (_LIST_RE.match(body) or _BARE_RE.match(body)):
         return ParseResult(ok=True, calls=[], content=text.strip())
     try:
-        tree = ast.parse(body, mode="eval")
+        tree = parse_expression(body)
     except SyntaxError as e:
         return _fail(f"not a valid Python call list: {e.msg} (line {e.lineno}, col {e.offset})", think)
     expr = tree.body

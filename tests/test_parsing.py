@@ -279,3 +279,27 @@ def test_fuzz_truncations_of_valid_calls(calls, fmt, data):
     for t in (text[:cut], text[cut:]):
         for f in (fmt, "auto"):
             _check(parse(t, f))
+
+
+@pytest.mark.parametrize("text", ["[f(x=1and 2)]", "f(n=1if 1else 2)"])
+def test_answers_that_python_parses_with_a_syntax_warning_print_none(text):
+    """A model's answer such as ``f(x=1and 2)`` parses with a SyntaxWarning ("invalid decimal literal"); the
+    pythonic parser and BFCL's decoding parse it without one reaching the console, and answer as before."""
+    import ast
+    import warnings
+
+    from reflrl.eval.bfcl_decode import Unevaluated, decode_python
+    from reflrl.envs.parsing import parse_expression
+
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        res = parse(text, "pythonic")
+        try:
+            decode_python(text, lambda call: {"call": True})
+        except (Unevaluated, Exception):  # noqa: BLE001 - what it answers does not matter here
+            pass
+        tree = parse_expression(text)
+    assert [w for w in seen if issubclass(w.category, SyntaxWarning)] == []
+    assert isinstance(res, ParseResult) and tree.body is not None
+    with pytest.warns(SyntaxWarning):  # what a bare ast.parse does with it
+        ast.parse(text, mode="eval")

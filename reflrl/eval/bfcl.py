@@ -61,6 +61,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any, Generator
 
+from reflrl.envs.parsing import parse_expression
 from reflrl.errors import UserError
 
 from .bfcl_decode import Unevaluated, decode_python, decode_python_calls
@@ -319,7 +320,7 @@ _ALLOWED_NODES = (ast.Expression, ast.Call, ast.keyword, ast.Constant, ast.List,
 
 def _safe_call_string(call: str, allowed: frozenset[str]) -> bool:
     try:
-        tree = ast.parse(call, mode="eval")
+        tree = parse_expression(call)
     except (SyntaxError, ValueError, RecursionError, MemoryError):
         return False
     if not isinstance(tree.body, ast.Call):

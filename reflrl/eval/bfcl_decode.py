@@ -38,6 +38,8 @@ import ast
 import operator
 from typing import Any, Callable
 
+from reflrl.envs.parsing import parse_expression
+
 #: the largest number of characters / elements a folded value may hold (nested containers counted)
 MAX_ITEMS = 100_000
 #: the largest integer a folded value may be (bits); Python 3.11 refuses to print ints over 4300 digits
@@ -218,7 +220,7 @@ def decode_python(result: str, resolve_ast_call: Callable[[ast.Call], dict]) -> 
     ``resolve_ast_call`` is bfcl's. Raises what bfcl raises for an output it cannot decode, and
     :class:`Unevaluated` for an output whose decoding would depend on running an expression.
     """
-    parsed = ast.parse(_prompting_text(result), mode="eval")
+    parsed = parse_expression(_prompting_text(result))
     pre = _Prepass()
     extracted = []
     if isinstance(parsed.body, ast.Call):
@@ -242,7 +244,7 @@ def decode_python_calls(result: str, resolve_ast_call: Callable[[ast.Call], dict
         return [(c, []) for c in decode_python(result, resolve_ast_call)]
     except Unevaluated:
         pass
-    parsed = ast.parse(_prompting_text(result), mode="eval")
+    parsed = parse_expression(_prompting_text(result))
     elems = [parsed.body] if isinstance(parsed.body, ast.Call) else parsed.body.elts
     out = []
     for elem in elems:
