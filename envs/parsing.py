@@ -55,7 +55,6 @@ _THINK_RE = re.compile(r"\A\s*<think>.*?</think>", re.S)
 _FENCE_RE = re.compile(r"\A```[A-Za-z0-9_+-]*[ \t]*\n(.*?)\n?```\s*\Z", re.S)
 
 
-
 def parse_expression(text: str) -> ast.Expression:
     """``ast.parse(text, mode="eval")`` without Python's SyntaxWarnings: text a model wrote such as
     ``f(x=1and 2)`` parses with a warning ("invalid decimal literal") that would reach the user's console
@@ -64,6 +63,7 @@ def parse_expression(text: str) -> ast.Expression:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", SyntaxWarning)
         return ast.parse(text, mode="eval")
+
 
 def _reject_constant(name: str) -> Any:
     raise ValueError(f"{name} is not valid JSON")

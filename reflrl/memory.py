@@ -219,13 +219,16 @@ def release_mapped_pages(tensors: Sequence[torch.Tensor]) -> int:
     advised. Returns the bytes advised; 0 where the system cannot (not Linux, a kernel before 5.4).
     Meant for mapped tensors only: on ordinary memory it would push the pages to swap, where there is
     swap."""
+    return _page_out([(t.untyped_storage().data_ptr(), t.untyped_storage().nbytes()) for t in tensors])
+
+
+def _page_out(spans: Sequence[tuple[int, int]]) -> int:
+    """``madvise(MADV_PAGEOUT)`` on the whole pages inside each (address, bytes) span; the bytes advised."""
     libc = _libc()
     if not sys.platform.startswith("linux") or libc is None or not hasattr(libc, "madvise"):
         return 0
     done = 0
-    for t in tensors:
-        st = t.untyped_storage()
-        a, n = st.data_ptr(), st.nbytes()
+    for a, n in spans:
         lo, hi = -(-a // _PAGE) * _PAGE, (a + n) // _PAGE * _PAGE
         if hi <= lo:
             continue
@@ -251,22 +254,18 @@ def _file_mappings() -> list[tuple[int, int]]:
 
 
 def release_file_pages(tensors: Sequence[torch.Tensor]) -> int:
-    """:func:`release_mapped_pages` for those of ``tensors`` whose memory is a mapping of a file (a float32
+    """:func:`release_mapped_pages` for the bytes of those of ``tensors`` whose memory is a mapping of a file (a float32
     model's weights as ``from_pretrained`` maps them from its safetensors file), the others left alone:
     their resident pages are dropped and a later read brings them back from the file, the values the
     same. For weights that something else now stands in for (the decode step's packed copies of frozen
     layers): they stop counting in the process's memory until something reads them again. Returns the
     bytes advised; 0 where nothing is file-backed or the system cannot."""
-    spans = _file_mappings()
-    if not spans or not tensors:
+    files = _file_mappings()
+    if not files or not tensors:
         return 0
-    mapped = []
-    for t in tensors:
-        st = t.untyped_storage()
-        a, n = st.data_ptr(), st.nbytes()
-        if n and any(lo <= a and a + n <= hi for lo, hi in spans):
-            mapped.append(t)
-    return release_mapped_pages(mapped) if mapped else 0
+    spans = [(t.data_ptr(), t.numel() * t.element_size()) for t in tensors]  # the tensor's bytes, not a
+    # storage it may share with the rest of the file
+    return _page_out([(a, n) for a, n in spans if n and any(lo <= a and a + n <= hi for lo, hi in files)])
 
 
 def offload_optimizer_state(optimizer: torch.optim.Optimizer, folder: str | Path) -> bool:

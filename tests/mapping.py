@@ -29,3 +29,20 @@ def mapped_rss(t: torch.Tensor) -> int:
             elif inside and head == "Rss:":
                 return int(line.split()[1]) * 1024
     return 0
+
+
+def resident_bytes(t: torch.Tensor) -> int:
+    """Bytes of ``t``'s own pages (whole pages inside its data) mapped in this process now: the present bit
+    of each page in /proc/self/pagemap (Linux; readable without privileges)."""
+    import mmap
+    import struct
+
+    page = mmap.PAGESIZE
+    a, n = t.data_ptr(), t.numel() * t.element_size()
+    lo, hi = -(-a // page), (a + n) // page
+    if hi <= lo:
+        return 0
+    with open("/proc/self/pagemap", "rb") as f:
+        f.seek(lo * 8)
+        raw = f.read((hi - lo) * 8)
+    return page * sum(1 for (e,) in struct.iter_unpack("<Q", raw) if e >> 63)
