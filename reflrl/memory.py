@@ -260,9 +260,9 @@ def release_file_pages(tensors: Sequence[torch.Tensor]) -> int:
     same. For weights that something else now stands in for (the decode step's packed copies of frozen
     layers): they stop counting in the process's memory until something reads them again. Returns the
     bytes advised; 0 where nothing is file-backed or the system cannot."""
-    files = _file_mappings()
-    if not files or not tensors:
+    if not tensors:
         return 0
+    files = _file_mappings()
     spans = [(t.data_ptr(), t.numel() * t.element_size()) for t in tensors]  # the tensor's bytes, not a
     # storage it may share with the rest of the file
     return _page_out([(a, n) for a, n in spans if n and any(lo <= a and a + n <= hi for lo, hi in files)])

@@ -115,28 +115,30 @@ class FusedWeights:
                 wgu = self._pack(torch.cat([m.gate_proj.weight, m.up_proj.weight]))
                 wo, wd = self._pack(at.o_proj.weight), self._pack(m.down_proj.weight)
             hit = self.layers[li] = (stamp, wqkv, bqkv, wgu, wo, wd)
-            self._release_plain(layer, hit)
+            release_file_pages(self._plain(layer, hit))
         return hit[1:]
 
     @staticmethod
-    def _release_plain(layer: nn.Module, hit: tuple) -> int:
-        """A frozen layer whose matrices are all packed: every forward that runs through this cache
-        (decode steps, prefills, training forwards) multiplies by the packed copies, so the plain weights'
-        pages are given back where they are mapped from a file (:func:`reflrl.memory.release_file_pages`:
-        a float32 model loaded from safetensors; about 0.25 GB for SmolLM2-135M's 18 frozen layers). A
-        forward outside this cache (a checkpoint's ``save_pretrained``) reads them back from the file."""
+    def _plain(layer: nn.Module, hit: tuple) -> list[torch.Tensor]:
+        """The plain weights that the packed copies ``hit`` stand in for, where ``layer`` is frozen and all
+        its matrices are packed (else none): every forward that runs through this cache (decode steps,
+        prefills, training forwards) multiplies by the packed copies, so their pages can be given back
+        where they are mapped from a file (:func:`reflrl.memory.release_file_pages`: a float32 model loaded
+        from safetensors; about 0.25 GB for SmolLM2-135M's 18 frozen layers). A forward outside this cache
+        (a checkpoint's ``save_pretrained``) reads them back from the file."""
         if any(p.requires_grad for p in layer.parameters()) or not all(
                 isinstance(w, torch.Tensor) and w.is_mkldnn for w in (hit[1], hit[3], hit[4], hit[5])):
-            return 0
+            return []
         at, m = layer.self_attn, layer.mlp
         mods = (at.q_proj, at.k_proj, at.v_proj, at.o_proj, m.gate_proj, m.up_proj, m.down_proj)
-        return release_file_pages([t for mod in mods for t in (mod.weight, mod.bias) if t is not None])
+        return [t for mod in mods for t in (mod.weight, mod.bias) if t is not None]
 
     def release_frozen(self, model: nn.Module) -> int:
-        """:meth:`_release_plain` again for every frozen layer held here: after something read the plain
-        weights (a checkpoint saved, a forward outside this cache). Returns the bytes advised."""
+        """Give back again the pages of every frozen layer's plain weights held here (:meth:`_plain`), after
+        something read them (a checkpoint saved, a forward outside this cache). Returns the bytes advised."""
         layers = model.get_decoder().layers
-        return sum(self._release_plain(layers[li], hit) for li, hit in self.layers.items() if li < len(layers))
+        return release_file_pages([t for li, hit in self.layers.items() if li < len(layers)
+                                   for t in self._plain(layers[li], hit)])
 
     def drop_trainable(self, model: nn.Module) -> int:
         """Forget the copies of ``model``'s layers (and head) that have a parameter with ``requires_grad``:
