@@ -31,8 +31,8 @@ from it -- measured in one run, every figure a ratio of two timings taken here a
    same model and precision, no vLLM): its step time beside reflrl's.
 
 The RL step's rollouts per minute are printed too; with --old-engine the same RL steps run again from the
-same start on the engine as it was before its packed decode weights, shared-start prefill and continuous
-batching (fixed batches), and the two rollouts-per-minute figures are compared. CPU-heavy (a few minutes on 2 cores): run it
+same start on the engine as it was before its packed decode weights, native decode attention, shared-start
+prefill and continuous batching (fixed batches), and the two rollouts-per-minute figures are compared. CPU-heavy (a few minutes on 2 cores): run it
 alone; other busy processes make every multi-threaded operation wait.
 
 A busy machine cannot pass: the matmul rates and the bandwidth are measured before AND after the timed
@@ -624,7 +624,7 @@ def run_timed(args: argparse.Namespace) -> Timed:
     from reflrl.engines.transformers_engine import TransformersEngine
 
     eng = TransformersEngine(tr.model, tr.tokenizer, packed=tr.engine.packed,  # the run's decode path
-                             continuous=tr.engine.continuous)
+                             continuous=tr.engine.continuous, attention=tr.engine.attention)
     gen = torch.Generator().manual_seed(0)
     prompts = [torch.randint(100, 40000, (200,), generator=gen).tolist() for _ in range(32)]
     eng.generate(prompts[:2], n=1, max_new_tokens=4, stop_ids=[], seed=0)
@@ -658,15 +658,16 @@ def run_timed(args: argparse.Namespace) -> Timed:
 def old_engine_steps(cfg: Any, steps: int) -> list[dict[str, Any]]:
     """The RL steps again, from the same start (a fresh trainer on the same config and seed), with the
     engine as it was before its speed-ups: plain ``F.linear`` decode weights
-    (``rollout.packed_weights=false``), every prompt prefilled whole (no shared start) and fixed batches
-    (``rollout.continuous=false``). Wall time and
+    (``rollout.packed_weights=false``), SDPA for the decode attention (``rollout.decode_attention=sdpa``), every
+    prompt prefilled whole (no shared start) and fixed batches (``rollout.continuous=false``). Wall time and
     rollouts (with reflection retries) per step; the first step warms up, as in the new engine's run."""
     from dataclasses import replace
 
     import reflrl.engines.transformers_engine as TE
     from reflrl.train.loop import Trainer
 
-    old_cfg = replace(cfg, rollout=replace(cfg.rollout, packed_weights="false", continuous=False),
+    old_cfg = replace(cfg, rollout=replace(cfg.rollout, packed_weights="false", decode_attention="sdpa",
+                                                          continuous=False),
                       train=replace(cfg.train, out_dir=tempfile.mkdtemp(prefix="floor-old")))
     keep = TE.SHARED_PREFIX_MIN
     TE.SHARED_PREFIX_MIN = 10**9

@@ -435,8 +435,10 @@ class DecodePool:
         needs = [0] * n
         for i in going:
             needs[i] = pos[i] + 1
+        # the native attention kernel reads each row as far as its own length; SDPA reads spans of rows
+        reads = {"widths": needs} if self._lean.attention is not None else {"spans": attention_spans(needs)}
         self.h = self._lean.step(torch.tensor(tok, dtype=torch.long, device=dev), pos_t, pos_t, mask, self.cache,
-                                 spans=attention_spans(needs))
+                                 **reads)
         for i in going:
             self.slots[i].length += 1
         self.stats.forward_calls += 1

@@ -10,9 +10,11 @@ third of the operations:
   place at one shared column per step (rows are left-padded, so every row writes the same column);
 * the attention mask is kept as a boolean [rows, columns] tensor and extended by one column a step;
 * the rotary angles of the step's positions come from a table built once per call;
-* one-token grouped-query attention reads keys/values in place (:func:`fast_decode.gqa_decode_attention`'s
-  layout trick), and with the continuous pool each span of rows reads only as many columns as its
-  longest row;
+* one-token grouped-query attention reads keys/values in place: SDPA with
+  :func:`fast_decode.gqa_decode_attention`'s layout trick (with the continuous pool each span of rows
+  reading only as many columns as its longest row), or the native kernel
+  (:mod:`reflrl.engines.native_attention`, ``rollout.decode_attention``), each row reading only its own
+  columns;
 * q/k/v and the MLP's gate/up run as one matmul each, over concatenated weights (:class:`FusedWeights`,
   rebuilt only for layers whose parameters changed), and q and k are rotated together;
 * finished rows stay in the batch until few remain (the engine decides): at small batch a step costs
@@ -283,8 +285,10 @@ class LeanDecoder:
     """The decode step of ``model`` (see the module doc). Build one per ``generate`` call: it reads
     the parameters as they are then."""
 
-    def __init__(self, model: nn.Module, fused: FusedWeights | None = None):
+    def __init__(self, model: nn.Module, fused: FusedWeights | None = None, attention: Any = None):
         cfg = _text_config(model)
+        # the one-token attention: a reflrl.engines.native_attention.Kernel, or None (SDPA)
+        self.attention = attention
         self.fused = fused if fused is not None else FusedWeights()
         dec = model.get_decoder()
         self.embed = dec.embed_tokens
@@ -303,7 +307,8 @@ class LeanDecoder:
         self.weights = [self.fused.get(li, layer) for li, layer in enumerate(self.layers)]
 
     def step(self, tok: torch.Tensor, pos: torch.Tensor, col: int | torch.Tensor, mask: torch.Tensor,
-             cache: Any, spans: list[tuple[int, int, int]] | None = None) -> torch.Tensor:
+             cache: Any, spans: list[tuple[int, int, int]] | None = None,
+             widths: list[int] | None = None) -> torch.Tensor:
         """One token per row: ``tok`` [B] ids at positions ``pos`` [B], written to cache column ``col``;
         ``mask`` [B, col + 1] bool (True = attend; the new column included). Returns the final normed
         hidden state [B, hidden] (what ``decoder(...).last_hidden_state[:, -1]`` returns).
@@ -316,11 +321,27 @@ class LeanDecoder:
         apart, reading only its first ``width`` columns (rows of one length need not read the columns of
         a longer one: the decode step's attention is bound by the keys/values it reads). Rows outside
         every span (idle slots) get a zero attention output. The masked-out columns a span leaves out add
-        nothing to a row's attention, so each row's result is the full width's up to float rounding."""
+        nothing to a row's attention, so each row's result is the full width's up to float rounding.
+
+        ``widths`` (with a column per row): the columns each row reads (0: an idle slot, zero attention
+        output), for the native attention kernel (``self.attention``), which reads every row only as far as
+        its own width; without the kernel they are read as one span of the widest. With the kernel,
+        ``spans`` give each of their rows the span's width."""
         b = tok.shape[0]
         per_row = isinstance(col, torch.Tensor)
         width = mask.shape[-1] if per_row else col + 1
         rows = torch.arange(b, device=tok.device) if per_row else None
+        kernel = self.attention
+        if kernel is not None:
+            if widths is None:
+                widths = [0] * b if spans is not None else [width] * b
+                for a, e, w in spans or ():
+                    widths[a:e] = [w] * (e - a)
+            row_widths = torch.tensor(widths, dtype=torch.int32)
+            kmask = mask if mask.stride(-1) == 1 else mask.contiguous()
+        elif widths is not None and spans is None:
+            top = max(widths, default=0)
+            spans = [(0, b, top)] if top else []
         h = self.embed(tok)  # [B, H]
         emb_dtype = h.dtype
         cos, sin = self.rotary(h[:, None], pos[:, None])  # [B, 1, D] in emb dtype (as transformers)
@@ -353,7 +374,9 @@ class LeanDecoder:
                 lay.kbuf[:, :, col] = qk[:, nh:, 0]
                 lay.vbuf[:, :, col] = qkv[:, nh + nkv:, 0]
             q = qk[:, :nh].reshape(b, nkv, g, hd)
-            if spans is None:
+            if kernel is not None:
+                o = kernel(q, lay.kbuf, lay.vbuf, kmask, row_widths, self.scaling)  # [B, Hkv, G, D]
+            elif spans is None:
                 o = F.scaled_dot_product_attention(q, lay.kbuf[:, :, :width], lay.vbuf[:, :, :width],
                                                    attn_mask=attn_mask, scale=self.scaling)  # [B, Hkv, G, D]
             else:

@@ -142,13 +142,17 @@ class TransformersEngine:
         kv_budget_bytes: the KV cache holds at most this many bytes: with ``continuous`` the pool's buffers
             (requests that do not fit wait for rows to finish), otherwise each fixed batch takes as many
             prompts as fit (:meth:`prompts_per_batch`); None = no limit beyond ``max_batch_size`` rows.
+        packed: the decode step and prefills multiply by float32 weights packed for oneDNN
+            (:mod:`reflrl.engines.packed`).
+        attention: the lean decode step's one-token attention: a
+            :class:`reflrl.engines.native_attention.Kernel`, or None (PyTorch's SDPA).
     """
 
     sample = staticmethod(sample_next)  # the draw of one token per row (the continuous pool calls it too)
 
     def __init__(self, model: nn.Module, tokenizer: Any, max_batch_size: int = 64, trunk_cache: Any = None,
                  lean: bool = True, continuous: bool = False, kv_budget_bytes: int | None = None,
-                 packed: bool = False):
+                 packed: bool = False, attention: Any = None):
         self.model = model
         self.tokenizer = tokenizer
         # reflrl.engines.trunk_cache.TrunkCache: replay the frozen bottom layers of prompts seen before (evaluation)
@@ -161,6 +165,7 @@ class TransformersEngine:
         self.continuous = bool(continuous)
         self.kv_budget_bytes = kv_budget_bytes
         self.packed = bool(packed)
+        self.attention = attention  # the decode step's native attention kernel (native_attention.Kernel) or None
         self._pool: Any = None  # the shared DecodePool of agenerate (continuous), made on first use
 
     def prompts_per_batch(self, prompts: Sequence[Sequence[int]], caps: Sequence[int], n: int) -> int:
@@ -294,7 +299,7 @@ class TransformersEngine:
         """The lean decode step for the model as it is now, or None (transformers forward)."""
         if not self.lean or not growable(self.model.config) or not lean_supports(self.model):
             return None
-        return LeanDecoder(self.model, self._weights())
+        return LeanDecoder(self.model, self._weights(), attention=self.attention)
 
     @property
     def device(self) -> torch.device:
