@@ -8,7 +8,8 @@ checkpoint of the main job), ``--repeats`` times each way, alternated: spans as 
 (:func:`reflrl.engines.continuous.attention_spans`), then one span over every live row (a span's price set
 beyond any saving, which reads as the attention did before spans). Per run: the evaluation's seconds,
 its prefill and decode seconds, its decode steps, the rows x columns its attention read, the new tokens
-and the accuracy. The process settings are the ``reflrl`` command's (OpenMP threads sleep while they
+and the accuracy. The attention is SDPA's (``rollout.decode_attention=sdpa``: the native kernel reads
+each row only as far as its own length and needs no spans). The process settings are the ``reflrl`` command's (OpenMP threads sleep while they
 wait). CPU-heavy: run it alone.
 """
 from __future__ import annotations
@@ -45,7 +46,8 @@ def main(argv: list[str] | None = None) -> int:
     from reflrl.train.loop import Trainer
 
     cfg = C.load_config(None, ["env.faults=rate_limit=0.1", "train.out_dir=" + tempfile.mkdtemp(prefix="spans"),
-                               f"model.init_from={args.checkpoint}", "warmup.enabled=false"] + list(args.set))
+                               f"model.init_from={args.checkpoint}", "warmup.enabled=false",
+                               "rollout.decode_attention=sdpa"] + list(args.set))  # spans are SDPA's
     tr = Trainer(cfg, Path(cfg.train.out_dir) / "run", progress=False, quiet=True)
     print(f"CPU capability {torch.backends.cpu.get_cpu_capability()}; {torch.get_num_threads()} threads; "
           f"OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY')}", flush=True)

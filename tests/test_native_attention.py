@@ -235,3 +235,18 @@ def test_a_run_builds_its_engines_with_the_resolved_attention(tmp_path):
         for engine in (comp.engine, comp.eval_engine):
             assert (engine.attention is not None) == on
             assert (engine._lean_decoder().attention is not None) == on
+
+
+def test_reflrl_evals_local_backend_decodes_with_the_resolved_attention_and_says_so(tmp_path, monkeypatch):
+    from reflrl.eval.backends import Decoding, LocalBackend
+
+    monkeypatch.setenv("REFLRL_CACHE", str(tmp_path))  # a fresh cache: auto builds and measures here
+    be = LocalBackend("tiny-random", dtype="float32", batch_size=2)
+    choice = be.decode_attention
+    assert choice.requested == "auto" and choice.timing is not None and not choice.cached
+    assert (tmp_path / "attention.json").is_file() and list((tmp_path / "kernels").glob("*.so"))
+    on = choice.enabled
+    assert (be.engine.attention is not None) == on and be.engine._lean_decoder().attention is choice.kernel
+    assert be.describe()["decode_attention"] == ("native" if on else "sdpa")
+    outs = be.chat([[{"role": "user", "content": "hi"}]] * 3, Decoding(temperature=0.0, max_new_tokens=4), seed=0)
+    assert len(outs) == 3

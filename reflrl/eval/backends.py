@@ -119,6 +119,7 @@ class LocalBackend:
                  threads: int | None = None):
         import torch
 
+        from reflrl.engines.native_attention import resolve as resolve_attention
         from reflrl.engines.transformers_engine import TransformersEngine
         from reflrl.models import load_model
 
@@ -131,7 +132,11 @@ class LocalBackend:
         self.batch_size = max(1, int(batch_size))
         self.model, self.tokenizer = load_model(name, dtype=dtype, trainable="none")
         self.model.eval()
-        self.engine = TransformersEngine(self.model, self.tokenizer, max_batch_size=self.batch_size)
+        on_cpu = next(self.model.parameters()).device.type == "cpu"
+        #: rollout.decode_attention's default: the native kernel where it builds and measures faster
+        self.decode_attention = resolve_attention("auto") if on_cpu else None
+        self.engine = TransformersEngine(self.model, self.tokenizer, max_batch_size=self.batch_size,
+                                         attention=self.decode_attention.kernel if on_cpu else None)
         self._desc: dict[str, Any] | None = None
         self.max_positions = getattr(self.model.config, "max_position_embeddings", None)
         #: prompts answered, prompt/new tokens, and prompts longer than the model's context
@@ -176,7 +181,8 @@ class LocalBackend:
                           "dtype_requested": self.dtype,
                           "weights_sha256": weights_sha256(self.model),
                           "chat_template_sha256": hashlib.sha256(str(tmpl).encode()).hexdigest(),
-                          "batch_size": self.batch_size, "torch_threads": _torch_threads()}
+                          "batch_size": self.batch_size, "torch_threads": _torch_threads(),
+                          "decode_attention": "native" if self.engine.attention is not None else "sdpa"}
         return self._desc
 
 
