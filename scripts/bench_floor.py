@@ -738,11 +738,15 @@ def report_ratios(fl: Floors, timed: Timed, res: dict[str, Any]) -> None:
         pre_f, dec_f = floor_of_generation(fl, g) if g else (0.0, 0.0)
         floor = pre_f + dec_f
         res["eval"] = {"tasks": e["tasks"], "wall_s": e["wall_s"], "floor_s": floor,
-                       "ratio": e["wall_s"] / floor if floor else None, "prefill_s": g.get("prefill_s"),
+                       "ratio": e["wall_s"] / floor if floor else None,
+                       "floor_parts": {"prefill": pre_f, "decode": dec_f}, "prompt_tokens": g.get("prompt_tokens"),
+                       "decode_steps": len(g.get("rows", ())), "prefill_s": g.get("prefill_s"),
                        "decode_s": g.get("decode_s"), "tools_s": e["tools_s"], "new_tokens": g.get("new_tokens"),
                        "accuracy": e["accuracy"]}
         ratio = f"{e['wall_s'] / floor:.2f}x" if floor else "-"
         print(f"greedy evaluation of {e['tasks']} tasks: {e['wall_s']:.1f}s, floor {floor:.2f}s -> {ratio}", flush=True)
+        print(f"  floor parts:   prefill {pre_f:.2f}s ({g.get('prompt_tokens')} prompt tokens), decode {dec_f:.2f}s "
+              f"({len(g.get('rows', ()))} steps)", flush=True)
 
     if timed.decode_tps:
         allowed = 32 / fl.decode_step(32, 232)
