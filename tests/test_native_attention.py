@@ -250,3 +250,66 @@ def test_reflrl_evals_local_backend_decodes_with_the_resolved_attention_and_says
     assert be.describe()["decode_attention"] == ("native" if on else "sdpa")
     outs = be.chat([[{"role": "user", "content": "hi"}]] * 3, Decoding(temperature=0.0, max_new_tokens=4), seed=0)
     assert len(outs) == 3
+
+
+@pytest.mark.skipif(not __import__("os").path.exists("/proc/self/maps"), reason="needs /proc/self/maps")
+def test_the_kernel_shares_pytorchs_openmp_runtime(kernel):
+    """One OpenMP runtime in the process after a call (a second one would run its own threads beside
+    PyTorch's on the same cores)."""
+    kernel(*sample_case(rows=4, width=32), 0.125)
+    with open("/proc/self/maps") as f:
+        runtimes = {line.split()[-1] for line in f if "libgomp" in line or "libiomp" in line}
+    assert len(runtimes) == 1, runtimes
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rotary_cache_write_and_attention_in_one_call(kernel, dtype):
+    """rope_attention = transformers' rotary embedding in the cache's dtype, the key and value written at each
+    live row's column, then the attention; the written keys bit for bit in bfloat16 (each product and the sum
+    rounded as torch rounds them), idle rows untouched."""
+    from reflrl.engines.lean_decode import _rotate
+
+    g = torch.Generator().manual_seed(4)
+    b, heads, hkv, d, cols = 5, 6, 2, 16, 24
+    qkv = torch.randn(b, (heads + 2 * hkv) * d, generator=g).to(dtype)
+    ang = torch.randn(b, d // 2, generator=g)
+    cos, sin = torch.cat([ang.cos()] * 2, -1).to(dtype), torch.cat([ang.sin()] * 2, -1).to(dtype)
+    k = torch.randn(b, hkv, cols, d, generator=g).to(dtype)
+    v = torch.randn(b, hkv, cols, d, generator=g).to(dtype)
+    col = torch.tensor([3, 10, 0, 7, 20])
+    width = (col + 1).to(torch.int32)
+    width[2] = 0  # idle
+    mask = torch.arange(cols)[None, :] <= col[:, None]
+    k0, v0 = k.clone(), v.clone()
+    got = kernel.rope_attention(qkv, cos, sin, col, k, v, mask, width, heads, 0.25)
+
+    x = qkv.view(b, heads + 2 * hkv, 1, d)
+    qk = _rotate(x[:, : heads + hkv], cos[:, None, None], sin[:, None, None])
+    kw, vw = k0.clone(), v0.clone()
+    for r in range(b):
+        if width[r]:
+            kw[r, :, col[r]], vw[r, :, col[r]] = qk[r, heads:, 0], x[r, heads + hkv:, 0]
+    if dtype == torch.bfloat16:
+        assert torch.equal(k, kw) and torch.equal(v, vw)
+    else:
+        assert torch.allclose(k, kw, atol=1e-6, rtol=0) and torch.equal(v, vw)
+    assert torch.equal(k[2], k0[2]) and torch.equal(v[2], v0[2])  # the idle row wrote nothing
+    q = qk[:, :heads].reshape(b, hkv, heads // hkv, d)
+    want = reference(q.float(), kw.float(), vw.float(), mask, width, 0.25)
+    assert torch.allclose(got.float(), want, atol=1e-5 if dtype == torch.float32 else 1e-2, rtol=0)
+    with pytest.raises(ValueError, match="heads over"):
+        kernel.rope_attention(qkv[:, :-d], cos, sin, col, k, v, mask, width, heads, 0.25)
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-6), (torch.bfloat16, 8e-3)])
+def test_rms_norm_is_the_models(kernel, dtype, tol):
+    from reflrl.engines.lean_decode import _rms
+
+    norm = load_model("tiny-random", dtype="float32", seed=0)[0].get_decoder().norm.to(dtype)
+    with torch.no_grad():
+        norm.weight.copy_(torch.linspace(0.5, 1.5, norm.weight.numel()))
+    x = (torch.randn(4, norm.weight.numel(), generator=torch.Generator().manual_seed(2)) * 3).to(dtype)
+    with torch.inference_mode():
+        got, want = kernel.rms_norm(x, norm.weight, norm.variance_epsilon), _rms(x, norm)
+    assert got.dtype == dtype and torch.allclose(got.float(), want.float(), rtol=tol, atol=tol)
+    assert kernel.rms_norm(x.half(), norm.weight.half(), 1e-5) is None  # not taken: the caller's torch path

@@ -155,3 +155,83 @@ int NAME(const T *q, int64_t q_sb, int64_t q_sh, const T *k, const T *v, int64_t
 
 DEFINE_ENTRY(reflrl_decode_attention_f32, float, task_f32, task_f32_3x64)
 DEFINE_ENTRY(reflrl_decode_attention_bf16, uint16_t, task_bf16, task_bf16_3x64)
+
+/* ------------------------------------------------------------------------------------------------
+ * The decode step's rotary embedding and cache write fused with the attention above: per row, the
+ * q/k/v projection's output [heads + 2 kv heads, D] (q heads first, then k, then v), the row's cos and
+ * sin [D]; the row's rotated key and its value are written to column col[b] of its cache, its query heads
+ * rotated, and the attention runs as above (over columns < width[b], col[b] included). The rotation is
+ * transformers' apply_rotary_pos_emb in the storage type: x*cos + rotate_half(x)*sin, each product and
+ * the sum rounded to T. Rows with width 0 (idle) write nothing and get zeros.
+ *   qkv [B, (H*G + 2H) * D] at qkv + b*qkv_sb;  cos, sin [B, D] at cos + b*cs_sb;  col [B]
+ */
+#define DEFINE_ROPE(NAME, T, LOAD, STORE)                                                              \
+static inline __attribute__((always_inline)) void NAME(const T *x, const T *c, const T *s, T *out,       \
+                                                      int D) {                                        \
+    int half = D / 2;                                                                                  \
+    for (int d = 0; d < D; d++) {                                                                      \
+        float r = d < half ? -LOAD(x[d + half]) : LOAD(x[d - half]);                                   \
+        float a = LOAD(STORE(LOAD(x[d]) * LOAD(c[d])));                                                \
+        float b = LOAD(STORE(r * LOAD(s[d])));                                                         \
+        out[d] = STORE(a + b);                                                                         \
+    }                                                                                                  \
+}
+
+DEFINE_ROPE(rope_f32, float, LOAD_F32, STORE_F32)
+DEFINE_ROPE(rope_bf16, uint16_t, bf16_to_f32, f32_to_bf16)
+
+#define DEFINE_ROPE_ENTRY(NAME, T, ROPE, TASK, TASK_3x64)                                              \
+int NAME(const T *qkv, int64_t qkv_sb, const T *cos, const T *sin, int64_t cs_sb, const int64_t *col,   \
+         T *k, T *v, int64_t kv_sb, int64_t kv_sh, const uint8_t *mask, int64_t m_sb,                   \
+         const int32_t *width, T *out, int B, int H, int G, int D, float scale, int threads) {          \
+    if (G < 1 || G > GMAX || D < 2 || D > DMAX || D % 2) return 1;                                     \
+    int wmax = 1;                                                                                      \
+    for (int b = 0; b < B; b++) wmax = width[b] > wmax ? width[b] : wmax;                              \
+    int failed = 0;                                                                                    \
+    _Pragma("omp parallel num_threads(threads) reduction(|:failed)")                                   \
+    {                                                                                                  \
+        float *s = (float *)malloc(sizeof(float) * (size_t)G * (size_t)wmax);                          \
+        if (!s) failed = 1;                                                                            \
+        _Pragma("omp for schedule(dynamic, 1)")                                                        \
+        for (int t = 0; t < B * H; t++) {                                                              \
+            if (!s) continue;                                                                          \
+            int b = t / H, h = t % H, w = width[b];                                                    \
+            T *ot = out + (int64_t)t * G * D;                                                          \
+            if (w <= 0) { memset(ot, 0, sizeof(T) * (size_t)(G * D)); continue; }                      \
+            const T *row = qkv + b * qkv_sb, *c = cos + b * cs_sb, *sn = sin + b * cs_sb;              \
+            T *kt = k + b * kv_sb + h * kv_sh, *vt = v + b * kv_sb + h * kv_sh;                        \
+            ROPE(row + (int64_t)(H * G + h) * D, c, sn, kt + col[b] * D, D);                           \
+            memcpy(vt + col[b] * D, row + (int64_t)(H * G + H + h) * D, sizeof(T) * (size_t)D);        \
+            T qr[GMAX * DMAX];                                                                         \
+            for (int g = 0; g < G; g++) ROPE(row + (int64_t)(h * G + g) * D, c, sn, qr + g * D, D);    \
+            if (G == 3 && D == 64) TASK_3x64(qr, kt, vt, mask + b * m_sb, w, ot, scale, s);            \
+            else TASK(qr, kt, vt, mask + b * m_sb, w, ot, G, D, scale, s);                             \
+        }                                                                                              \
+        free(s);                                                                                       \
+    }                                                                                                  \
+    return failed ? 2 : 0;                                                                             \
+}
+
+DEFINE_ROPE_ENTRY(reflrl_decode_rope_attention_f32, float, rope_f32, task_f32, task_f32_3x64)
+DEFINE_ROPE_ENTRY(reflrl_decode_rope_attention_bf16, uint16_t, rope_bf16, task_bf16, task_bf16_3x64)
+
+/* ------------------------------------------------------------------------------------------------
+ * transformers' LlamaRMSNorm on rows of type T: y = x * rsqrt(mean(x^2) + eps) in float32, rounded to
+ * T, then weight * y rounded to T.   x [B, N] at x + b*x_sb;  w [N];  out [B, N] contiguous
+ */
+#define DEFINE_RMS(NAME, T, LOAD, STORE)                                                               \
+int NAME(const T *x, int64_t x_sb, const T *w, T *out, int B, int N, float eps, int threads) {          \
+    _Pragma("omp parallel for schedule(static) num_threads(B > 1 ? threads : 1)")                      \
+    for (int b = 0; b < B; b++) {                                                                      \
+        const T *xb = x + b * x_sb;                                                                    \
+        T *ob = out + (int64_t)b * N;                                                                  \
+        float ss = 0.0f;                                                                               \
+        for (int i = 0; i < N; i++) { float f = LOAD(xb[i]); ss += f * f; }                            \
+        float r = 1.0f / sqrtf(ss / (float)N + eps);                                                   \
+        for (int i = 0; i < N; i++) ob[i] = STORE(LOAD(w[i]) * LOAD(STORE(LOAD(xb[i]) * r)));         \
+    }                                                                                                  \
+    return 0;                                                                                          \
+}
+
+DEFINE_RMS(reflrl_rms_norm_f32, float, LOAD_F32, STORE_F32)
+DEFINE_RMS(reflrl_rms_norm_bf16, uint16_t, bf16_to_f32, f32_to_bf16)

@@ -339,6 +339,9 @@ class LeanDecoder:
                     widths[a:e] = [w] * (e - a)
             row_widths = torch.tensor(widths, dtype=torch.int32)
             kmask = mask if mask.stride(-1) == 1 else mask.contiguous()
+            # rotary, cache write and attention in one call (not with q/k norms, which come between)
+            fused = not self.qk_norm
+            colv = col if per_row else torch.full((b,), col, dtype=torch.long)
         elif widths is not None and spans is None:
             top = max(widths, default=0)
             spans = [(0, b, top)] if top else []
@@ -359,14 +362,23 @@ class LeanDecoder:
             c, s = rope[dt]
             at = layer.self_attn
             wqkv, bqkv, wgu, wo, wd = self.weights[li]
-            x = _rms(h, layer.input_layernorm)
-            qkv = _dense(x, wqkv, bqkv).view(b, nh + 2 * nkv, 1, hd)
+            x = self._norm(h, layer.input_layernorm)
+            qkv = _dense(x, wqkv, bqkv)
+            lay = cache.layers[li]
+            if kernel is not None and fused:
+                o = kernel.rope_attention(qkv, c.reshape(b, hd), s.reshape(b, hd), colv, lay.kbuf, lay.vbuf, kmask,
+                                          row_widths, nh, self.scaling)
+                h = h + _dense(o.reshape(b, nh * hd), wo, at.o_proj.bias)
+                x = self._norm(h, layer.post_attention_layernorm)
+                gate, up = _dense(x, wgu).chunk(2, dim=-1)
+                h = h + _dense(F.silu(gate) * up, wd)
+                continue
+            qkv = qkv.view(b, nh + 2 * nkv, 1, hd)
             if self.qk_norm:
                 qk = torch.cat([_rms(qkv[:, :nh], at.q_norm), _rms(qkv[:, nh: nh + nkv], at.k_norm)], 1)
             else:
                 qk = qkv[:, : nh + nkv]
             qk = _rotate(qk, c, s)  # q and k heads rotated together
-            lay = cache.layers[li]
             if per_row:
                 lay.kbuf[rows, :, col] = qk[:, nh:, 0]
                 lay.vbuf[rows, :, col] = qkv[:, nh + nkv:, 0]
@@ -385,7 +397,15 @@ class LeanDecoder:
                     o[a:e] = F.scaled_dot_product_attention(q[a:e], lay.kbuf[a:e, :, :w], lay.vbuf[a:e, :, :w],
                                                             attn_mask=attn_mask[a:e, ..., :w], scale=self.scaling)
             h = h + _dense(o.reshape(b, nh * hd), wo, at.o_proj.bias)
-            x = _rms(h, layer.post_attention_layernorm)
+            x = self._norm(h, layer.post_attention_layernorm)
             gate, up = _dense(x, wgu).chunk(2, dim=-1)
             h = h + _dense(F.silu(gate) * up, wd)
-        return _rms(h, self.norm)
+        return self._norm(h, self.norm)
+
+    def _norm(self, x: torch.Tensor, norm: nn.Module) -> torch.Tensor:
+        """:func:`_rms`, through the native kernel where it takes these inputs."""
+        if self.attention is not None:
+            out = self.attention.rms_norm(x, norm.weight, norm.variance_epsilon)
+            if out is not None:
+                return out
+        return _rms(x, norm)

@@ -53,6 +53,11 @@ _ARGS = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctype
          ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_float, ctypes.c_int]
 
 
+_P, _I64, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
+_ROPE_ARGS = [_P, _I64, _P, _P, _I64, _P, _P, _P, _I64, _I64, _P, _I64, _P, _P, _I, _I, _I, _I, _F, _I]
+_RMS_ARGS = [_P, _I64, _P, _P, _I, _I, _F, _I]
+
+
 class BuildError(RuntimeError):
     """The kernel could not be compiled or loaded here (no compiler, a compiler error, a load error)."""
 
@@ -62,11 +67,13 @@ class Kernel:
 
     def __init__(self, lib: ctypes.CDLL, path: Path):
         self.path = path
-        self._fn = {}
+        self._fn, self._rope, self._rms = {}, {}, {}
         for dtype, tag in _DTYPES.items():
-            fn = getattr(lib, f"reflrl_decode_attention_{tag}")
-            fn.argtypes, fn.restype = _ARGS, ctypes.c_int
-            self._fn[dtype] = fn
+            for table, name, args in ((self._fn, "decode_attention", _ARGS), (self._rope, "decode_rope_attention", _ROPE_ARGS),
+                                      (self._rms, "rms_norm", _RMS_ARGS)):
+                fn = getattr(lib, f"reflrl_{name}_{tag}")
+                fn.argtypes, fn.restype = args, ctypes.c_int
+                table[dtype] = fn
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, width: torch.Tensor,
                  scale: float) -> torch.Tensor:
@@ -94,6 +101,51 @@ class Kernel:
         if rc:
             raise RuntimeError(f"decode attention kernel failed (code {rc}: "
                                f"{'unsupported head shape' if rc == 1 else 'out of memory'}) at q{tuple(q.shape)}")
+        return out
+
+
+    def rope_attention(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, col: torch.Tensor,
+                       k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, width: torch.Tensor, heads: int,
+                       scale: float) -> torch.Tensor:
+        """The decode step's rotary embedding, cache write and attention in one call: ``qkv`` [B, (heads +
+        2 x kv heads) x D] (the q/k/v projection's output, rows contiguous), ``cos``/``sin`` [B, D] (the
+        rows' rotary angles, in qkv's dtype), ``col`` [B] int64 (the cache column each row writes); ``k``,
+        ``v``, ``mask``, ``width`` as for :meth:`__call__` (the written column inside each live row's width).
+        Each live row's rotated key and its value are written to ``k``/``v`` at its column; idle rows
+        (width 0) write nothing. Returns the attention [B, kv heads, heads / kv heads, D]."""
+        b, hkv, d = qkv.shape[0], k.shape[1], k.shape[3]
+        g = heads // hkv
+        fn = self._rope.get(qkv.dtype)
+        if fn is None or not (qkv.dtype == cos.dtype == sin.dtype == k.dtype == v.dtype):
+            raise TypeError(f"decode attention kernel: qkv/cos/sin/k/v dtypes {qkv.dtype}/{cos.dtype}/{sin.dtype}/"
+                            f"{k.dtype}/{v.dtype}; expected one of {sorted(map(str, _DTYPES))} for all")
+        if qkv.dim() != 2 or qkv.shape[1] != (heads + 2 * hkv) * d or qkv.stride(1) != 1 or heads % hkv \
+                or cos.shape != (b, d) or sin.stride() != cos.stride() or cos.stride(1) != 1:
+            raise ValueError(f"decode attention kernel: qkv{tuple(qkv.shape)} cos{tuple(cos.shape)} for {heads} "
+                             f"heads over k{tuple(k.shape)}")
+        if k.stride() != v.stride() or k.stride(3) != 1 or k.stride(2) != d or k.shape[0] != b:
+            raise ValueError(f"decode attention kernel: layouts k{tuple(k.stride())} v{tuple(v.stride())}")
+        if mask.dtype != torch.bool or mask.stride(-1) != 1 or width.dtype != torch.int32 or not width.is_contiguous() \
+                or col.dtype != torch.int64 or not col.is_contiguous() or len(col) != b or len(width) != b:
+            raise ValueError("decode attention kernel: mask bool [B, W], width int32 [B], col int64 [B] expected")
+        out = torch.empty((b, hkv, g, d), dtype=qkv.dtype)
+        rc = fn(qkv.data_ptr(), qkv.stride(0), cos.data_ptr(), sin.data_ptr(), cos.stride(0), col.data_ptr(),
+                k.data_ptr(), v.data_ptr(), k.stride(0), k.stride(1), mask.data_ptr(), mask.stride(0),
+                width.data_ptr(), out.data_ptr(), b, hkv, g, d, float(scale), torch.get_num_threads())
+        if rc:
+            raise RuntimeError(f"decode attention kernel failed (code {rc}) at qkv{tuple(qkv.shape)}")
+        return out
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor | None:
+        """transformers' RMSNorm of the rows of ``x`` [B, N] (float32 statistics, cast back, scaled by
+        ``weight``), or None where the kernel does not take these inputs (other dtypes, layouts)."""
+        fn = self._rms.get(x.dtype)
+        if fn is None or weight.dtype != x.dtype or x.dim() != 2 or x.stride(1) != 1 or not weight.is_contiguous() \
+                or weight.shape != (x.shape[1],):
+            return None
+        out = torch.empty(x.shape, dtype=x.dtype)
+        fn(x.data_ptr(), x.stride(0), weight.data_ptr(), out.data_ptr(), x.shape[0], x.shape[1], float(eps),
+           torch.get_num_threads())
         return out
 
 
