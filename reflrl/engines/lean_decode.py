@@ -14,7 +14,7 @@ third of the operations:
   :func:`fast_decode.gqa_decode_attention`'s layout trick (with the continuous pool each span of rows
   reading only as many columns as its longest row), or the native kernel
   (:mod:`reflrl.engines.native_attention`, ``rollout.decode_attention``), each row reading only its own
-  columns;
+  columns, which also rotates q and k, writes the cache column and runs the RMSNorms;
 * q/k/v and the MLP's gate/up run as one matmul each, over concatenated weights (:class:`FusedWeights`,
   rebuilt only for layers whose parameters changed), and q and k are rotated together;
 * finished rows stay in the batch until few remain (the engine decides): at small batch a step costs

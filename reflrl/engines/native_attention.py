@@ -12,6 +12,10 @@ cache's dtype (float32 or bfloat16), the (row, head) pairs shared among the thre
 row reads only its own visible columns (its mask, up to its own width), so idle slots cost nothing and a
 row refilled into a slot that held a longer sequence never reads what was left there. A row's result does
 not depend on the other rows of the step or the thread count (one thread computes it, in a fixed order).
+The same call also rotates the row's queries and key (the rotary embedding) and writes its key and value
+to the cache (:meth:`Kernel.rope_attention`), and the layers' RMSNorms run in it too
+(:meth:`Kernel.rms_norm`): a few operations per layer where PyTorch dispatches about a dozen, each
+product and sum rounded to the storage type as PyTorch's operations round them.
 
 * :func:`build` compiles the source with the machine's C compiler (``$CC`` or ``cc``; ``-O3
   -march=native -fopenmp``, about a second) into ``<cache>/kernels/``, once per source, compiler and CPU
