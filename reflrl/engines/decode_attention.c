@@ -125,11 +125,10 @@ static void task_bf16_3x64(const uint16_t *q, const uint16_t *k, const uint16_t 
     task_bf16(q, k, v, m, w, out, 3, 64, scale, s);
 }
 
-#define DEFINE_ENTRY(NAME, T, TASK, TASK_3x64)                                                         \
-int NAME(const T *q, int64_t q_sb, int64_t q_sh, const T *k, const T *v, int64_t kv_sb, int64_t kv_sh,   \
-         const uint8_t *mask, int64_t m_sb, const int32_t *width, T *out, int B, int H, int G, int D,    \
-         float scale, int threads) {                                                                   \
-    if (G < 1 || G > GMAX || D < 1 || D > DMAX) return 1;                                              \
+/* The (row, key/value head) tasks of one call shared among the threads, each thread with its own scores
+ * buffer; the variadic part runs for each live task with b, h, w (the row's width), kt, vt (its cache),
+ * ot (its output) and s (the buffer) in scope; idle rows get zeros. Expands to the entry's body. */
+#define EACH_ROW_HEAD(T, ...)                                                                          \
     int wmax = 1;                                                                                      \
     for (int b = 0; b < B; b++) wmax = width[b] > wmax ? width[b] : wmax;                              \
     int failed = 0;                                                                                    \
@@ -141,16 +140,24 @@ int NAME(const T *q, int64_t q_sb, int64_t q_sh, const T *k, const T *v, int64_t
         for (int t = 0; t < B * H; t++) {                                                              \
             if (!s) continue;                                                                          \
             int b = t / H, h = t % H, w = width[b];                                                    \
-            const T *qt = q + b * q_sb + h * q_sh;                                                     \
-            const T *kt = k + b * kv_sb + h * kv_sh, *vt = v + b * kv_sb + h * kv_sh;                  \
+            T *kt = (T *)k + b * kv_sb + h * kv_sh, *vt = (T *)v + b * kv_sb + h * kv_sh;              \
             T *ot = out + (int64_t)t * G * D;                                                          \
             if (w <= 0) { memset(ot, 0, sizeof(T) * (size_t)(G * D)); continue; }                      \
-            if (G == 3 && D == 64) TASK_3x64(qt, kt, vt, mask + b * m_sb, w, ot, scale, s);            \
-            else TASK(qt, kt, vt, mask + b * m_sb, w, ot, G, D, scale, s);                             \
+            __VA_ARGS__                                                                                \
         }                                                                                              \
         free(s);                                                                                       \
     }                                                                                                  \
-    return failed ? 2 : 0;                                                                             \
+    return failed ? 2 : 0;
+
+#define DEFINE_ENTRY(NAME, T, TASK, TASK_3x64)                                                         \
+int NAME(const T *q, int64_t q_sb, int64_t q_sh, const T *k, const T *v, int64_t kv_sb, int64_t kv_sh,   \
+         const uint8_t *mask, int64_t m_sb, const int32_t *width, T *out, int B, int H, int G, int D,    \
+         float scale, int threads) {                                                                   \
+    if (G < 1 || G > GMAX || D < 1 || D > DMAX) return 1;                                              \
+    EACH_ROW_HEAD(T,                                                                                   \
+        const T *qt = q + b * q_sb + h * q_sh;                                                         \
+        if (G == 3 && D == 64) TASK_3x64(qt, kt, vt, mask + b * m_sb, w, ot, scale, s);                \
+        else TASK(qt, kt, vt, mask + b * m_sb, w, ot, G, D, scale, s);)                                \
 }
 
 DEFINE_ENTRY(reflrl_decode_attention_f32, float, task_f32, task_f32_3x64)
@@ -185,31 +192,14 @@ int NAME(const T *qkv, int64_t qkv_sb, const T *cos, const T *sin, int64_t cs_sb
          T *k, T *v, int64_t kv_sb, int64_t kv_sh, const uint8_t *mask, int64_t m_sb,                   \
          const int32_t *width, T *out, int B, int H, int G, int D, float scale, int threads) {          \
     if (G < 1 || G > GMAX || D < 2 || D > DMAX || D % 2) return 1;                                     \
-    int wmax = 1;                                                                                      \
-    for (int b = 0; b < B; b++) wmax = width[b] > wmax ? width[b] : wmax;                              \
-    int failed = 0;                                                                                    \
-    _Pragma("omp parallel num_threads(threads) reduction(|:failed)")                                   \
-    {                                                                                                  \
-        float *s = (float *)malloc(sizeof(float) * (size_t)G * (size_t)wmax);                          \
-        if (!s) failed = 1;                                                                            \
-        _Pragma("omp for schedule(dynamic, 1)")                                                        \
-        for (int t = 0; t < B * H; t++) {                                                              \
-            if (!s) continue;                                                                          \
-            int b = t / H, h = t % H, w = width[b];                                                    \
-            T *ot = out + (int64_t)t * G * D;                                                          \
-            if (w <= 0) { memset(ot, 0, sizeof(T) * (size_t)(G * D)); continue; }                      \
-            const T *row = qkv + b * qkv_sb, *c = cos + b * cs_sb, *sn = sin + b * cs_sb;              \
-            T *kt = k + b * kv_sb + h * kv_sh, *vt = v + b * kv_sb + h * kv_sh;                        \
-            ROPE(row + (int64_t)(H * G + h) * D, c, sn, kt + col[b] * D, D);                           \
-            memcpy(vt + col[b] * D, row + (int64_t)(H * G + H + h) * D, sizeof(T) * (size_t)D);        \
-            T qr[GMAX * DMAX];                                                                         \
-            for (int g = 0; g < G; g++) ROPE(row + (int64_t)(h * G + g) * D, c, sn, qr + g * D, D);    \
-            if (G == 3 && D == 64) TASK_3x64(qr, kt, vt, mask + b * m_sb, w, ot, scale, s);            \
-            else TASK(qr, kt, vt, mask + b * m_sb, w, ot, G, D, scale, s);                             \
-        }                                                                                              \
-        free(s);                                                                                       \
-    }                                                                                                  \
-    return failed ? 2 : 0;                                                                             \
+    EACH_ROW_HEAD(T,                                                                                   \
+        const T *row = qkv + b * qkv_sb, *c = cos + b * cs_sb, *sn = sin + b * cs_sb;                  \
+        ROPE(row + (int64_t)(H * G + h) * D, c, sn, kt + col[b] * D, D);                               \
+        memcpy(vt + col[b] * D, row + (int64_t)(H * G + H + h) * D, sizeof(T) * (size_t)D);            \
+        T qr[GMAX * DMAX];                                                                             \
+        for (int g = 0; g < G; g++) ROPE(row + (int64_t)(h * G + g) * D, c, sn, qr + g * D, D);        \
+        if (G == 3 && D == 64) TASK_3x64(qr, kt, vt, mask + b * m_sb, w, ot, scale, s);                \
+        else TASK(qr, kt, vt, mask + b * m_sb, w, ot, G, D, scale, s);)                                \
 }
 
 DEFINE_ROPE_ENTRY(reflrl_decode_rope_attention_f32, float, rope_f32, task_f32, task_f32_3x64)
