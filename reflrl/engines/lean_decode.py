@@ -368,34 +368,30 @@ class LeanDecoder:
             if kernel is not None and fused:
                 o = kernel.rope_attention(qkv, c.reshape(b, hd), s.reshape(b, hd), colv, lay.kbuf, lay.vbuf, kmask,
                                           row_widths, nh, self.scaling)
-                h = h + _dense(o.reshape(b, nh * hd), wo, at.o_proj.bias)
-                x = self._norm(h, layer.post_attention_layernorm)
-                gate, up = _dense(x, wgu).chunk(2, dim=-1)
-                h = h + _dense(F.silu(gate) * up, wd)
-                continue
-            qkv = qkv.view(b, nh + 2 * nkv, 1, hd)
-            if self.qk_norm:
-                qk = torch.cat([_rms(qkv[:, :nh], at.q_norm), _rms(qkv[:, nh: nh + nkv], at.k_norm)], 1)
             else:
-                qk = qkv[:, : nh + nkv]
-            qk = _rotate(qk, c, s)  # q and k heads rotated together
-            if per_row:
-                lay.kbuf[rows, :, col] = qk[:, nh:, 0]
-                lay.vbuf[rows, :, col] = qkv[:, nh + nkv:, 0]
-            else:
-                lay.kbuf[:, :, col] = qk[:, nh:, 0]
-                lay.vbuf[:, :, col] = qkv[:, nh + nkv:, 0]
-            q = qk[:, :nh].reshape(b, nkv, g, hd)
-            if kernel is not None:
-                o = kernel(q, lay.kbuf, lay.vbuf, kmask, row_widths, self.scaling)  # [B, Hkv, G, D]
-            elif spans is None:
-                o = F.scaled_dot_product_attention(q, lay.kbuf[:, :, :width], lay.vbuf[:, :, :width],
-                                                   attn_mask=attn_mask, scale=self.scaling)  # [B, Hkv, G, D]
-            else:
-                o = q.new_zeros(q.shape)
-                for a, e, w in spans:
-                    o[a:e] = F.scaled_dot_product_attention(q[a:e], lay.kbuf[a:e, :, :w], lay.vbuf[a:e, :, :w],
-                                                            attn_mask=attn_mask[a:e, ..., :w], scale=self.scaling)
+                qkv = qkv.view(b, nh + 2 * nkv, 1, hd)
+                if self.qk_norm:
+                    qk = torch.cat([_rms(qkv[:, :nh], at.q_norm), _rms(qkv[:, nh: nh + nkv], at.k_norm)], 1)
+                else:
+                    qk = qkv[:, : nh + nkv]
+                qk = _rotate(qk, c, s)  # q and k heads rotated together
+                if per_row:
+                    lay.kbuf[rows, :, col] = qk[:, nh:, 0]
+                    lay.vbuf[rows, :, col] = qkv[:, nh + nkv:, 0]
+                else:
+                    lay.kbuf[:, :, col] = qk[:, nh:, 0]
+                    lay.vbuf[:, :, col] = qkv[:, nh + nkv:, 0]
+                q = qk[:, :nh].reshape(b, nkv, g, hd)
+                if kernel is not None:
+                    o = kernel(q, lay.kbuf, lay.vbuf, kmask, row_widths, self.scaling)  # [B, Hkv, G, D]
+                elif spans is None:
+                    o = F.scaled_dot_product_attention(q, lay.kbuf[:, :, :width], lay.vbuf[:, :, :width],
+                                                       attn_mask=attn_mask, scale=self.scaling)  # [B, Hkv, G, D]
+                else:
+                    o = q.new_zeros(q.shape)
+                    for a, e, w in spans:
+                        o[a:e] = F.scaled_dot_product_attention(q[a:e], lay.kbuf[a:e, :, :w], lay.vbuf[a:e, :, :w],
+                                                                attn_mask=attn_mask[a:e, ..., :w], scale=self.scaling)
             h = h + _dense(o.reshape(b, nh * hd), wo, at.o_proj.bias)
             x = self._norm(h, layer.post_attention_layernorm)
             gate, up = _dense(x, wgu).chunk(2, dim=-1)

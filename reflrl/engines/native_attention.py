@@ -73,7 +73,8 @@ class Kernel:
         self.path = path
         self._fn, self._rope, self._rms = {}, {}, {}
         for dtype, tag in _DTYPES.items():
-            for table, name, args in ((self._fn, "decode_attention", _ARGS), (self._rope, "decode_rope_attention", _ROPE_ARGS),
+            for table, name, args in ((self._fn, "decode_attention", _ARGS),
+                                      (self._rope, "decode_rope_attention", _ROPE_ARGS),
                                       (self._rms, "rms_norm", _RMS_ARGS)):
                 fn = getattr(lib, f"reflrl_{name}_{tag}")
                 fn.argtypes, fn.restype = args, ctypes.c_int
