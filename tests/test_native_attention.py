@@ -14,6 +14,7 @@ from reflrl.logprobs import sequence_logprobs
 from reflrl.models import load_model
 
 from doubles import right_padded, tiny_cfg
+from test_continuous import prompts, tiny  # noqa: F401 -- the pool tests' model and prompts
 
 needs_cc = pytest.mark.skipif(NA.compiler() is None, reason="no C compiler on this machine")
 pytestmark = needs_cc
@@ -127,18 +128,6 @@ def test_the_decode_step_with_the_kernel_equals_the_transformers_forward(kernel,
             assert torch.allclose(got.float(), ref.float(), atol=atol, rtol=0), step
             tok, pos = (tok * 3 + 1) % 200, pos + 1
             amask = torch.cat([amask, torch.ones(3, 1, dtype=torch.long)], 1)
-
-
-@pytest.fixture(scope="module")
-def tiny():
-    return load_model("tiny-random", dtype="float32", seed=0)
-
-
-@pytest.fixture(scope="module")
-def prompts(tiny):
-    _, tok = tiny
-    return [tok.encode("hello there"), tok.encode("a much longer prompt with more tokens in it, ok"),
-            tok.encode("x"), tok.encode("another prompt of middling length")]
 
 
 def test_the_pool_with_the_kernel_samples_the_trainers_logprobs(kernel, tiny, prompts):
