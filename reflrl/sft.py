@@ -176,6 +176,7 @@ def train_sft(model: torch.nn.Module, tokenizer: Any, examples: Sequence[SFTExam
         raise ValueError("the model has no trainable parameters")
     opt = torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay)
     pad = sft_pad_id(tokenizer)
+    dev = params[0].device  # train.device: each batch goes where the model is
     rng = random.Random(seed)
     batches: list[list[int]] = []
     losses: list[float] = []
@@ -191,7 +192,7 @@ def train_sft(model: torch.nn.Module, tokenizer: Any, examples: Sequence[SFTExam
         if not batches:
             batches = _epoch_batches(examples, batch_size, rng)
         idx = batches.pop()
-        batch = collate([examples[i] for i in idx], pad)
+        batch = {k: v.to(dev) for k, v in collate([examples[i] for i in idx], pad).items()}  # the model's device
         for i in idx:
             trained[examples[i].kind] = trained.get(examples[i].kind, 0) + 1
         cur_lr = lr_schedule(s, steps=steps, lr=lr, warmup_steps=warmup_steps)
