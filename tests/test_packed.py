@@ -73,7 +73,7 @@ def test_a_bfloat16_run_packs_its_float32_head_and_trainable_layers(tmp_path):
     from reflrl.train.setup import build_components
 
     cfg = tiny_cfg(tmp_path, **{"model.dtype": "bfloat16", "model.trainable": "top_layers:1",
-                                "rollout.packed_weights": "true"})
+                                "rollout.packed_weights": "true", "rollout.decode_matmul": "torch"})
     comp = build_components(cfg, [], env_factory=lambda *_a: ([], None))
     assert comp.decode_weights.enabled
     for engine in (comp.engine, comp.eval_engine):

@@ -90,15 +90,25 @@ class FusedWeights:
     the frozen bottom layers are concatenated once per run and the trained top ones once per update.
 
     ``packed``: float32 matrices are kept packed for oneDNN instead (:mod:`reflrl.engines.packed`), the
-    output and down projections and the output head (:meth:`head`) too; other dtypes stay plain."""
+    output and down projections and the output head (:meth:`head`) too; other dtypes stay plain.
+    ``native``: a :class:`reflrl.engines.native_matmul.MatmulChoice`: the matrices of the dtypes it takes are
+    laid out for the native kernel instead (before ``packed``'s), those four and the head alike."""
 
-    def __init__(self, packed: bool = False) -> None:
+    def __init__(self, packed: bool = False, native: Any = None) -> None:
         self.packed = bool(packed)
+        self.native = native if native is not None and native.enabled else None
         self.layers: dict[int, tuple] = {}
         self._head: tuple | None = None
 
-    def _pack(self, w: torch.Tensor) -> torch.Tensor:
-        p = _packed.pack(w) if self.packed else None
+    @property
+    def any_packed(self) -> bool:
+        """Whether some matrix may be held in another layout than the model's (packed or native)."""
+        return self.packed or self.native is not None
+
+    def _pack(self, w: torch.Tensor) -> Any:
+        p = self.native.pack(w) if self.native is not None else None
+        if p is None and self.packed:
+            p = _packed.pack(w)
         return w if p is None else p
 
     def get(self, li: int, layer: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor,
@@ -129,7 +139,7 @@ class FusedWeights:
         from safetensors; about 0.25 GB for SmolLM2-135M's 18 frozen layers). A forward outside this cache
         (a checkpoint's ``save_pretrained``) reads them back from the file."""
         if any(p.requires_grad for p in layer.parameters()) or not all(
-                isinstance(w, torch.Tensor) and w.is_mkldnn for w in (hit[1], hit[3], hit[4], hit[5])):
+                _is_packed(w) for w in (hit[1], hit[3], hit[4], hit[5])):
             return []
         at, m = layer.self_attn, layer.mlp
         mods = (at.q_proj, at.k_proj, at.v_proj, at.o_proj, m.gate_proj, m.up_proj, m.down_proj)
@@ -148,6 +158,8 @@ class FusedWeights:
         meanwhile their memory (the packed float32 copies of the trained layers) is free for the update.
         Returns the bytes dropped."""
         def size(t: Any) -> int:
+            if t is not None and not isinstance(t, torch.Tensor):
+                return t.nbytes  # a native layout
             return t.numel() * t.element_size() if isinstance(t, torch.Tensor) else 0
 
         freed = 0
@@ -172,6 +184,11 @@ class FusedWeights:
 
 
 _dense = _packed.dense
+
+
+def _is_packed(w: Any) -> bool:
+    """Whether ``w`` is a copy in another layout (oneDNN's packed tensor or a native kernel's weight)."""
+    return not isinstance(w, torch.Tensor) or w.is_mkldnn
 
 
 class _SharedInput:
@@ -223,7 +240,7 @@ def _packed_layers(model: nn.Module, fused: FusedWeights, which: Any) -> Iterato
                 continue
             at, m = layer.self_attn, layer.mlp
             wqkv, bqkv, wgu, wo, wd = fused.get(li, layer)
-            if not wqkv.is_mkldnn:
+            if not _is_packed(wqkv):
                 continue
             qkv = _SharedInput(wqkv, bqkv, [at.q_proj.out_features, at.k_proj.out_features, at.v_proj.out_features])
             gu = _SharedInput(wgu, None, [m.gate_proj.out_features, m.up_proj.out_features])
@@ -249,7 +266,7 @@ def packed_prefill(model: nn.Module, fused: FusedWeights) -> Iterator[int]:
     through oneDNN too, which on CPUs where PyTorch's BLAS takes a generic path for float32 is 2-2.5x as
     fast at prefill shapes (:mod:`reflrl.engines.packed`), and no weight is packed twice. For use under
     ``torch.inference_mode`` (the packed copies carry no gradient). Yields the number of layers switched."""
-    if not fused.packed or torch.is_grad_enabled():
+    if not fused.any_packed or torch.is_grad_enabled():
         yield 0
         return
     with _packed_layers(model, fused, lambda li, layer: True) as n:
@@ -269,7 +286,7 @@ def packed_frozen_layers(model: nn.Module, fused: FusedWeights) -> Iterator[int]
     same products up to float rounding, 2-2.3x as fast where PyTorch's float32 BLAS takes a generic path
     (:mod:`reflrl.engines.packed`); the packed copies are the decode step's, so nothing is packed twice.
     Yields the number of layers switched."""
-    if not fused.packed:
+    if not fused.any_packed:
         yield 0
         return
     with _packed_layers(model, fused, lambda li, layer: _frozen(layer)) as n:

@@ -44,6 +44,8 @@ import torch
 import torch.nn.functional as F
 
 SOURCE = Path(__file__).with_name("decode_attention.c")
+# built into one library with the attention: the generation's matmuls (reflrl.engines.native_matmul)
+SOURCES = (SOURCE, Path(__file__).with_name("decode_matmul.c"))
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=gnu11",
          # sums may be reordered (vectorised), in an order fixed at compile time: the same for every row
          "-fassociative-math", "-fno-signed-zeros", "-fno-trapping-math", "-fno-math-errno")
@@ -60,6 +62,7 @@ _ARGS = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctype
 _P, _I64, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
 _ROPE_ARGS = [_P, _I64, _P, _P, _I64, _P, _P, _P, _I64, _I64, _P, _I64, _P, _P, _I, _I, _I, _I, _F, _I]
 _RMS_ARGS = [_P, _I64, _P, _P, _I, _I, _F, _I]
+_MATMUL_ARGS = [_P, _I64, _P, _P, _P, _I64, _I, _I, _I, _I]
 
 
 class BuildError(RuntimeError):
@@ -79,6 +82,14 @@ class Kernel:
                 fn = getattr(lib, f"reflrl_{name}_{tag}")
                 fn.argtypes, fn.restype = args, ctypes.c_int
                 table[dtype] = fn
+        #: the matmul entry points (reflrl.engines.native_matmul), by dtype, where this CPU has them built
+        self.matmul: dict[torch.dtype, Any] = {}
+        support = lib.reflrl_matmul_support()
+        for bit, (dtype, tag) in ((1, (torch.float32, "f32")), (2, (torch.bfloat16, "bf16"))):
+            fn = getattr(lib, f"reflrl_matmul_{tag}")
+            fn.argtypes, fn.restype = _MATMUL_ARGS, ctypes.c_int
+            if support & bit:
+                self.matmul[dtype] = fn
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, width: torch.Tensor,
                  scale: float) -> torch.Tensor:
@@ -182,7 +193,8 @@ def _cpu_key() -> str:
 
 def _tag(cc: str) -> str:
     h = hashlib.sha256()
-    h.update(SOURCE.read_bytes())
+    for src in SOURCES:
+        h.update(src.read_bytes())
     h.update(" ".join(FLAGS).encode())
     h.update(cc.encode())
     h.update(_cpu_key().encode())
@@ -211,7 +223,7 @@ def build(cache_dir: Path | None = None) -> Kernel:
         with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
             out = Path(tmp) / path.name
             try:
-                res = subprocess.run([cc, *FLAGS, str(SOURCE), "-o", str(out), "-lm"], capture_output=True,
+                res = subprocess.run([cc, *FLAGS, *map(str, SOURCES), "-o", str(out), "-lm"], capture_output=True,
                                      text=True, timeout=120)
             except (OSError, subprocess.TimeoutExpired) as e:
                 raise BuildError(f"{cc}: {e}") from e

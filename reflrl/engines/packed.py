@@ -66,8 +66,11 @@ def pack(weight: torch.Tensor, rows: int = ROWS_HINT) -> torch.Tensor | None:
         return torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), rows)
 
 
-def dense(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``F.linear(x, weight, bias)`` for a plain weight or one from :func:`pack` (x in float32 then)."""
+def dense(x: torch.Tensor, weight: Any, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear(x, weight, bias)`` for a plain weight, one from :func:`pack` (x in float32 then), or one laid
+    out for the native kernel (:class:`reflrl.engines.native_matmul.NativeWeight`: x in its dtype)."""
+    if not isinstance(weight, torch.Tensor):
+        return weight.linear(x, bias)
     if weight.is_mkldnn:
         return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
     return F.linear(x, weight, bias)

@@ -114,8 +114,8 @@ def sample_next(
 # receives one prefilled chunk: (its rows' indices in the prompts, last hidden states, cache left-padded)
 Sink = Callable[[list[int], torch.Tensor, Any], None]
 
-# per model, the decode step's weight cache for plain (False) and packed (True) weights
-_DECODE_WEIGHTS: weakref.WeakKeyDictionary[nn.Module, dict[bool, FusedWeights]] = weakref.WeakKeyDictionary()
+# per model, the decode step's weight cache per (packed, native dtypes) layout
+_DECODE_WEIGHTS: weakref.WeakKeyDictionary[nn.Module, dict[tuple, FusedWeights]] = weakref.WeakKeyDictionary()
 SHARED_PREFIX_MIN = 64  # prompts sharing at least this many leading tokens prefill them once (_prefill)
 # a prefill chunk of prompts run whole pads to at most this many tokens (rows x its longest prompt): what it
 # holds at once (its KV cache, the activations and attention scores of one layer) stays small beside the
@@ -146,13 +146,16 @@ class TransformersEngine:
             (:mod:`reflrl.engines.packed`).
         attention: the lean decode step's one-token attention: a
             :class:`reflrl.engines.native_attention.Kernel`, or None (PyTorch's SDPA).
+        matmul: a :class:`reflrl.engines.native_matmul.MatmulChoice`: the decode step, prefills and the frozen
+            layers' training forwards multiply by weights laid out for the native kernel in the dtypes it
+            takes (before ``packed``'s); None: PyTorch's products.
     """
 
     sample = staticmethod(sample_next)  # the draw of one token per row (the continuous pool calls it too)
 
     def __init__(self, model: nn.Module, tokenizer: Any, max_batch_size: int = 64, trunk_cache: Any = None,
                  lean: bool = True, continuous: bool = False, kv_budget_bytes: int | None = None,
-                 packed: bool = False, attention: Any = None):
+                 packed: bool = False, attention: Any = None, matmul: Any = None):
         self.model = model
         self.tokenizer = tokenizer
         # reflrl.engines.trunk_cache.TrunkCache: replay the frozen bottom layers of prompts seen before (evaluation)
@@ -166,6 +169,7 @@ class TransformersEngine:
         self.kv_budget_bytes = kv_budget_bytes
         self.packed = bool(packed)
         self.attention = attention  # the decode step's native attention kernel (native_attention.Kernel) or None
+        self.matmul = matmul if matmul is not None and matmul.enabled else None  # native_matmul.MatmulChoice
         self._pool: Any = None  # the shared DecodePool of agenerate (continuous), made on first use
 
     def prompts_per_batch(self, prompts: Sequence[Sequence[int]], caps: Sequence[int], n: int) -> int:
@@ -264,15 +268,21 @@ class TransformersEngine:
         """The decode step's weight cache (concatenated, packed where ``packed``), kept across calls and
         shared by every engine of the same model (a run's rollout and evaluation engines hold one copy)."""
         per_model = _DECODE_WEIGHTS.setdefault(self.model, {})
-        if self.packed not in per_model:
-            per_model[self.packed] = FusedWeights(packed=self.packed)
-        return per_model[self.packed]
+        key = (self.packed, self.matmul.dtypes if self.matmul is not None else None)
+        if key not in per_model:
+            per_model[key] = FusedWeights(packed=self.packed, native=self.matmul)
+        return per_model[key]
+
+    @property
+    def _relaid(self) -> bool:
+        """Whether the lean decode step's weights may be held in another layout (packed or native)."""
+        return (self.packed or self.matmul is not None) and self.lean and lean_supports(self.model)
 
     def training_forwards(self, model: nn.Module) -> contextlib.AbstractContextManager:
         """The trainer's forward passes through ``model`` (a warm-up, an update) within this context multiply
         by the decode step's packed copies of its frozen float32 layers
         (:func:`reflrl.engines.lean_decode.packed_frozen_layers`); a plain context where nothing is packed."""
-        if model is self.model and self.packed and self.lean and lean_supports(self.model):
+        if model is self.model and self._relaid:
             return packed_frozen_layers(self.model, self._weights())
         return contextlib.nullcontext()
 
@@ -377,7 +387,7 @@ class TransformersEngine:
         """Prompt forward pass: (last hidden state [num, hidden], KV cache left-padded to ``width``);
         see :meth:`_prefill_chunks`. With packed decode weights, its float32 layers multiply by them
         (:func:`reflrl.engines.lean_decode.packed_prefill`)."""
-        if self.packed and self.lean and lean_supports(self.model):
+        if self._relaid:
             with packed_prefill(self.model, self._weights()):
                 return self._prefill_chunks(decoder, prompts, width, capacity, sink)
         return self._prefill_chunks(decoder, prompts, width, capacity, sink)

@@ -120,6 +120,7 @@ class LocalBackend:
         import torch
 
         from reflrl.engines.native_attention import resolve as resolve_attention
+        from reflrl.engines.native_matmul import resolve as resolve_matmul
         from reflrl.engines.transformers_engine import TransformersEngine
         from reflrl.models import load_model
 
@@ -135,8 +136,11 @@ class LocalBackend:
         on_cpu = next(self.model.parameters()).device.type == "cpu"
         #: rollout.decode_attention's default: the native kernel where it builds and measures faster
         self.decode_attention = resolve_attention("auto") if on_cpu else None
+        #: rollout.decode_matmul's default: the native matmuls where they build and measure faster
+        self.decode_matmul = resolve_matmul("auto") if on_cpu else None
         self.engine = TransformersEngine(self.model, self.tokenizer, max_batch_size=self.batch_size,
-                                         attention=self.decode_attention.kernel if on_cpu else None)
+                                         attention=self.decode_attention.kernel if on_cpu else None,
+                                         matmul=self.decode_matmul)
         self._desc: dict[str, Any] | None = None
         self.max_positions = getattr(self.model.config, "max_position_embeddings", None)
         #: prompts answered, prompt/new tokens, and prompts longer than the model's context
@@ -182,7 +186,9 @@ class LocalBackend:
                           "weights_sha256": weights_sha256(self.model),
                           "chat_template_sha256": hashlib.sha256(str(tmpl).encode()).hexdigest(),
                           "batch_size": self.batch_size, "torch_threads": _torch_threads(),
-                          "decode_attention": "native" if self.engine.attention is not None else "sdpa"}
+                          "decode_attention": "native" if self.engine.attention is not None else "sdpa",
+                          "decode_matmul": "torch" if self.engine.matmul is None else "native: " + ", ".join(
+                              sorted(str(d).removeprefix("torch.") for d in self.engine.matmul.dtypes))}
         return self._desc
 
 

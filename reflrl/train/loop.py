@@ -130,6 +130,7 @@ class Trainer:
         self.model, self.tokenizer, self.precision = parts.model, parts.tokenizer, parts.precision
         self.decode_weights = parts.decode_weights  # rollout.packed_weights as resolved
         self.decode_attention = parts.decode_attention  # rollout.decode_attention as resolved
+        self.decode_matmul = parts.decode_matmul  # rollout.decode_matmul as resolved
         self.engine, self.eval_engine, self.remote_engine = parts.engine, parts.eval_engine, parts.remote_engine
         self.variant, self.critic, self.envs, self.tool_server = parts.variant, parts.critic, parts.envs, parts.tool_server
         self.rollout_cfg, self.load_s = parts.rollout, parts.load_s
@@ -569,7 +570,7 @@ class Trainer:
     def summary(self) -> dict[str, Any]:
         return build_summary(self.state.to_dict(), cfg=self.cfg, run_dir=str(self.log.path), step=self.step,
                              precision=self.precision, decode_weights=self.decode_weights,
-                             decode_attention=self.decode_attention,
+                             decode_attention=self.decode_attention, decode_matmul=self.decode_matmul,
                              load_s=self.load_s, elapsed_s=self.elapsed(),
                              prefilter_skipped=self.sampler.skipped, sampling=self.sampling,
                              faults=ledger_totals(self.envs))

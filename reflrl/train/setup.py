@@ -14,6 +14,7 @@ import torch
 from reflrl import config as C
 from reflrl.device import resolve_device, resolve_precision
 from reflrl.engines.native_attention import AttentionChoice, resolve as resolve_attention
+from reflrl.engines.native_matmul import MatmulChoice, resolve as resolve_matmul
 from reflrl.engines.packed import PackedChoice, resolve as resolve_packed
 from reflrl.precision import DtypeChoice
 from reflrl.threads import fix_threads
@@ -78,6 +79,7 @@ class Components:
     load_s: float
     decode_weights: PackedChoice | None = None  # rollout.packed_weights as resolved (None: an engine was given)
     decode_attention: AttentionChoice | None = None  # rollout.decode_attention as resolved (None: as above)
+    decode_matmul: MatmulChoice | None = None  # rollout.decode_matmul as resolved (None: as above)
 
 
 def load_policy(cfg: C.Config, say: Callable[[str], None]) -> tuple[torch.nn.Module, Any, DtypeChoice, float]:
@@ -176,7 +178,7 @@ def build_components(cfg: C.Config, train_tasks: Sequence[Any], *, say: Callable
         tok, load_s = tokenizer, 0.0
         precision = resolve_precision(str(next(model.parameters()).dtype).removeprefix("torch."),
                                       next(model.parameters()).device)
-    packed = attention = None
+    packed = attention = matmul = None
     if engine is not None:
         rollout_engine = eval_engine = engine(model, tok)
     else:
@@ -187,8 +189,11 @@ def build_components(cfg: C.Config, train_tasks: Sequence[Any], *, say: Callable
         attention = resolve_attention(r.decode_attention) if on_cpu else None
         if attention is not None:
             say(attention.log_line())
+        matmul = resolve_matmul(r.decode_matmul) if on_cpu else None
+        if matmul is not None:
+            say(matmul.log_line())
         pool = {"continuous": r.continuous, "packed": packed.enabled,
-                "attention": attention.kernel if attention is not None else None,
+                "attention": attention.kernel if attention is not None else None, "matmul": matmul,
                 "kv_budget_bytes": None if r.kv_budget_mb is None else int(r.kv_budget_mb * 2**20)}
         rollout_engine = TransformersEngine(model, tok, max_batch_size=max(64, r.n * r.batch_prompts), **pool)
         # held-out evaluations see the same prompts each time: the frozen bottom layers run once per prompt
@@ -205,7 +210,7 @@ def build_components(cfg: C.Config, train_tasks: Sequence[Any], *, say: Callable
     return Components(model=model, tokenizer=tok, precision=precision, engine=rollout_engine, eval_engine=eval_engine,
                       remote_engine=remote_engine(cfg, tok), variant=variant, critic=critic, envs=envs,
                       tool_server=server, rollout=spec, load_s=load_s,
-                      decode_weights=packed, decode_attention=attention)
+                      decode_weights=packed, decode_attention=attention, decode_matmul=matmul)
 
 
 def checkpoint_config(run: str | Path, checkpoint: str, overrides: Sequence[str] = ()) -> C.Config:

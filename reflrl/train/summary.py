@@ -78,7 +78,7 @@ def time_split(st: dict[str, Any], *, load_s: float, elapsed_s: float) -> dict[s
 
 
 def build_summary(st: dict[str, Any], *, cfg: C.Config, run_dir: str, step: int, precision: DtypeChoice,
-                  load_s: float, decode_weights: Any = None, decode_attention: Any = None, elapsed_s: float, prefilter_skipped: dict[int, int], sampling: Any,
+                  load_s: float, decode_weights: Any = None, decode_attention: Any = None, decode_matmul: Any = None, elapsed_s: float, prefilter_skipped: dict[int, int], sampling: Any,
                   faults: dict[str, Any]) -> dict[str, Any]:
     """``summary.json`` of a run from its state (``st``: the trainer's checkpointed state)."""
     before, after = st.get("eval_before") or {}, st.get("eval_after") or {}
@@ -100,6 +100,7 @@ def build_summary(st: dict[str, Any], *, cfg: C.Config, run_dir: str, step: int,
         "precision": precision.to_dict(), **threads_summary(),
         "decode_weights": None if decode_weights is None else decode_weights.to_dict(),
         "decode_attention": None if decode_attention is None else decode_attention.to_dict(),
+        "decode_matmul": None if decode_matmul is None else decode_matmul.to_dict(),
         "format_rate_before": wu.get("format_rate_before"), "format_rate_after": wu.get("format_rate_after"),
         "warmup": wu,
         "steps": step, "stop_reason": st.get("stop_reason"), "rl_seconds": round(st.get("rl_seconds", 0.0), 1),

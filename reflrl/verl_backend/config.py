@@ -324,6 +324,8 @@ KEYS: dict[str, Decision] = {
                                           "engine's decode weights"),
     "rollout.decode_attention": _not_needed("verl's rollout engine runs on GPUs with its own kernels; this is the "
                                             "CPU engine's decode attention"),
+    "rollout.decode_matmul": _not_needed("verl's rollout engine runs on GPUs with its own kernels; this is the "
+                                         "CPU engine's matmul kernel"),
     "rollout.kv_budget_mb": _not_needed("verl sizes its rollout engine's KV cache (actor_rollout_ref.rollout."
                                         "gpu_memory_utilization); this is the CPU engine's budget"),
     # algo
