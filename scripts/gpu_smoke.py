@@ -36,6 +36,13 @@ runs, each with its checks:
   CPU; on CUDA the script moves that backend's model to the device (and decodes with PyTorch's
   attention), so the harness's own batches decode there.
 
+A random model never writes a tool call, so it never calls a tool and never meets a fault: with
+``--format-steps N`` the script first teaches it the answer format (N supervised steps on the recipe's
+gold answers, :func:`format_pretrain`), forces the warm-up, and then also checks that the RL rollouts
+called tools and met rate limits. The run on a GPU machine:
+
+    python scripts/gpu_smoke.py --recipe --assets DIR --format-steps 300 --format-seconds 60
+
 The rollouts' rewards are the letter share (above) in both training runs, so each RL step updates;
 the reflection retries, the evaluations and the accounting see the task rewards (all 0 for a random
 model). Per phase it reports seconds and, on CUDA, the peak GPU memory; the final JSON line has every
@@ -189,10 +196,12 @@ def _versions() -> dict[str, Any]:
     return out
 
 
-def format_pretrain(model_dir: Path, dev: Any, steps: int, lr: float, n_train: int) -> dict[str, Any]:
+def format_pretrain(model_dir: Path, dev: Any, steps: int, lr: float, n_train: int,
+                    max_seconds: float | None = None) -> dict[str, Any]:
     """Teach the random model at ``model_dir`` the answer format: ``steps`` supervised steps (all weights,
-    float32, on ``dev``, batch 8, ``lr`` with a linear warm-up) on the gold answers of the recipe's
-    training tasks (:func:`reflrl.sft.train_sft`), saved back in place. A random model never writes a
+    float32, on ``dev``, batch 8 in one forward, ``lr`` with a linear warm-up; fewer when ``max_seconds``
+    runs out) on the gold answers of the recipe's training tasks (:func:`reflrl.sft.train_sft`), saved
+    back in place. A random model never writes a
     tool call, so it never calls a tool and never meets a fault; one that writes calls (of any
     correctness) does, and its episodes go on after a fault it is shown. The run then starts from this
     model as from any other."""
@@ -209,11 +218,13 @@ def format_pretrain(model_dir: Path, dev: Any, steps: int, lr: float, n_train: i
     tok = load_tokenizer(str(model_dir))
     examples = build_examples(splits_from_config(cfg.data)["train"], tok, messages_fn(cfg), fmt=answer_format(cfg))
     model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).to(dev)
+    t0 = time.perf_counter()
     res = train_sft(model, tok, examples, steps=steps, batch_size=8, lr=lr, seed=0, warmup_steps=min(30, steps // 10),
-                    activation_budget_mb=cfg.algo.activation_budget_mb)
+                    should_stop=None if max_seconds is None else (
+                        lambda done, sps: time.perf_counter() - t0 + (sps or 0.0) > max_seconds))
     model.to("cpu").save_pretrained(model_dir)
-    return {"steps": res["steps"], "lr": lr, "examples": len(examples), "loss_first": res["loss_first"],
-            "loss_last": res["loss_last"], "s": round(res["seconds"], 2)}
+    return {"steps": res["steps"], "planned": steps, "lr": lr, "examples": len(examples),
+            "loss_first": res["loss_first"], "loss_last": res["loss_last"], "s": round(res["seconds"], 2)}
 
 
 def recipe_trainer_class(device: Any) -> type:
@@ -232,8 +243,8 @@ def recipe_trainer_class(device: Any) -> type:
 
         def __init__(self, *args: Any, **kwargs: Any) -> None:
             self.phases: list[dict[str, Any]] = []
-            RecipeTrainer.instances.append(self)
             super().__init__(*args, **kwargs)
+            RecipeTrainer.instances.append(self)  # built: the checks read its model, state and optimizer
 
         @contextlib.contextmanager
         def _phase(self, name: str) -> Any:
@@ -509,7 +520,8 @@ def recipe_main(a: argparse.Namespace, dev: Any, out: Path, assets: Path) -> int
     failed: list[str] = []
     if a.format_steps:
         print(f"gpu_smoke: --- format pre-training ({a.format_steps} steps) ---", flush=True)
-        figures["format_pretrain"] = format_pretrain(model_dir, dev, a.format_steps, a.format_lr, N_TRAIN)
+        figures["format_pretrain"] = format_pretrain(model_dir, dev, a.format_steps, a.format_lr, N_TRAIN,
+                                                     max_seconds=a.format_seconds)
         print("gpu_smoke: format pre-training: " + json.dumps(figures["format_pretrain"]), flush=True)
     calls = a.format_steps > 0
     parts = [("recipe", lambda: run_recipe(model_dir, dev, out, trainable, a.warmup_steps, a.steps, a.n_test,
@@ -561,6 +573,8 @@ def main(argv: list[str] | None = None) -> int:
                         "(format_pretrain), so that it calls tools and meets faults; then the warm-up is forced "
                         "and the rollouts must have met rate limits (default 0: a random model, no calls)")
     p.add_argument("--format-lr", type=float, default=2e-3, help="--recipe: learning rate of --format-steps")
+    p.add_argument("--format-seconds", type=float, default=None,
+                   help="--recipe: stop the format pre-training after this many seconds (default: no limit)")
     p.add_argument("--no-lora", action="store_true", help="--recipe: leave out the LoRA step")
     p.add_argument("--no-eval", action="store_true", help="--recipe: leave out 'reflrl eval'")
     a = p.parse_args(argv)
