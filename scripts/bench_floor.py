@@ -624,7 +624,8 @@ def run_timed(args: argparse.Namespace) -> Timed:
     from reflrl.engines.transformers_engine import TransformersEngine
 
     eng = TransformersEngine(tr.model, tr.tokenizer, packed=tr.engine.packed,  # the run's decode path
-                             continuous=tr.engine.continuous, attention=tr.engine.attention)
+                             continuous=tr.engine.continuous, attention=tr.engine.attention,
+                             matmul=tr.engine.matmul)
     gen = torch.Generator().manual_seed(0)
     prompts = [torch.randint(100, 40000, (200,), generator=gen).tolist() for _ in range(32)]
     eng.generate(prompts[:2], n=1, max_new_tokens=4, stop_ids=[], seed=0)
@@ -658,7 +659,8 @@ def run_timed(args: argparse.Namespace) -> Timed:
 def old_engine_steps(cfg: Any, steps: int) -> list[dict[str, Any]]:
     """The RL steps again, from the same start (a fresh trainer on the same config and seed), with the
     engine as it was before its speed-ups: plain ``F.linear`` decode weights
-    (``rollout.packed_weights=false``), SDPA for the decode attention (``rollout.decode_attention=sdpa``), every
+    (``rollout.packed_weights=false``, ``rollout.decode_matmul=torch``), SDPA for the decode attention
+    (``rollout.decode_attention=sdpa``), every
     prompt prefilled whole (no shared start) and fixed batches (``rollout.continuous=false``). Wall time and
     rollouts (with reflection retries) per step; the first step warms up, as in the new engine's run."""
     from dataclasses import replace
@@ -667,7 +669,7 @@ def old_engine_steps(cfg: Any, steps: int) -> list[dict[str, Any]]:
     from reflrl.train.loop import Trainer
 
     old_cfg = replace(cfg, rollout=replace(cfg.rollout, packed_weights="false", decode_attention="sdpa",
-                                                          continuous=False),
+                                           decode_matmul="torch", continuous=False),
                       train=replace(cfg.train, out_dir=tempfile.mkdtemp(prefix="floor-old")))
     keep = TE.SHARED_PREFIX_MIN
     TE.SHARED_PREFIX_MIN = 10**9

@@ -18,9 +18,12 @@
  *   out  [B, H, G, D] contiguous
  */
 #include <math.h>
+#include <stdatomic.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+
+#include "native_parallel.h"
 
 #define GMAX 16
 #define DMAX 256
@@ -125,39 +128,75 @@ static void task_bf16_3x64(const uint16_t *q, const uint16_t *k, const uint16_t 
     task_bf16(q, k, v, m, w, out, 3, 64, scale, s);
 }
 
-/* The (row, key/value head) tasks of one call shared among the threads, each thread with its own scores
- * buffer; the variadic part runs for each live task with b, h, w (the row's width), kt, vt (its cache),
- * ot (its output) and s (the buffer) in scope; idle rows get zeros. Expands to the entry's body. */
-#define EACH_ROW_HEAD(T, ...)                                                                          \
-    int wmax = 1;                                                                                      \
-    for (int b = 0; b < B; b++) wmax = width[b] > wmax ? width[b] : wmax;                              \
-    int failed = 0;                                                                                    \
-    _Pragma("omp parallel num_threads(threads) reduction(|:failed)")                                   \
-    {                                                                                                  \
-        float *s = (float *)malloc(sizeof(float) * (size_t)G * (size_t)wmax);                          \
-        if (!s) failed = 1;                                                                            \
-        _Pragma("omp for schedule(dynamic, 1)")                                                        \
-        for (int t = 0; t < B * H; t++) {                                                              \
-            if (!s) continue;                                                                          \
-            int b = t / H, h = t % H, w = width[b];                                                    \
-            T *kt = (T *)k + b * kv_sb + h * kv_sh, *vt = (T *)v + b * kv_sb + h * kv_sh;              \
-            T *ot = out + (int64_t)t * G * D;                                                          \
-            if (w <= 0) { memset(ot, 0, sizeof(T) * (size_t)(G * D)); continue; }                      \
-            __VA_ARGS__                                                                                \
-        }                                                                                              \
-        free(s);                                                                                       \
+/* One call's arguments, for its threads (the plain attention's or the fused rotary one's). */
+struct att_args {
+    const void *q, *qkv, *cos, *sin;
+    const int64_t *col;
+    void *k, *v, *out;
+    const uint8_t *mask;
+    const int32_t *width;
+    int64_t q_sb, q_sh, qkv_sb, cs_sb, kv_sb, kv_sh, m_sb;
+    int B, H, G, D, wmax;
+    float scale;
+    atomic_int next, failed;
+};
+
+static void att_args_init(struct att_args *A) {
+    int wmax = 1;
+    for (int b = 0; b < A->B; b++) wmax = A->width[b] > wmax ? A->width[b] : wmax;
+    A->wmax = wmax;
+    atomic_init(&A->next, 0);
+    atomic_init(&A->failed, 0);
+}
+
+/* The (row, key/value head) tasks of one call shared among the threads (native_parallel.c), each taking
+ * the next task when done with one, each with its own scores buffer; the body runs for each live task with
+ * b, h, w (the row's width), kt, vt (its cache), ot (its output), s (the buffer) and the call's arguments
+ * in scope (the macro's last arguments); idle rows get zeros. Defines WORK, the threads' function. */
+#define EACH_ROW_HEAD(WORK, T, ...)                                                                    \
+static void WORK(void *ctx, int tid, int nthreads) {                                                   \
+    struct att_args *A = ctx;                                                                          \
+    (void)tid; (void)nthreads;                                                                         \
+    const T *q = A->q, *qkv = A->qkv, *cos = A->cos, *sin = A->sin;                                    \
+    const int64_t *col = A->col;                                                                       \
+    T *k = A->k, *v = A->v, *out = A->out;                                                             \
+    const uint8_t *mask = A->mask;                                                                     \
+    const int32_t *width = A->width;                                                                   \
+    int64_t q_sb = A->q_sb, q_sh = A->q_sh, qkv_sb = A->qkv_sb, cs_sb = A->cs_sb, kv_sb = A->kv_sb,    \
+            kv_sh = A->kv_sh, m_sb = A->m_sb;                                                          \
+    int H = A->H, G = A->G, D = A->D;                                                                  \
+    float scale = A->scale;                                                                            \
+    (void)q; (void)qkv; (void)cos; (void)sin; (void)col; (void)q_sb; (void)q_sh; (void)qkv_sb;         \
+    (void)cs_sb;                                                                                       \
+    float *s = (float *)malloc(sizeof(float) * (size_t)G * (size_t)A->wmax);                           \
+    if (!s) { atomic_store(&A->failed, 1); return; }                                                   \
+    for (;;) {                                                                                         \
+        int t = atomic_fetch_add(&A->next, 1);                                                         \
+        if (t >= A->B * H) break;                                                                      \
+        int b = t / H, h = t % H, w = width[b];                                                        \
+        T *kt = k + b * kv_sb + h * kv_sh, *vt = v + b * kv_sb + h * kv_sh;                            \
+        T *ot = out + (int64_t)t * G * D;                                                              \
+        if (w <= 0) { memset(ot, 0, sizeof(T) * (size_t)(G * D)); continue; }                          \
+        __VA_ARGS__                                                                                    \
     }                                                                                                  \
-    return failed ? 2 : 0;
+    free(s);                                                                                           \
+}
 
 #define DEFINE_ENTRY(NAME, T, TASK, TASK_3x64)                                                         \
+EACH_ROW_HEAD(NAME##_work, T,                                                                          \
+    const T *qt = q + b * q_sb + h * q_sh;                                                             \
+    if (G == 3 && D == 64) TASK_3x64(qt, kt, vt, mask + b * m_sb, w, ot, scale, s);                    \
+    else TASK(qt, kt, vt, mask + b * m_sb, w, ot, G, D, scale, s);)                                    \
 int NAME(const T *q, int64_t q_sb, int64_t q_sh, const T *k, const T *v, int64_t kv_sb, int64_t kv_sh,   \
          const uint8_t *mask, int64_t m_sb, const int32_t *width, T *out, int B, int H, int G, int D,    \
          float scale, int threads) {                                                                   \
     if (G < 1 || G > GMAX || D < 1 || D > DMAX) return 1;                                              \
-    EACH_ROW_HEAD(T,                                                                                   \
-        const T *qt = q + b * q_sb + h * q_sh;                                                         \
-        if (G == 3 && D == 64) TASK_3x64(qt, kt, vt, mask + b * m_sb, w, ot, scale, s);                \
-        else TASK(qt, kt, vt, mask + b * m_sb, w, ot, G, D, scale, s);)                                \
+    struct att_args A = {.q = q, .k = (void *)k, .v = (void *)v, .out = out, .mask = mask,              \
+                         .width = width, .q_sb = q_sb, .q_sh = q_sh, .kv_sb = kv_sb, .kv_sh = kv_sh,    \
+                         .m_sb = m_sb, .B = B, .H = H, .G = G, .D = D, .scale = scale};                \
+    att_args_init(&A);                                                                                 \
+    reflrl_parallel(NAME##_work, &A, threads);                                                         \
+    return atomic_load(&A.failed) ? 2 : 0;                                                             \
 }
 
 DEFINE_ENTRY(reflrl_decode_attention_f32, float, task_f32, task_f32_3x64)
@@ -188,18 +227,24 @@ DEFINE_ROPE(rope_f32, float, LOAD_F32, STORE_F32)
 DEFINE_ROPE(rope_bf16, uint16_t, bf16_to_f32, f32_to_bf16)
 
 #define DEFINE_ROPE_ENTRY(NAME, T, ROPE, TASK, TASK_3x64)                                              \
+EACH_ROW_HEAD(NAME##_work, T,                                                                          \
+    const T *row = qkv + b * qkv_sb, *c = cos + b * cs_sb, *sn = sin + b * cs_sb;                      \
+    ROPE(row + (int64_t)(H * G + h) * D, c, sn, kt + col[b] * D, D);                                   \
+    memcpy(vt + col[b] * D, row + (int64_t)(H * G + H + h) * D, sizeof(T) * (size_t)D);                \
+    T qr[GMAX * DMAX];                                                                                 \
+    for (int g = 0; g < G; g++) ROPE(row + (int64_t)(h * G + g) * D, c, sn, qr + g * D, D);            \
+    if (G == 3 && D == 64) TASK_3x64(qr, kt, vt, mask + b * m_sb, w, ot, scale, s);                    \
+    else TASK(qr, kt, vt, mask + b * m_sb, w, ot, G, D, scale, s);)                                    \
 int NAME(const T *qkv, int64_t qkv_sb, const T *cos, const T *sin, int64_t cs_sb, const int64_t *col,   \
          T *k, T *v, int64_t kv_sb, int64_t kv_sh, const uint8_t *mask, int64_t m_sb,                   \
          const int32_t *width, T *out, int B, int H, int G, int D, float scale, int threads) {          \
     if (G < 1 || G > GMAX || D < 2 || D > DMAX || D % 2) return 1;                                     \
-    EACH_ROW_HEAD(T,                                                                                   \
-        const T *row = qkv + b * qkv_sb, *c = cos + b * cs_sb, *sn = sin + b * cs_sb;                  \
-        ROPE(row + (int64_t)(H * G + h) * D, c, sn, kt + col[b] * D, D);                               \
-        memcpy(vt + col[b] * D, row + (int64_t)(H * G + H + h) * D, sizeof(T) * (size_t)D);            \
-        T qr[GMAX * DMAX];                                                                             \
-        for (int g = 0; g < G; g++) ROPE(row + (int64_t)(h * G + g) * D, c, sn, qr + g * D, D);        \
-        if (G == 3 && D == 64) TASK_3x64(qr, kt, vt, mask + b * m_sb, w, ot, scale, s);                \
-        else TASK(qr, kt, vt, mask + b * m_sb, w, ot, G, D, scale, s);)                                \
+    struct att_args A = {.qkv = qkv, .cos = cos, .sin = sin, .col = col, .k = k, .v = v, .out = out,    \
+                         .mask = mask, .width = width, .qkv_sb = qkv_sb, .cs_sb = cs_sb, .kv_sb = kv_sb, \
+                         .kv_sh = kv_sh, .m_sb = m_sb, .B = B, .H = H, .G = G, .D = D, .scale = scale}; \
+    att_args_init(&A);                                                                                 \
+    reflrl_parallel(NAME##_work, &A, threads);                                                         \
+    return atomic_load(&A.failed) ? 2 : 0;                                                             \
 }
 
 DEFINE_ROPE_ENTRY(reflrl_decode_rope_attention_f32, float, rope_f32, task_f32, task_f32_3x64)
@@ -209,17 +254,35 @@ DEFINE_ROPE_ENTRY(reflrl_decode_rope_attention_bf16, uint16_t, rope_bf16, task_b
  * transformers' LlamaRMSNorm on rows of type T: y = x * rsqrt(mean(x^2) + eps) in float32, rounded to
  * T, then weight * y rounded to T.   x [B, N] at x + b*x_sb;  w [N];  out [B, N] contiguous
  */
+struct rms_args {
+    const void *x, *w;
+    void *out;
+    int64_t x_sb;
+    int B, N;
+    float eps;
+};
+
+#define RMS_PARALLEL_MIN 16384 /* elements below which one thread does it all (no hand-over) */
+
 #define DEFINE_RMS(NAME, T, LOAD, STORE)                                                               \
-int NAME(const T *x, int64_t x_sb, const T *w, T *out, int B, int N, float eps, int threads) {          \
-    _Pragma("omp parallel for schedule(static) num_threads(B > 1 ? threads : 1)")                      \
-    for (int b = 0; b < B; b++) {                                                                      \
-        const T *xb = x + b * x_sb;                                                                    \
+static void NAME##_work(void *ctx, int tid, int nthreads) {                                            \
+    const struct rms_args *a = ctx;                                                                    \
+    const T *x = a->x, *w = a->w;                                                                      \
+    T *out = a->out;                                                                                   \
+    int N = a->N, lo, hi;                                                                              \
+    reflrl_share(a->B, tid, nthreads, &lo, &hi);                                                       \
+    for (int b = lo; b < hi; b++) {                                                                    \
+        const T *xb = x + b * a->x_sb;                                                                 \
         T *ob = out + (int64_t)b * N;                                                                  \
         float ss = 0.0f;                                                                               \
         for (int i = 0; i < N; i++) { float f = LOAD(xb[i]); ss += f * f; }                            \
-        float r = 1.0f / sqrtf(ss / (float)N + eps);                                                   \
+        float r = 1.0f / sqrtf(ss / (float)N + a->eps);                                                \
         for (int i = 0; i < N; i++) ob[i] = STORE(LOAD(w[i]) * LOAD(STORE(LOAD(xb[i]) * r)));         \
     }                                                                                                  \
+}                                                                                                      \
+int NAME(const T *x, int64_t x_sb, const T *w, T *out, int B, int N, float eps, int threads) {          \
+    struct rms_args a = {x, w, out, x_sb, B, N, eps};                                                  \
+    reflrl_parallel(NAME##_work, &a, B > 1 && (int64_t)B * N >= RMS_PARALLEL_MIN ? threads : 1);       \
     return 0;                                                                                          \
 }
 

@@ -10,7 +10,7 @@
  *
  * Every output is a float32 sum over k in increasing order (bfloat16: two products a step), whatever M,
  * the other rows or the thread count: a row's result does not depend on the rows beside it. The threads
- * share the blocks of 32 outputs; each goes through the rows 8 (AVX-512) at a time, so the block's
+ * (native_parallel.c) share the blocks of 32 outputs; each goes through the rows 8 (AVX-512) at a time, so the block's
  * weights are read from memory once per call and reused from the cache for every row.
  *
  * float32 needs AVX-512 or AVX2 with FMA, bfloat16 AVX512-BF16; each is built only where the compiler
@@ -18,6 +18,8 @@
  */
 #include <stdint.h>
 #include <string.h>
+
+#include "native_parallel.h"
 
 #if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
 #include <immintrin.h>
@@ -102,16 +104,34 @@ static inline void f32_task(const float *x, int64_t xs, const float *w0, int K, 
 }
 #endif
 
+/* one call's arguments, for its threads */
+struct mm_args {
+    const void *x, *w;
+    const float *bias;
+    void *y;
+    int64_t xs, ys;
+    int M, N, K;
+};
+
+#if HAVE_F32
+static void f32_work(void *c, int tid, int nthreads) {
+    const struct mm_args *a = c;
+    int lo, hi;
+    reflrl_share((a->N + BLOCK * NV - 1) / (BLOCK * NV), tid, nthreads, &lo, &hi);
+    for (int t = lo; t < hi; t++) {
+        const float *w0 = (const float *)a->w + (int64_t)t * NV * a->K * BLOCK;
+        for (int m = 0; m < a->M; m += MB_MAX)
+            f32_task((const float *)a->x + m * a->xs, a->xs, w0, a->K, t * BLOCK * NV, a->N,
+                     (float *)a->y + m * a->ys, a->ys, a->bias, a->M - m < MB_MAX ? a->M - m : MB_MAX);
+    }
+}
+#endif
+
 int reflrl_matmul_f32(const float *x, int64_t xs, const float *w, const float *bias, float *y, int64_t ys,
                       int M, int N, int K, int threads) {
 #if HAVE_F32
-    int tasks = (N + BLOCK * NV - 1) / (BLOCK * NV);
-    #pragma omp parallel for num_threads(threads) schedule(static)
-    for (int t = 0; t < tasks; t++) {
-        const float *w0 = w + (int64_t)t * NV * K * BLOCK;
-        for (int m = 0; m < M; m += MB_MAX)
-            f32_task(x + m * xs, xs, w0, K, t * BLOCK * NV, N, y + m * ys, ys, bias, M - m < MB_MAX ? M - m : MB_MAX);
-    }
+    struct mm_args a = {x, w, bias, y, xs, ys, M, N, K};
+    reflrl_parallel(f32_work, &a, threads);
     return 0;
 #else
     (void)x; (void)xs; (void)w; (void)bias; (void)y; (void)ys; (void)M; (void)N; (void)K; (void)threads;
@@ -160,17 +180,26 @@ static inline void bf16_task(const uint16_t *x, int64_t xs, const uint16_t *w0, 
 }
 #endif
 
+#if HAVE_BF16
+static void bf16_work(void *c, int tid, int nthreads) {
+    const struct mm_args *a = c;
+    int lo, hi;
+    reflrl_share((a->N + BLOCK * NV - 1) / (BLOCK * NV), tid, nthreads, &lo, &hi);
+    for (int t = lo; t < hi; t++) {
+        const uint16_t *w0 = (const uint16_t *)a->w + (int64_t)t * NV * a->K * BLOCK;
+        for (int m = 0; m < a->M; m += MB_MAX)
+            bf16_task((const uint16_t *)a->x + m * a->xs, a->xs, w0, a->K, t * BLOCK * NV, a->N,
+                      (uint16_t *)a->y + m * a->ys, a->ys, a->bias, a->M - m < MB_MAX ? a->M - m : MB_MAX);
+    }
+}
+#endif
+
 int reflrl_matmul_bf16(const uint16_t *x, int64_t xs, const uint16_t *w, const float *bias, uint16_t *y,
                        int64_t ys, int M, int N, int K, int threads) {
 #if HAVE_BF16
     if (K % 2) return 1;
-    int tasks = (N + BLOCK * NV - 1) / (BLOCK * NV);
-    #pragma omp parallel for num_threads(threads) schedule(static)
-    for (int t = 0; t < tasks; t++) {
-        const uint16_t *w0 = w + (int64_t)t * NV * K * BLOCK;
-        for (int m = 0; m < M; m += MB_MAX)
-            bf16_task(x + m * xs, xs, w0, K, t * BLOCK * NV, N, y + m * ys, ys, bias, M - m < MB_MAX ? M - m : MB_MAX);
-    }
+    struct mm_args a = {x, w, bias, y, xs, ys, M, N, K};
+    reflrl_parallel(bf16_work, &a, threads);
     return 0;
 #else
     (void)x; (void)xs; (void)w; (void)bias; (void)y; (void)ys; (void)M; (void)N; (void)K; (void)threads;

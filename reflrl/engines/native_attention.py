@@ -8,7 +8,7 @@ overhead, not reading the cache: on a 2-core AMD EPYC with AVX512-BF16 it took 0
 rows where reading their keys and values takes about 0.15 ms, a third of the decode step. The kernel in
 ``decode_attention.c`` does that attention directly: per (row, key/value head) one pass over the row's
 keys for the scores of its query heads, a softmax, one pass over the values, in float32 whatever the
-cache's dtype (float32 or bfloat16), the (row, head) pairs shared among the threads PyTorch uses. Each
+cache's dtype (float32 or bfloat16), the (row, head) pairs shared among as many threads as PyTorch uses. Each
 row reads only its own visible columns (its mask, up to its own width), so idle slots cost nothing and a
 row refilled into a slot that held a longer sequence never reads what was left there. A row's result does
 not depend on the other rows of the step or the thread count (one thread computes it, in a fixed order).
@@ -17,9 +17,12 @@ to the cache (:meth:`Kernel.rope_attention`), and the layers' RMSNorms run in it
 (:meth:`Kernel.rms_norm`): a few operations per layer where PyTorch dispatches about a dozen, each
 product and sum rounded to the storage type as PyTorch's operations round them.
 
-* :func:`build` compiles the source with the machine's C compiler (``$CC`` or ``cc``; ``-O3
-  -march=native -fopenmp``, about a second) into ``<cache>/kernels/``, once per source, compiler and CPU
-  model; the kernel then shares PyTorch's OpenMP runtime (``libgomp.so.1``, already loaded).
+* :func:`build` compiles the sources with the machine's C compiler (``$CC`` or ``cc``; ``-O3
+  -march=native``, about a second) into ``<cache>/kernels/``, once per source, compiler and CPU model.
+  Its calls share their work among threads of its own (``native_parallel.c``), not OpenMP's: a decode
+  step makes a few hundred short calls, and an OpenMP region wakes its sleeping workers at each one
+  (reflrl lets OpenMP's threads sleep while they wait, and the decode loop runs in an executor thread),
+  which cost tens of microseconds a call; these workers spin for 0.2 ms after a call, then sleep.
 * :func:`attention` calls it; :func:`reference` is the same attention through SDPA.
 * ``auto`` (the default) takes the kernel where it builds, agrees with SDPA on a random case, and a
   sub-second measurement at a decode shape (32 rows over 256 columns, the two interleaved, each keeping its
@@ -45,8 +48,9 @@ import torch.nn.functional as F
 
 SOURCE = Path(__file__).with_name("decode_attention.c")
 # built into one library with the attention: the generation's matmuls (reflrl.engines.native_matmul)
-SOURCES = (SOURCE, Path(__file__).with_name("decode_matmul.c"))
-FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=gnu11",
+SOURCES = (SOURCE, Path(__file__).with_name("decode_matmul.c"), Path(__file__).with_name("native_parallel.c"))
+HEADERS = (Path(__file__).with_name("native_parallel.h"),)  # included by the sources (in the build's hash)
+FLAGS = ("-O3", "-march=native", "-pthread", "-fPIC", "-shared", "-std=gnu11",
          # sums may be reordered (vectorised), in an order fixed at compile time: the same for every row
          "-fassociative-math", "-fno-signed-zeros", "-fno-trapping-math", "-fno-math-errno")
 MODES = ("auto", "native", "sdpa")
@@ -193,7 +197,7 @@ def _cpu_key() -> str:
 
 def _tag(cc: str) -> str:
     h = hashlib.sha256()
-    for src in SOURCES:
+    for src in SOURCES + HEADERS:
         h.update(src.read_bytes())
     h.update(" ".join(FLAGS).encode())
     h.update(cc.encode())
