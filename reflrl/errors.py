@@ -62,7 +62,8 @@ class DiskSpaceError(ResourceError, OSError):
 
 
 # User errors of the standalone layers, which import nothing of the core: (module, class name).
-FOREIGN_USER_ERRORS = (("reflrl.faults.spec", "FaultSpecError"), ("reflrl.envs.proxy", "ProxyError"))
+FOREIGN_USER_ERRORS = (("reflrl.faults.spec", "FaultSpecError"), ("reflrl.envs.proxy", "ProxyError"),
+                       ("reflrl.envs.tools.bfcl_backends", "BfclMissing"))
 
 
 def exit_code(exc: BaseException) -> int | None:

@@ -8,7 +8,8 @@ from it -- measured in one run, every figure a ratio of two timings taken here a
 1. The machine: matmul rate at the model's shapes (K=576, N=1536) for M = 1 .. 2048 rows, in each
    precision the model's layers take (the run's, and float32: a bfloat16 model trains its top layers in
    float32), the faster of the plain and the oneDNN-packed weight; memory bandwidth (a 256 MB copy);
-   before and after the timed work (3.-5.).
+   before and after the timed work (3.-5.), each time in a fresh process (the machine's figures, not
+   those of this process's threads after the timed work).
 2. Floors computed from those rates and each phase's own token counts, every layer's (and the output
    head's) FLOPs at the rate of its own precision:
    - prefill: the prompt tokens' FLOPs (2 x linear parameters + attention) at the large-M matmul rate;
@@ -415,6 +416,19 @@ def measure_floor(dtype: torch.dtype) -> FloorMeasure:
     return FloorMeasure({str(d).removeprefix("torch."): matmul_rates(d) for d in dts}, bandwidth())
 
 
+def measure_floor_fresh(dtype: torch.dtype, threads: int) -> FloorMeasure:
+    """:func:`measure_floor` in a fresh Python process on ``threads`` threads: the machine's figures, not
+    those of this process's state after the timed work (its executor threads' OpenMP teams, their waits,
+    made PyTorch's few-row products 20-40% slower after it than before in the same process)."""
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--floor-only", str(dtype).removeprefix("torch."),
+                          "--threads", str(threads)], capture_output=True, text=True, check=True)
+    d = json.loads(out.stdout.strip().splitlines()[-1])
+    return FloorMeasure({k: {int(m): float(r) for m, r in v.items()} for k, v in d["rates"].items()}, float(d["bw"]))
+
+
 def loadavg() -> float:
     """The 1-minute load average (0.0 where the platform has none)."""
     try:
@@ -518,7 +532,13 @@ def main(argv: list[str] | None = None) -> int:
                          "old, in this run")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
     ap.add_argument("--json", default=None, help="write the figures to this file")
+    ap.add_argument("--floor-only", default=None, choices=["float32", "bfloat16"], help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    if args.floor_only:  # measure_floor_fresh's child: the floor figures as one JSON line
+        torch.set_num_threads(args.threads)
+        fm = measure_floor(getattr(torch, args.floor_only))
+        print(json.dumps({"rates": fm.rates, "bw": fm.bw}))
+        return 0
     load_before = loadavg()  # the benchmark has done nothing yet
     ncpu = os.cpu_count() or 1
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -534,14 +554,14 @@ def main(argv: list[str] | None = None) -> int:
     res: dict[str, Any] = {"cpu_capability": cap, "dtype": choice.dtype, "threads": args.threads}
 
     # 1. the machine, before the timed work
-    before = measure_floor(dtype)
+    before = measure_floor_fresh(dtype, args.threads)
     print(floor_line("before", before), flush=True)
 
     # 2-5. the timed work
     timed = run_timed(args)
 
     # 1 again: the machine after it, and whether the figures can be trusted
-    after = measure_floor(dtype)
+    after = measure_floor_fresh(dtype, args.threads)
     load_after = loadavg()
     print(floor_line("after", after), flush=True)
     ok, reason = floor_verdict(before, after, (load_before, load_after), ncpu, args.threads)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 from script_loader import load_script
 
@@ -92,7 +93,7 @@ def _fake_run(bf, monkeypatch, floors, loads):
                                                       "accuracy": 0.5},
                      decode_tps=100.0, warmup={"wall_s": 0.5, "floor_s": 0.25},
                      old_steps=[{"wall_s": 3.0, "samples": 6, "samples_per_min": 120.0}])
-    monkeypatch.setattr(bf, "measure_floor", lambda dtype: floors.pop(0))
+    monkeypatch.setattr(bf, "measure_floor_fresh", lambda dtype, threads: floors.pop(0))
     monkeypatch.setattr(bf, "loadavg", lambda: loads.pop(0))
     monkeypatch.setattr(bf, "run_timed", lambda args: timed)
     monkeypatch.setattr(bf.os, "cpu_count", lambda: 2)
@@ -195,3 +196,12 @@ def test_the_tap_counts_what_a_shared_continuous_batching_loop_served(monkeypatc
     assert tap.generation("reflection") == {}
     tap.reset()
     assert tap.generation("rollout") == {}  # nothing served since
+
+
+def test_the_floor_is_measured_in_a_fresh_process():
+    """measure_floor_fresh runs the script again with --floor-only: a child that prints the figures as one
+    JSON line, read back as the FloorMeasure this process would have measured."""
+    bf = load_script("bench_floor")
+    fm = bf.measure_floor_fresh(torch.float32, 1)
+    assert set(fm.rates) == {"float32"} and set(fm.rates["float32"]) == {1, 2, 4, 8, 16, 32, 64, 128, 512, 2048}
+    assert all(r > 0 for r in fm.rates["float32"].values()) and fm.bw > 0

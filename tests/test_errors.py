@@ -80,3 +80,24 @@ def test_user_errors_of_other_commands_exit_2(tmp_path, capsys):
     assert err.startswith("reflrl experiment: error: ") and "rate_limit" in err
     assert main(["train", "--config", TINY, "--set", "algo.advantage=grop"]) == 2  # UnknownName via the config
     assert "did you mean 'grpo'" in capsys.readouterr().err
+
+
+def test_a_missing_bfcl_eval_is_one_line_naming_what_to_install(monkeypatch, capsys):
+    """pip install reflrl does not bring bfcl-eval (make install adds it with --no-deps); the built-in tools
+    need it at start: the user gets what to install in one line, exit status 2, not a traceback."""
+    import importlib.util
+
+    from reflrl.cli import report_error
+    from reflrl.envs.tools import bfcl_backends as B
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "bfcl_eval" else real(name, *a))
+    B._class.cache_clear()
+    try:
+        with pytest.raises(B.BfclMissing) as err:
+            B._class(next(iter(B.BFCL_CLASSES)))
+    finally:
+        B._class.cache_clear()
+    assert report_error(err.value, "reflrl train") == 2
+    out = capsys.readouterr().err
+    assert out.strip() == f"reflrl train: error: {B.MISSING}" and "pip install --no-deps bfcl-eval==" in out

@@ -60,10 +60,18 @@ LONG_CONTEXT_KEY = "long_context"
 _lock = threading.Lock()
 
 
+MISSING = ("bfcl-eval is not installed (the built-in tools run BFCL's backends): pip install --no-deps "
+           "bfcl-eval==2026.3.23 (make install does it)")
+
+
+class BfclMissing(ImportError):
+    """bfcl-eval is not installed; the message says what to install (reported in one line, exit status 2)."""
+
+
 def _bfcl_root() -> Path:
     spec = importlib.util.find_spec("bfcl_eval")
     if spec is None or not spec.submodule_search_locations:
-        raise ImportError("bfcl-eval is not installed: pip install --no-deps bfcl-eval")
+        raise BfclMissing(MISSING)
     return Path(list(spec.submodule_search_locations)[0])
 
 
@@ -76,6 +84,8 @@ def _check_class(name: str) -> None:
 def _class(name: str) -> type:
     """Import one backend class (its module only; never bfcl's heavy packages)."""
     _check_class(name)
+    if importlib.util.find_spec("bfcl_eval") is None:
+        raise BfclMissing(MISSING)
     module = importlib.import_module(f"{_PREFIX}.{BFCL_CLASSES[name][0]}")
     return getattr(module, name)
 
