@@ -99,24 +99,22 @@ def test_bad_inputs_are_refused_with_a_message(kernel):
         kernel(q, k[:3], v[:3], mask, width, 1.0)
 
 
-@pytest.mark.parametrize("dtype,trainable,atol", [("float32", "all", 1e-5), ("bfloat16", "top_layers:1", 2e-2)])
-def test_the_decode_step_with_the_kernel_equals_the_transformers_forward(kernel, dtype, trainable, atol):
+def assert_lean_steps_match_the_forward(model, make_lean, atol):
+    """Three decode steps of ``make_lean(model)`` (a LeanDecoder) after a prefill of three rows, one of them
+    left-padded (the kernel reads the mask's holes), each against the transformers forward's last hidden state."""
     from reflrl.engines.fast_decode import fast_decoding, growing_cache, reserve
-    from reflrl.engines.lean_decode import FusedWeights, LeanDecoder
 
-    model, _ = load_model("tiny-random", dtype=dtype, trainable=trainable, seed=0)
-    model.eval()
     g = torch.Generator().manual_seed(1)
     ids = torch.randint(3, 200, (3, 7), generator=g)
     mask = torch.ones(3, 7, dtype=torch.long)
-    mask[0, :3] = 0  # a left-padded row: the kernel reads the mask's holes
+    mask[0, :3] = 0
     pos = (mask.cumsum(-1) - 1).clamp(min=0)
     cache = growing_cache(model.config)
     dec = model.get_decoder()
     with torch.inference_mode(), fast_decoding(model):
         dec(input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=cache, use_cache=True)
     reserve(cache, 16)
-    lean = LeanDecoder(model, FusedWeights(), attention=kernel)
+    lean = make_lean(model)
     tok, pos = torch.tensor([5, 17, 40]), mask.sum(-1)
     ref_cache, lean_cache = copy.deepcopy(cache), copy.deepcopy(cache)
     amask = torch.cat([mask, torch.ones(3, 1, dtype=torch.long)], 1)
@@ -128,6 +126,16 @@ def test_the_decode_step_with_the_kernel_equals_the_transformers_forward(kernel,
             assert torch.allclose(got.float(), ref.float(), atol=atol, rtol=0), step
             tok, pos = (tok * 3 + 1) % 200, pos + 1
             amask = torch.cat([amask, torch.ones(3, 1, dtype=torch.long)], 1)
+    return lean
+
+
+@pytest.mark.parametrize("dtype,trainable,atol", [("float32", "all", 1e-5), ("bfloat16", "top_layers:1", 2e-2)])
+def test_the_decode_step_with_the_kernel_equals_the_transformers_forward(kernel, dtype, trainable, atol):
+    from reflrl.engines.lean_decode import FusedWeights, LeanDecoder
+
+    model, _ = load_model("tiny-random", dtype=dtype, trainable=trainable, seed=0)
+    model.eval()
+    assert_lean_steps_match_the_forward(model, lambda m: LeanDecoder(m, FusedWeights(), attention=kernel), atol)
 
 
 def test_the_pool_with_the_kernel_samples_the_trainers_logprobs(kernel, tiny, prompts):

@@ -3,8 +3,6 @@ the row, the decode step, prefills and the frozen layers' training forwards use 
 the trainer, and auto decides per dtype from its measurement."""
 from __future__ import annotations
 
-import copy
-
 import pytest
 import torch
 import torch.nn.functional as F
@@ -18,6 +16,7 @@ from reflrl.models import load_model
 
 from doubles import right_padded, tiny_cfg
 from test_continuous import prompts, tiny  # noqa: F401 -- the pool tests' model and prompts
+from test_native_attention import assert_lean_steps_match_the_forward
 
 pytestmark = pytest.mark.skipif(NA.compiler() is None, reason="no C compiler on this machine")
 
@@ -110,37 +109,15 @@ def test_what_the_kernel_cannot_take_stays_with_pytorch(kernel):
 
 @pytest.mark.parametrize("dtype,trainable,atol", [("float32", "all", 1e-5), ("bfloat16", "top_layers:1", 2e-2)])
 def test_the_decode_step_with_native_matmuls_equals_the_transformers_forward(kernel, native, dtype, trainable, atol):
-    from reflrl.engines.fast_decode import fast_decoding, growing_cache, reserve
     from reflrl.engines.lean_decode import FusedWeights, LeanDecoder
 
     model, _ = load_model("tiny-random", dtype=dtype, trainable=trainable, seed=0)
     model.eval()
-    g = torch.Generator().manual_seed(1)
-    ids = torch.randint(3, 200, (3, 7), generator=g)
-    mask = torch.ones(3, 7, dtype=torch.long)
-    mask[0, :3] = 0
-    pos = (mask.cumsum(-1) - 1).clamp(min=0)
-    cache = growing_cache(model.config)
-    dec = model.get_decoder()
-    with torch.inference_mode(), fast_decoding(model):
-        dec(input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=cache, use_cache=True)
-    reserve(cache, 16)
-    fused = FusedWeights(native=native)
-    lean = LeanDecoder(model, fused, attention=kernel)
+    lean = assert_lean_steps_match_the_forward(
+        model, lambda m: LeanDecoder(m, FusedWeights(native=native), attention=kernel), atol)
     for layer, ws in zip(model.get_decoder().layers, lean.weights):  # each matrix in the kernel's layout
         native_here = layer.mlp.down_proj.weight.dtype in kernel.matmul
         assert all(isinstance(w, NativeWeight) == native_here for w in (ws[0], ws[2], ws[3], ws[4]))
-    tok, pos = torch.tensor([5, 17, 40]), mask.sum(-1)
-    ref_cache, lean_cache = copy.deepcopy(cache), copy.deepcopy(cache)
-    amask = torch.cat([mask, torch.ones(3, 1, dtype=torch.long)], 1)
-    with torch.inference_mode(), fast_decoding(model):
-        for step in range(3):
-            ref = dec(input_ids=tok[:, None], attention_mask=amask, position_ids=pos[:, None],
-                      past_key_values=ref_cache, use_cache=True).last_hidden_state[:, -1]
-            got = lean.step(tok, pos, 7 + step, amask.bool(), lean_cache)
-            assert torch.allclose(got.float(), ref.float(), atol=atol, rtol=0), step
-            tok, pos = (tok * 3 + 1) % 200, pos + 1
-            amask = torch.cat([amask, torch.ones(3, 1, dtype=torch.long)], 1)
 
 
 def test_the_pool_with_native_matmuls_samples_the_trainers_logprobs(kernel, native, tiny, prompts):
