@@ -410,12 +410,7 @@ def test_rows_of_different_lengths_attend_in_spans_with_the_trainers_logprobs(ti
     ps = [prompts[1] * 3, prompts[2], prompts[0], prompts[3] * 2]
     out = pooled(tiny, max_batch_size=3).generate(ps, n=2, max_new_tokens=[4, 9, 6, 7], temperature=1.0, seed=2)
     assert any(len(s) > 1 and len({w for _, _, w in s}) > 1 for s in seen)  # narrower spans beside wide ones
-    ids, am, rm = right_padded(out)
-    with torch.no_grad():
-        lp = sequence_logprobs(model, ids, am, rm, temperature=1.0)
-    for i, s in enumerate(out):
-        p = len(s.prompt_ids)
-        assert torch.allclose(lp[i, p: p + len(s.token_ids)], torch.tensor(s.logprobs), atol=1e-4)
+    assert_trainers_logprobs(model, out)
     caps = [5, 9, 7, 3]
     old = TransformersEngine(*tiny).generate(ps, n=2, max_new_tokens=caps, temperature=0.0)
     new = pooled(tiny, max_batch_size=3).generate(ps, n=2, max_new_tokens=caps, temperature=0.0)
@@ -444,3 +439,13 @@ def test_a_relayout_puts_the_longest_rows_first(tiny, prompts):
     for lay in pool.cache.layers:  # the row of length 9 was in slot 1 (2s), 5 in slot 2 (3s), 3 in slot 0 (1s)
         assert [float(lay.kbuf[i, 0, 0, 0]) for i in range(3)] == [2.0, 3.0, 1.0]
         assert [float(lay.vbuf[i, 0, 0, 0]) for i in range(3)] == [-2.0, -3.0, -1.0]
+
+
+def assert_trainers_logprobs(model, out, atol=1e-4):
+    """Each sample's log-probs are those the trainer recomputes for its tokens (temperature 1)."""
+    ids, am, rm = right_padded(out)
+    with torch.no_grad():
+        lp = sequence_logprobs(model, ids, am, rm, temperature=1.0)
+    for i, s in enumerate(out):
+        p = len(s.prompt_ids)
+        assert torch.allclose(lp[i, p: p + len(s.token_ids)], torch.tensor(s.logprobs), atol=atol)

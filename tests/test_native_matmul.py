@@ -14,8 +14,8 @@ from reflrl.engines.transformers_engine import TransformersEngine
 from reflrl.logprobs import sequence_logprobs
 from reflrl.models import load_model
 
-from doubles import right_padded, tiny_cfg
-from test_continuous import prompts, tiny  # noqa: F401 -- the pool tests' model and prompts
+from doubles import tiny_cfg
+from test_continuous import assert_trainers_logprobs, prompts, tiny  # noqa: F401 -- the pool tests' model and prompts
 from test_native_attention import assert_lean_steps_match_the_forward
 
 pytestmark = pytest.mark.skipif(NA.compiler() is None, reason="no C compiler on this machine")
@@ -129,12 +129,7 @@ def test_the_pool_with_native_matmuls_samples_the_trainers_logprobs(kernel, nati
     eng = TransformersEngine(*tiny, continuous=True, max_batch_size=3, attention=kernel, matmul=native)
     assert isinstance(eng.head()[0], NativeWeight)
     out = eng.generate(ps, n=2, max_new_tokens=[4, 9, 6, 7], temperature=1.0, seed=2)
-    ids, am, rm = right_padded(out)
-    with torch.no_grad():
-        lp = sequence_logprobs(model, ids, am, rm, temperature=1.0)
-    for i, s in enumerate(out):
-        p = len(s.prompt_ids)
-        assert torch.allclose(lp[i, p: p + len(s.token_ids)], torch.tensor(s.logprobs), atol=1e-4)
+    assert_trainers_logprobs(model, out)
     caps = [5, 9, 7, 3]
     old = TransformersEngine(*tiny).generate(ps, n=2, max_new_tokens=caps, temperature=0.0)
     new = TransformersEngine(*tiny, continuous=True, max_batch_size=3, attention=kernel, matmul=native).generate(
