@@ -8,7 +8,10 @@ matmul), 1.2x (decoding) and 1.7x (forward+backward) as fast as 1. With GNU Open
 descheduled. With ``OMP_WAIT_POLICY=PASSIVE`` a waiting thread sleeps at once and gives its core away,
 so the same background process costs 1.5-1.8x (about the share of the machine it takes), while the
 idle machine is as fast as before (decoding a little faster). A ``nice 19`` background job costs
-either setting almost nothing.
+either setting almost nothing. The price is a wake-up at every parallel region: on a 2-core AMD EPYC with
+AVX512-BF16 a short call took 65-190 µs under PASSIVE against 30 with spinning threads, which is why the
+native kernels (:mod:`reflrl.engines.native_attention`) share their work among threads of their own that
+spin for a fraction of a millisecond between a decode step's calls, not OpenMP's.
 
 Changing the thread count during a run is not an option: some kernels (small-batch matmuls, one-token
 attention) round differently with 1 and 2 threads, and a run's numbers must depend on its seed alone.
