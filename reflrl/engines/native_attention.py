@@ -289,14 +289,9 @@ def measure(kernel: Kernel, *, repeats: int = 5, clock: Callable[[], float] = ti
         for _ in range(30):
             kernel(q, k, v, mask, width, 0.125)
 
-    sdpa(), native()  # warm-up
-    best: dict[str, float] = {}
-    for _ in range(max(1, repeats)):
-        for name, fn in (("sdpa", sdpa), ("native", native)):
-            t0 = clock()
-            fn()
-            s = clock() - t0
-            best[name] = min(s, best.get(name, s))
+    from .packed import fastest_interleaved
+
+    best = fastest_interleaved({"sdpa": sdpa, "native": native}, repeats, clock)
     return AttentionTiming(best["sdpa"], best["native"])
 
 

@@ -163,14 +163,7 @@ def measure(kernel: _native.Kernel, *, repeats: int = 5, clock: Callable[[], flo
     native_s: dict[str, float] = {}
     for dtype in kernel.matmul:
         run = (work or (lambda d: DecodeShapeWork(kernel, d)))(dtype)
-        run(False), run(True)  # warm-up: page faults, kernel selection
-        best: dict[bool, float] = {}
-        for _ in range(max(1, repeats)):
-            for nat in (False, True):
-                t0 = clock()
-                run(nat)
-                s = clock() - t0
-                best[nat] = min(s, best.get(nat, s))
+        best = _packed.fastest_interleaved({False: lambda: run(False), True: lambda: run(True)}, repeats, clock)
         torch_s[_NAMES[dtype]], native_s[_NAMES[dtype]] = best[False], best[True]
     return MatmulTiming(torch_s, native_s)
 

@@ -125,20 +125,29 @@ class DecodeShapeWork:
             dense(self.x, w)
 
 
+def fastest_interleaved(runs: dict[Any, Callable[[], None]], repeats: int = 5,
+                        clock: Callable[[], float] = time.perf_counter) -> dict[Any, float]:
+    """Each of ``runs`` once to warm up (kernel selection, page faults), then ``repeats`` rounds of all of them
+    in turn; the fastest time of each (what the load of one moment does not decide). Shared by the
+    measurements that choose a kernel (packing here, the native attention and matmuls)."""
+    for fn in runs.values():
+        fn()
+    best: dict[Any, float] = {}
+    for _ in range(max(1, repeats)):
+        for key, fn in runs.items():
+            t0 = clock()
+            fn()
+            s = clock() - t0
+            best[key] = min(s, best.get(key, s))
+    return best
+
+
 def measure(*, repeats: int = 5, clock: Callable[[], float] = time.perf_counter,
             work: Callable[[bool], None] | None = None) -> PackedTiming:
     """Plain and packed at the decode shapes, interleaved, the fastest of ``repeats`` each (well under a
     second on 2 cores); ``clock`` and ``work`` are injectable."""
     run = work if work is not None else DecodeShapeWork()
-    run(False)
-    run(True)  # warm-up: kernel selection, page faults
-    best: dict[bool, float] = {}
-    for _ in range(max(1, repeats)):
-        for p in (False, True):
-            t0 = clock()
-            run(p)
-            s = clock() - t0
-            best[p] = min(s, best.get(p, s))
+    best = fastest_interleaved({False: lambda: run(False), True: lambda: run(True)}, repeats, clock)
     return PackedTiming(best[False], best[True])
 
 
